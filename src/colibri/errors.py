@@ -1,0 +1,17 @@
+"""User-facing errors: one line that says what is wrong and what to do."""
+
+
+class ColibriError(Exception):
+    """Base class; the CLI prints `error: <message>` without a traceback (unless --debug)."""
+
+
+class ModelLoadError(ColibriError):
+    """A checkpoint path, file or tensor is missing, truncated, or malformed."""
+
+
+class UnsupportedModelError(ColibriError):
+    """The checkpoint's architecture, dtype or feature is not implemented."""
+
+
+class InputError(ColibriError):
+    """A prompt or request argument is invalid (empty, too long, bad value)."""
