@@ -1,0 +1,131 @@
+"""HuggingFace checkpoint directories: config.json, single or sharded safetensors, tokenizer and generation files."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from colibri.errors import ModelLoadError, UnsupportedModelError
+
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e}); re-download or fix the file") from None
+
+
+def safetensors_header(path: Path) -> dict:
+    """Parse and bounds-check a .safetensors header: {name: {dtype, shape, data_offsets}}."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file (no header); re-download it")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100 * 2**20:
+            raise ModelLoadError(f"{path}: truncated or corrupt safetensors header; re-download it")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelLoadError(f"{path}: corrupt safetensors header; re-download it") from None
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, info in header.items():
+        end = info["data_offsets"][1]
+        if end > data_size:
+            raise ModelLoadError(
+                f"{path}: truncated: tensor {name!r} ends at byte {end} but the file holds {data_size} data bytes;"
+                " re-download the file")
+    return header
+
+
+class HFCheckpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{self.path}: no config.json; point --model at a HuggingFace model directory,"
+                                 " a .gguf file, or a converted Colibri container")
+        self.config = read_json(cfg_path)
+        gen = self.path / "generation_config.json"
+        self.generation_config = read_json(gen) if gen.is_file() else {}
+        self._index = self._tensor_index()
+        self._handles: dict[Path, object] = {}
+        self.tokenizer, self.chat_template, self.special = self._tokenizer_files()
+
+    def _tensor_index(self) -> dict[str, tuple[Path, dict]]:
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = read_json(index_file).get("weight_map", {})
+            files = sorted({self.path / f for f in weight_map.values()})
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
+                raise ModelLoadError(f"{self.path}: only PyTorch .bin weights found; save the model as safetensors"
+                                     " (save_pretrained(..., safe_serialization=True))")
+            raise ModelLoadError(f"{self.path}: no .safetensors weights found")
+        index = {}
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: listed in model.safetensors.index.json but missing; re-download it")
+            for name, info in safetensors_header(f).items():
+                index[name] = (f, info)
+        return index
+
+    def tensor_names(self) -> list[str]:
+        return list(self._index)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._index[name][1]["shape"])
+
+    def tensor_dtype(self, name: str) -> str:
+        return self._index[name][1]["dtype"]
+
+    def load(self, name: str) -> torch.Tensor:
+        if name not in self._index:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        f, info = self._index[name]
+        if info["dtype"] not in FLOAT_DTYPES:
+            raise UnsupportedModelError(f"{f}: tensor {name!r} has dtype {info['dtype']}; supported: F32, F16, BF16"
+                                        " (convert quantized checkpoints with their own tools first)")
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f].get_tensor(name)
+
+    def _tokenizer_files(self):
+        tok_file = self.path / "tokenizer.json"
+        tokenizer = None
+        if tok_file.is_file():
+            from tokenizers import Tokenizer
+            try:
+                tokenizer = Tokenizer.from_file(str(tok_file))
+            except Exception as e:
+                raise ModelLoadError(f"{tok_file}: cannot be read by tokenizers ({e})") from None
+        tcfg_file = self.path / "tokenizer_config.json"
+        tcfg = read_json(tcfg_file) if tcfg_file.is_file() else {}
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+
+        def token_str(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        special = {k: token_str(tcfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        special["eos_token_id"] = eos
+        special["bos_token_id"] = self.generation_config.get("bos_token_id", self.config.get("bos_token_id"))
+        return tokenizer, template, special
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,187 @@
+"""`colibri.load` and the Model object: one checkpoint, one weight store, one family's math."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from colibri import generate as gen
+from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
+from colibri.kv import KVCache
+from colibri.models import family
+from colibri.store import RamStore
+from colibri.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+PREFILL_CHUNK = 512  # tokens per forward pass during prefill and logits(): bounds activation memory
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype not in (None, torch.float32, torch.bfloat16):
+            raise UnsupportedModelError(f"compute dtype {dtype} is not supported (use float32 or bfloat16)")
+        return dtype
+    if str(dtype).lower() not in DTYPES:
+        raise UnsupportedModelError(f"compute dtype {dtype!r} is not supported (use float32 or bfloat16)")
+    return DTYPES[str(dtype).lower()]
+
+
+def open_checkpoint(path: Path):
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory; check the --model path")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ModelLoadError(f"{path}: not a GGUF file; give a .gguf file or a model directory")
+        from colibri.loaders.gguf import GGUFCheckpoint
+        return GGUFCheckpoint(path)
+    if (path / "manifest.json").is_file():
+        raise UnsupportedModelError(f"{path}: Colibri containers are not readable by this version yet;"
+                                    " load the original HF directory or .gguf file")
+    from colibri.loaders.hf import HFCheckpoint
+    return HFCheckpoint(path)
+
+
+def checkpoint_dtype(ckpt) -> torch.dtype:
+    """bf16 for HF checkpoints stored in bf16/f16 (keeps memory as on disk); f32 otherwise (GGUF dequantizes)."""
+    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
+    return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
+
+
+class Model:
+    def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None):
+        if memory_limit is not None:
+            raise UnsupportedModelError("memory_limit needs the streaming runtime, which this version lacks;"
+                                        " omit it to load all weights into RAM")
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.path = Path(path)
+        self.checkpoint = ckpt = open_checkpoint(self.path)
+        fam = family(ckpt.config.get("model_type"))
+        try:
+            self.args = fam.args(ckpt.config)
+        except KeyError as e:
+            raise ModelLoadError(f"{self.path}: config lacks required field {e.args[0]!r}") from None
+        self.arch = fam.Model(self.args)
+        self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
+        shapes = self.arch.weight_shapes()
+        self._check_shapes(shapes)
+        self.store = RamStore.load(shapes, ckpt.load, self.dtype)
+        self.tokenizer = self._tokenizer()
+        self.context_length = self.args.max_position_embeddings
+        self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
+
+    def _check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        have = set(self.checkpoint.tensor_names())
+        for name, shape in shapes.items():
+            if name not in have:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing; the checkpoint is incomplete"
+                                     " or not a {self.args.model_type} model")
+            got = tuple(self.checkpoint.tensor_shape(name))
+            if got != shape:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}"
+                                     " from config.json; the weights do not match the config")
+
+    def _tokenizer(self) -> Tokenizer | None:
+        ckpt = self.checkpoint
+        if ckpt.tokenizer is None:
+            return None
+        sp = ckpt.special
+        eos = sp.get("eos_token_id")
+        eos = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        eos = list(eos) or self.args.eos_token_id
+        strings = {k: sp.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return Tokenizer(ckpt.tokenizer, eos, sp.get("bos_token_id"), ckpt.chat_template, strings)
+
+    # -- forward passes --------------------------------------------------------------------------------
+
+    def new_cache(self) -> KVCache:
+        a = self.args
+        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.context_length)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Run `ids` through the model in chunks after the cache's contents; logits [V] of the last position."""
+        out = None
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            chunk = torch.tensor(ids[s:s + PREFILL_CHUNK], dtype=torch.long)
+            out = self.arch.forward(self.store, chunk, cache, all_logits=False)
+        return out[-1].float()
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, cache: KVCache) -> torch.Tensor:
+        return self.arch.forward(self.store, torch.tensor([token]), cache, all_logits=False)[-1].float()
+
+    @torch.inference_mode()
+    def logits(self, token_ids) -> torch.Tensor:
+        """float32 [len(token_ids), vocab]: one fresh full forward, no cached state kept."""
+        ids = self._ids(token_ids)
+        if len(ids) > self.context_length:
+            raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
+        cache = self.new_cache()
+        parts = []
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            chunk = torch.tensor(ids[s:s + PREFILL_CHUNK], dtype=torch.long)
+            parts.append(self.arch.forward(self.store, chunk, cache, all_logits=True).float())
+        return torch.cat(parts)
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("empty prompt: give some text")
+            if self.tokenizer is None:
+                raise InputError(f"{self.path} has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise InputError("empty prompt: give at least one token id")
+        bad = [i for i in ids if not 0 <= i < self.args.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.args.vocab_size})")
+        return ids
+
+    def _params(self, **sampling) -> gen.SamplingParams:
+        try:
+            return gen.SamplingParams(**sampling)
+        except TypeError as e:
+            raise InputError(f"unknown sampling option: {e}") from None
+
+    def stream(self, prompt, **sampling) -> Iterator[gen.StreamChunk]:
+        return gen.stream(self, self._ids(prompt), self._params(**sampling))
+
+    def generate(self, prompt, **sampling) -> gen.GenerationResult:
+        return gen.generate(self, self._ids(prompt), self._params(**sampling))
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError(f"{self.path} has no tokenizer; chat needs one")
+        return self.tokenizer.encode_chat(messages)
+
+    def chat(self, messages: list[dict], **sampling) -> gen.GenerationResult:
+        return gen.generate(self, self.chat_ids(messages), self._params(**sampling))
+
+    def stream_chat(self, messages: list[dict], **sampling) -> Iterator[gen.StreamChunk]:
+        return gen.stream(self, self.chat_ids(messages), self._params(**sampling))
+
+    def close(self) -> None:
+        self.store.close()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None) -> Model:
+    """Load an HF model directory or a .gguf file. dtype: None (checkpoint's), "float32"/"bfloat16" or torch dtype."""
+    return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads)

@@ -1,0 +1,394 @@
+"""Shared decoder math for every family: norms, RoPE, attention, dense and MoE FFN.
+
+Model code is pure math. It never holds weights: each block asks the `WeightStore` for a tensor by its HF
+checkpoint name just before use, and lets it go when the block returns. Shapes use T = tokens in this pass,
+D = hidden size, H / Hkv = query / key-value heads, Dh = head dim, S = cached positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from colibri.errors import UnsupportedModelError
+from colibri.ops import linear
+
+if TYPE_CHECKING:
+    from colibri.kv import KVCache
+    from colibri.store import WeightStore
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass
+class ModelArgs:
+    """Everything the math needs, normalized from a checkpoint's own config (HF config.json or GGUF)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2)
+    o_bias: bool = False  # bias on the output projection (llama with attention_bias)
+    qk_norm: str | None = None  # None | "head" (RMSNorm per head: qwen3, gemma3) | "full" (over all heads: olmoe)
+    clip_qkv: float | None = None
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in f32
+    sandwich_norm: bool = False  # gemma3: extra norms after attention and around the FFN
+    embed_scale: float | None = None  # gemma: embeddings multiplied by sqrt(D)
+    attn_scale: float | None = None  # default Dh ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # per layer FULL / SLIDING
+    rope: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer type -> rope parameters
+    # Mixture of experts
+    num_experts: int = 0
+    top_k: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: list[bool] = field(default_factory=list)
+    moe_prefix: str = "mlp"  # "block_sparse_moe" for mixtral
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_layers
+        if not self.moe_layers:
+            self.moe_layers = [self.num_experts > 0] * self.num_layers
+
+
+# ---------------------------------------------------------------------------------------------- config helpers
+
+
+def get(cfg: dict, *keys: str, default: Any = None) -> Any:
+    """First present, non-None value among `keys` in a config dict."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def as_id_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
+
+
+def rope_params(cfg: dict, theta_default: float = 10000.0) -> dict[str, Any]:
+    """One rope-parameter dict from either transformers-5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    if FULL in rp or SLIDING in rp:  # per-layer-type form; caller picks
+        return rp
+    legacy = dict(cfg.get("rope_scaling") or {})
+    out = {**legacy, **rp}
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out.pop("type")
+    out.setdefault("rope_type", "default")
+    out.setdefault("rope_theta", float(get(cfg, "rope_theta", default=theta_default)))
+    return out
+
+
+def base_args(cfg: dict, **overrides: Any) -> ModelArgs:
+    """Fields shared by llama-like configs; families pass what differs as overrides."""
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kw: dict[str, Any] = dict(
+        model_type=cfg["model_type"],
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(get(cfg, "intermediate_size", default=0)),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(get(cfg, "head_dim", default=hidden // heads)),
+        rms_norm_eps=float(get(cfg, "rms_norm_eps", default=1e-6)),
+        max_position_embeddings=int(get(cfg, "max_position_embeddings", default=4096)),
+        tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", default=False)),
+        hidden_act=get(cfg, "hidden_act", "hidden_activation", default="silu"),
+        bos_token_id=get(cfg, "bos_token_id"),
+        eos_token_id=as_id_list(cfg.get("eos_token_id")),
+    )
+    kw.update(overrides)
+    if "rope" not in kw:
+        rp = rope_params(cfg)
+        kw["rope"] = {FULL: rp, SLIDING: rp}
+    return ModelArgs(**kw)
+
+
+# ---------------------------------------------------------------------------------------------- building blocks
+
+_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTS:
+        raise UnsupportedModelError(f"activation {name!r} is not supported (supported: {', '.join(_ACTS)})")
+    return _ACTS[name]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm in f32. Llama casts back before scaling by w; gemma scales by (1 + w) in f32, then casts."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + w.float())).to(dtype)
+    return w * h.to(dtype)
+
+
+def inv_frequencies(p: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies [Dh/2] for one rope-parameter dict (default, linear, llama3)."""
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    base = float(p.get("rope_theta", 10000.0))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = p.get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(p["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_ctx = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedModelError(f"RoPE type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin: [T, Dh] for absolute positions [T], computed in f32 then cast (as HF does)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [H, T, Dh]; rotate-half convention (HF layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [T, S] mask: key j visible from query at position p iff j <= p and p - j < window."""
+    k_pos = torch.arange(k_len)
+    m = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        m &= k_pos[None, :] > (q_pos[:, None] - window)
+    return m
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+         softcap: float | None) -> torch.Tensor:
+    """q: [H, T, Dh], k/v: [Hkv, S, Dh], mask [T, S] -> [H, T, Dh]."""
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+# ---------------------------------------------------------------------------------------------- the decoder
+
+
+class DecoderModel:
+    """A pre-norm decoder-only transformer covering every supported family through ModelArgs flags."""
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+        self.act = activation(args.hidden_act)
+        self.inv_freq = {t: inv_frequencies(args.rope[t], args.head_dim) for t in set(args.layer_types)}
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
+
+    # -- names: HF checkpoint names, the store's keys -------------------------------------------------
+
+    @staticmethod
+    def layer_prefix(i: int) -> str:
+        return f"model.layers.{i}."
+
+    def lm_head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"
+
+    def expert_names(self, i: int, e: int) -> list[str]:
+        a = self.args
+        base = f"{self.layer_prefix(i)}{a.moe_prefix}.experts.{e}."
+        return [f"{base}{p}.weight" for p in a.expert_proj]
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward pass reads, with its HF shape: used to validate a checkpoint up front."""
+        a = self.args
+        d, hd = a.hidden_size, a.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, d), "model.norm.weight": (d,)}
+        if not a.tie_word_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, d)
+        for i in range(a.num_layers):
+            p = self.layer_prefix(i)
+            att = p + "self_attn."
+            shapes[att + "q_proj.weight"] = (a.num_heads * hd, d)
+            shapes[att + "k_proj.weight"] = (a.num_kv_heads * hd, d)
+            shapes[att + "v_proj.weight"] = (a.num_kv_heads * hd, d)
+            shapes[att + "o_proj.weight"] = (d, a.num_heads * hd)
+            if a.attention_bias:
+                shapes[att + "q_proj.bias"] = (a.num_heads * hd,)
+                shapes[att + "k_proj.bias"] = (a.num_kv_heads * hd,)
+                shapes[att + "v_proj.bias"] = (a.num_kv_heads * hd,)
+            if a.o_bias:
+                shapes[att + "o_proj.bias"] = (d,)
+            if a.qk_norm == "head":
+                shapes[att + "q_norm.weight"] = (hd,)
+                shapes[att + "k_norm.weight"] = (hd,)
+            elif a.qk_norm == "full":
+                shapes[att + "q_norm.weight"] = (a.num_heads * hd,)
+                shapes[att + "k_norm.weight"] = (a.num_kv_heads * hd,)
+            shapes[p + "input_layernorm.weight"] = (d,)
+            shapes[p + "post_attention_layernorm.weight"] = (d,)
+            if a.sandwich_norm:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
+                shapes[p + "post_feedforward_layernorm.weight"] = (d,)
+            if a.moe_layers[i]:
+                m = f"{p}{a.moe_prefix}."
+                shapes[m + "gate.weight"] = (a.num_experts, d)
+                for e in range(a.num_experts):
+                    g, u, dn = self.expert_names(i, e)
+                    shapes[g] = shapes[u] = (a.moe_intermediate_size, d)
+                    shapes[dn] = (d, a.moe_intermediate_size)
+                if a.shared_expert_intermediate_size:
+                    s = m + "shared_expert."
+                    shapes[s + "gate_proj.weight"] = shapes[s + "up_proj.weight"] = (a.shared_expert_intermediate_size, d)
+                    shapes[s + "down_proj.weight"] = (d, a.shared_expert_intermediate_size)
+                    shapes[m + "shared_expert_gate.weight"] = (1, d)
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (a.intermediate_size, d)
+                shapes[p + "mlp.down_proj.weight"] = (d, a.intermediate_size)
+        return shapes
+
+    # -- forward --------------------------------------------------------------------------------------
+
+    def norm(self, x: torch.Tensor, store: "WeightStore", name: str) -> torch.Tensor:
+        return rms_norm(x, store.get(name), self.args.rms_norm_eps, self.args.gemma_norm)
+
+    def forward(self, store: "WeightStore", tokens: torch.Tensor, cache: "KVCache",
+                all_logits: bool = True) -> torch.Tensor:
+        """tokens: [T] appended after the cache's current length -> logits [T, V] (or [1, V] for the last)."""
+        a = self.args
+        start = cache.length
+        positions = torch.arange(start, start + tokens.shape[0])
+        x = store.rows("model.embed_tokens.weight", tokens)  # [T, D]
+        if a.embed_scale is not None:
+            x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
+        rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in self.inv_freq.items()}
+        for i in range(a.num_layers):
+            with store.layer(i):
+                x = self.block(store, i, x, cache, positions, rope[a.layer_types[i]])
+        cache.advance(tokens.shape[0])
+        if not all_logits:
+            x = x[-1:]
+        x = self.norm(x, store, "model.norm.weight")
+        logits = linear(x, store.get(self.lm_head_name()))
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
+
+    def block(self, store, i, x, cache, positions, rope) -> torch.Tensor:
+        a, p = self.args, self.layer_prefix(i)
+        h = self.attention(store, i, self.norm(x, store, p + "input_layernorm.weight"), cache, positions, rope)
+        if a.sandwich_norm:
+            h = self.norm(h, store, p + "post_attention_layernorm.weight")
+            x = x + h
+            h = self.norm(x, store, p + "pre_feedforward_layernorm.weight")
+            h = self.moe(store, i, h) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+            return x + self.norm(h, store, p + "post_feedforward_layernorm.weight")
+        x = x + h
+        h = self.norm(x, store, p + "post_attention_layernorm.weight")
+        h = self.moe(store, i, h) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+        return x + h
+
+    def attention(self, store, i, x, cache, positions, rope) -> torch.Tensor:
+        a = self.args
+        att = self.layer_prefix(i) + "self_attn."
+        bias = (lambda n: store.get(att + n + "_proj.bias")) if a.attention_bias else (lambda n: None)
+        q = linear(x, store.get(att + "q_proj.weight"), bias("q"))  # [T, H*Dh]
+        k = linear(x, store.get(att + "k_proj.weight"), bias("k"))  # [T, Hkv*Dh]
+        v = linear(x, store.get(att + "v_proj.weight"), bias("v"))
+        if a.qk_norm == "full":
+            q = self.norm(q, store, att + "q_norm.weight")
+            k = self.norm(k, store, att + "k_norm.weight")
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        T = x.shape[0]
+        q = q.view(T, a.num_heads, a.head_dim)
+        k = k.view(T, a.num_kv_heads, a.head_dim)
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q = self.norm(q, store, att + "q_norm.weight")
+            k = self.norm(k, store, att + "k_norm.weight")
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, Dh]
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = a.sliding_window if a.layer_types[i] == SLIDING else None
+        keys, values = cache.update(i, k, v)  # [Hkv, S, Dh]
+        mask = attention_mask(positions, keys.shape[1], window)
+        o = sdpa(q, keys, values, mask, self.scale, a.attn_softcap)  # [H, T, Dh]
+        o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
+        return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
+
+    def mlp(self, store, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        g = linear(x, store.get(prefix + "gate_proj.weight"))
+        u = linear(x, store.get(prefix + "up_proj.weight"))
+        return linear(self.act(g) * u, store.get(prefix + "down_proj.weight"))
+
+    def expert(self, store, names: list[str], x: torch.Tensor) -> torch.Tensor:
+        g, u, d = names
+        return linear(self.act(linear(x, store.get(g))) * linear(x, store.get(u)), store.get(d))
+
+    def moe(self, store, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts (softmax, top-k, optional renormalization) plus an optional gated shared expert."""
+        a = self.args
+        m = f"{self.layer_prefix(i)}{a.moe_prefix}."
+        router_logits = linear(x, store.get(m + "gate.weight"))  # [T, E]
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, a.top_k, dim=-1)  # [T, k]
+        if a.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
+        routed = sorted(set(top_i.flatten().tolist()))
+        store.prefetch([n for e in routed for n in self.expert_names(i, e)])
+        out = torch.zeros_like(x)
+        for e in routed:
+            tok, slot = torch.where(top_i == e)
+            y = self.expert(store, self.expert_names(i, e), x[tok]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y)
+        if a.shared_expert_intermediate_size:
+            s = self.mlp(store, m + "shared_expert.", x)
+            out = out + torch.sigmoid(linear(x, store.get(m + "shared_expert_gate.weight"))) * s
+        return out

@@ -1,0 +1,71 @@
+"""Weight stores: where the model math gets its tensors from.
+
+The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses. That
+contract lets a streaming store load a layer's pages just before `layer(i)` is entered and release them after.
+`RamStore` is the simplest store: everything resident in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Protocol
+
+import torch
+
+from colibri.errors import ModelLoadError
+
+
+class WeightStore(Protocol):
+    def get(self, name: str) -> torch.Tensor:
+        """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a lookup table (token embedding): [len(ids), D]."""
+
+    def layer(self, i: int) -> contextlib.AbstractContextManager:
+        """Scope of layer i's compute: a streaming store makes its pages resident and prefetches ahead."""
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Hint: these tensors are needed next (the routed experts of the current layer)."""
+
+    def close(self) -> None: ...
+
+
+class RamStore:
+    """All weights resident in RAM, converted once to the compute dtype."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    @classmethod
+    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype,
+             progress: Callable[[int], None] | None = None) -> "RamStore":
+        tensors = {}
+        for name in names:
+            t = read(name)
+            tensors[name] = t.to(dtype) if t.is_floating_point() else t
+            if progress:
+                progress(t.numel() * t.element_size())
+        return cls(tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"tensor {name!r} is not in the loaded weights; the checkpoint is incomplete") from None
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.get(name)[ids]
+
+    @contextlib.contextmanager
+    def layer(self, i: int) -> Iterator[None]:
+        yield
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def close(self) -> None:
+        self.tensors = {}

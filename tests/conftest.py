@@ -1,0 +1,55 @@
+"""Shared pytest setup for the Colibri test-suite.
+
+* Slow tests (`@pytest.mark.slow`, real models) are skipped unless the
+  environment has COLIBRI_SLOW=1 or the run selects them with `-m slow`.
+* `tiny_model_dir(name)`: a session-scoped factory returning the directory of
+  the tiny random HF checkpoint for a family (built once per session).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = Path(__file__).resolve().parent
+if str(_TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(_TESTS_DIR))
+
+
+def _slow_enabled(config) -> bool:
+    if os.environ.get("COLIBRI_SLOW", "").strip() not in ("", "0"):
+        return True
+    markexpr = config.getoption("markexpr", default="") or ""
+    return "slow" in markexpr and "not slow" not in markexpr
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: larger real models; skipped unless COLIBRI_SLOW=1 or -m slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _slow_enabled(config):
+        return
+    skip = pytest.mark.skip(reason="slow test: set COLIBRI_SLOW=1 or run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: `tiny_model_dir("llama") -> Path` of a built tiny checkpoint (cached per session)."""
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = tiny_models.build(name, root)
+        return cache[name]
+
+    return get

