@@ -96,3 +96,10 @@ def gemma3_gguf() -> Path | None:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def pydoc_text() -> str:
+    """Real English text that ships with CPython: the pydoc topics, concatenated in key order (~465 KB)."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
