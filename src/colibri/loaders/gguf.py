@@ -136,6 +136,10 @@ class GGUFCheckpoint:
             return src.shape
         return _hf_shape(self._tensors[src.gguf_name], src.expert)
 
+    def tensor_dtype(self, name: str) -> str:
+        """Storage type as GGUF names it (Q4_1, Q6_K, F32, ...)."""
+        return self._tensors[self._source(name).gguf_name].tensor_type.name
+
     def load(self, name: str) -> torch.Tensor:
         """Tensor `name` (HF naming and layout) as a new float32 tensor."""
         src = self._source(name)

