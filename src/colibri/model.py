@@ -113,7 +113,7 @@ class Model:
         for name, shape in shapes.items():
             if name not in have:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing; the checkpoint is incomplete"
-                                     " or not a {self.args.model_type} model")
+                                     f" or not a {self.args.model_type} model")
             got = tuple(self.checkpoint.tensor_shape(name))
             if got != shape:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}"
