@@ -42,14 +42,17 @@ def open_checkpoint(path: Path):
         from colibri.loaders.gguf import GGUFCheckpoint
         return GGUFCheckpoint(path)
     if (path / "manifest.json").is_file():
-        raise UnsupportedModelError(f"{path}: Colibri containers are not readable by this version yet;"
-                                    " load the original HF directory or .gguf file")
+        from colibri.container import ContainerCheckpoint
+        return ContainerCheckpoint(path)
     from colibri.loaders.hf import HFCheckpoint
     return HFCheckpoint(path)
 
 
 def checkpoint_dtype(ckpt) -> torch.dtype:
-    """bf16 for HF checkpoints stored in bf16/f16 (keeps memory as on disk); f32 otherwise (GGUF dequantizes)."""
+    """bf16 for checkpoints stored in bf16/f16 (keeps memory as on disk); f32 otherwise (GGUF dequantizes,
+    quantized containers dequantize inside their kernels)."""
+    if hasattr(ckpt, "manifest"):
+        return torch.bfloat16 if ckpt.manifest["quant"]["kind"] in ("bf16", "f16") else torch.float32
     name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
     return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
@@ -75,7 +78,7 @@ def describe(path: str | Path) -> dict[str, str]:
     tok = ckpt.tokenizer
     info = {
         "path": str(path),
-        "format": "gguf" if path.is_file() else "huggingface",
+        "format": "gguf" if path.is_file() else "huggingface directory",
         "architecture": args.model_type,
         "parameters": f"{params:,} ({params / 1e9:.2f} B)",
         "layers": f"{args.num_layers} (hidden {args.hidden_size}, heads {args.num_heads}/{args.num_kv_heads} kv,"
@@ -86,6 +89,15 @@ def describe(path: str | Path) -> dict[str, str]:
         "chat template": "yes" if ckpt.chat_template else "no",
         "context length": str(args.max_position_embeddings),
     }
+    if hasattr(ckpt, "manifest"):
+        mf = ckpt.manifest
+        disk = sum(f["size"] for f in mf["files"])
+        info["format"] = f"colibri container v{mf['version']}"
+        info["size on disk"] = f"{disk / 2**20:.1f} MiB ({8 * disk / params:.2f} bits/weight)"
+        info["pages"] = f"{len(mf['pages'])} (target {mf['page_size'] >> 20} MiB)"
+        q = mf["quant"]
+        info["quantization"] = f"{q['kind']} group {q['group_size']}; policy " + ", ".join(
+            f"{k}={v}" for k, v in q["policy"].items())
     ckpt.close()
     return info
 

@@ -15,6 +15,10 @@ import torch
 from colibri.errors import ModelLoadError
 
 
+def nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
+
+
 class WeightStore(Protocol):
     def get(self, name: str) -> torch.Tensor:
         """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
@@ -34,8 +38,9 @@ class WeightStore(Protocol):
 class RamStore:
     """All weights resident in RAM, converted once to the compute dtype."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
         self.tensors = tensors
+        self.dtype = dtype
 
     @classmethod
     def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype,
@@ -43,10 +48,13 @@ class RamStore:
         tensors = {}
         for name in names:
             t = read(name)
-            tensors[name] = t.to(dtype) if t.is_floating_point() else t
+            if isinstance(t, torch.Tensor):
+                tensors[name] = t.to(dtype) if t.is_floating_point() else t
+            else:  # a quantized weight: stays packed, computes in the activations' dtype
+                tensors[name] = t
             if progress:
-                progress(t.numel() * t.element_size())
-        return cls(tensors)
+                progress(nbytes(t))
+        return cls(tensors, dtype)
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -55,7 +63,8 @@ class RamStore:
             raise ModelLoadError(f"tensor {name!r} is not in the loaded weights; the checkpoint is incomplete") from None
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.get(name)[ids]
+        w = self.get(name)
+        return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
 
     @contextlib.contextmanager
     def layer(self, i: int) -> Iterator[None]:
@@ -65,7 +74,7 @@ class RamStore:
         pass
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(nbytes(t) for t in self.tensors.values())
 
     def close(self) -> None:
         self.tensors = {}

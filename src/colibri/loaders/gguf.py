@@ -122,9 +122,10 @@ class GGUFCheckpoint:
 
     @cached_property
     def tokenizer(self):
-        """The file's own tokenizer as a `tokenizers.Tokenizer` (built on first use: seconds for 256k vocabularies)."""
+        """The file's own tokenizer as a `tokenizers.Tokenizer` (built on first use: seconds for 256k vocabularies),
+        or None when the file embeds none (the model then runs on token ids only)."""
         if "tokenizer.ggml.tokens" not in self.metadata:
-            raise ModelLoadError(f"{self.path}: the GGUF file has no tokenizer; use a file that embeds one")
+            return None
         return tokenizer_from_gguf(self.metadata)
 
     def tensor_names(self) -> list[str]:
