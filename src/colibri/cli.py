@@ -33,6 +33,13 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
              None),
     "stats": (dict(action="store_true", help="print a stats line after each reply"), None),
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
+    "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
+    "output": (dict(required=True, help="container directory to create"), None),
+    "quant": (dict(default="q4", help="q4 (alias q4_k_m), q8 (alias q8_0), bf16, f16 or f32 (default q4)"), None),
+    "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
+    "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
+                  None),
+    "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
 }
 COMMON = ["model", "dtype", "threads", "debug"]
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
@@ -58,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(chat, *COMMON, "system", *SAMPLING, "stats")
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
+    conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
+    add(conv, "input", "output", "quant", "group_size", "page_size", "force", "debug")
+    ver = sub.add_parser("verify", help="recompute every checksum of a container")
+    ver.add_argument("dir", help="container directory")
+    add(ver, "debug")
     return p
 
 
@@ -148,9 +160,41 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from tqdm import tqdm
+
+    from colibri.convert import ConvertOptions, convert
+    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size)
+    with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
+              disable=None) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = convert(args.input, args.output, opts, force=args.force, progress=progress)
+    resumed = f", resumed {report.resumed_pages} pages" if report.resumed_pages else ""
+    print(f"wrote {report.output} ({report.total_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s{resumed}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from colibri.container import ContainerCheckpoint
+    ckpt = ContainerCheckpoint(args.dir)
+    bad = list(ckpt.verify())
+    for where, what in bad:
+        print(f"checksum mismatch: {where}: {what}", file=sys.stderr)
+    if bad:
+        print(f"error: {args.dir}: {len(bad)} damaged page(s); reconvert the model", file=sys.stderr)
+        return 1
+    print(f"ok: {len(ckpt.pages)} pages, {len(ckpt.tensors)} tensors verified")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info}[args.command]
+    handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
+               "verify": cmd_verify}[args.command]
     try:
         return handler(args)
     except ColibriError as e:

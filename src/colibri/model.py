@@ -49,10 +49,11 @@ def open_checkpoint(path: Path):
 
 
 def checkpoint_dtype(ckpt) -> torch.dtype:
-    """bf16 for checkpoints stored in bf16/f16 (keeps memory as on disk); f32 otherwise (GGUF dequantizes,
-    quantized containers dequantize inside their kernels)."""
+    """The default compute dtype. bf16 for checkpoints stored in bf16/f16 (memory as on disk) and for quantized
+    containers (torch's int4/int8 CPU kernels are vectorized for bf16 activations only; f32 activations take an
+    exact but slower dequantize path); f32 for GGUF files (dequantized at load) and f32 checkpoints."""
     if hasattr(ckpt, "manifest"):
-        return torch.bfloat16 if ckpt.manifest["quant"]["kind"] in ("bf16", "f16") else torch.float32
+        return torch.float32 if ckpt.manifest["quant"]["kind"] == "f32" else torch.bfloat16
     name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
     return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 

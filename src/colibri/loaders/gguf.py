@@ -198,6 +198,8 @@ class GGUFCheckpoint:
         n_experts = key("expert_count", 0)
         model_type = "mixtral" if arch == "llama" and n_experts else ARCHITECTURES[arch]
         tokens = meta.get("tokenizer.ggml.tokens")
+        embd = self._tensors.get("token_embd.weight")
+        vocab = len(tokens) if tokens is not None else (int(embd.shape[-1]) if embd is not None else None)
         head_dim = key("attention.key_length", None)
         if head_dim is None:
             # llama writes the rotary width, which is the head size there; others imply hidden/heads
@@ -205,7 +207,7 @@ class GGUFCheckpoint:
         head_dim = head_dim or hidden // heads
         cfg: dict[str, Any] = {
             "model_type": model_type,
-            "vocab_size": key("vocab_size", len(tokens) if tokens is not None else None),
+            "vocab_size": key("vocab_size", vocab),
             "hidden_size": hidden,
             "intermediate_size": key("feed_forward_length", None),
             "num_hidden_layers": key("block_count"),

@@ -1,0 +1,340 @@
+"""The Colibri container (docs/format.md): layout planning shared by the writer, and the reader.
+
+`plan_layout` decides, before a byte is written, where every tensor and page goes; the converter fills it in and
+the reader trusts nothing but the manifest it produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from colibri import quant
+from colibri.errors import ModelLoadError, UnsupportedModelError
+
+FORMAT = "colibri-container"
+VERSION = 1
+ALIGN = 4096
+PART_ALIGN = 64
+MANIFEST = "manifest.json"
+FLOAT_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+QUANT_KINDS = ("q4", "q8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
+          "int8": torch.int8, "int32": torch.int32}
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def crc32(data, value: int = 0) -> int:
+    return zlib.crc32(memoryview(data).cast("B"), value)
+
+
+def checksum_str(value: int) -> str:
+    return f"crc32:{value:08x}"
+
+
+@dataclass
+class Part:
+    offset: int  # relative to the tensor's offset
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    role: str
+    layer: int | None
+    expert: int | None
+    shape: list[int]
+    kind: str
+    group_size: int | None
+    lookup: bool
+    parts: dict[str, Part]
+    nbytes: int
+    file: int = 0
+    offset: int = 0
+    page: int = 0
+    checksum: str = ""
+
+
+@dataclass
+class PageEntry:
+    id: int
+    kind: str
+    layer: int | None
+    expert: int | None
+    tensors: list[str]
+    file: int = 0
+    offset: int = 0
+    nbytes: int = 0
+    checksum: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_DENSE_FFN = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def classify(name: str) -> tuple[str, int | None, int | None]:
+    """(page kind, layer, expert) of a tensor, from its HF name."""
+    if name == "model.embed_tokens.weight":
+        return "embedding", None, None
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return "head", None, None
+    m = _LAYER.match(name)
+    if not m:
+        raise UnsupportedModelError(f"tensor {name!r} has no place in the container layout")
+    layer = int(m.group(1))
+    if e := _EXPERT.search(name):
+        return "expert", layer, int(e.group(1))
+    if ".shared_expert." in name:
+        return "shared_expert", layer, None
+    if _DENSE_FFN.search(name):
+        return "ffn", layer, None
+    return "attention", layer, None
+
+
+def tensor_role(name: str, page_kind: str, ndim: int) -> str:
+    if page_kind in ("embedding", "expert", "shared_expert", "ffn"):
+        return page_kind
+    if name == "lm_head.weight":
+        return "head"
+    if ndim == 1:
+        return "norm"
+    if name.endswith(".gate.weight") or name.endswith("shared_expert_gate.weight"):
+        return "router"
+    return "attention"
+
+
+_KIND_ORDER = {"embedding": 0, "attention": 1, "ffn": 2, "expert": 3, "shared_expert": 4, "head": 9}
+
+
+def forward_groups(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, int | None, int | None, list[str]]]:
+    """Tensors grouped into page groups, in forward order: embedding, per layer attention then FFN, head."""
+    groups: dict[tuple, list[str]] = {}
+    for name in shapes:
+        kind, layer, expert = classify(name)
+        groups.setdefault((kind, layer, expert), []).append(name)
+
+    def order(key):
+        kind, layer, expert = key
+        return (-1 if kind == "embedding" else 10**9 if kind == "head" else layer, _KIND_ORDER[kind], expert or 0)
+
+    return [(k, l, e, names) for (k, l, e), names in sorted(groups.items(), key=lambda kv: order(kv[0]))]
+
+
+def policy_for(quant_kind: str) -> dict[str, str]:
+    """Which kind each class of tensor is stored as (docs/format.md, "Quantization policy")."""
+    edge = "q8" if quant_kind in QUANT_KINDS else quant_kind
+    small = "f32"
+    return {"linear": quant_kind, "small": small, "embedding": edge, "lm_head": edge}
+
+
+def tensor_kind(role: str, ndim: int, policy: dict[str, str], source_type: str | None) -> str:
+    if ndim == 1 or role == "router":
+        return policy["small"]
+    if source_type is not None and policy["linear"] in QUANT_KINDS:
+        exact = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}.get(source_type)
+        if exact:
+            return exact  # GGUF block types kept bit-exact
+    if role == "embedding":
+        return policy["embedding"]
+    if role == "head":
+        return policy["lm_head"]
+    return policy["linear"]
+
+
+def part_layout(kind: str, shape: tuple[int, ...], group_size: int | None,
+                source_type: str | None = None) -> dict[str, Part]:
+    if kind in FLOAT_KINDS:
+        dt = FLOAT_KINDS[kind]
+        n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+        return {"data": Part(0, n, str(dt).removeprefix("torch."), list(shape))}
+    parts, off = {}, 0
+    qkind = quant.GGUF_EXACT.get(source_type) or kind  # GGUF blocks keep their own scale dtype
+    for pname, (dt, pshape) in quant.buffer_layout(qkind, tuple(shape), group_size).items():
+        n = int(np.prod(pshape)) * torch.empty(0, dtype=dt).element_size()
+        parts[pname] = Part(off, n, str(dt).removeprefix("torch."), list(pshape))
+        off = align(off + n, PART_ALIGN)
+    return parts
+
+
+def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str, group_size: int,
+                page_size: int, source_types: dict[str, str] | None = None,
+                max_file_size: int = 1 << 40) -> tuple[list[TensorEntry], list[PageEntry], list[int]]:
+    """Assign every tensor a kind, an aligned extent and a page. Returns (tensors, pages, file sizes)."""
+    policy = policy_for(quant_kind)
+    source_types = source_types or {}
+    tensors: list[TensorEntry] = []
+    pages: list[PageEntry] = []
+    sizes = [0]
+
+    def place(entries: list[TensorEntry], kind: str, layer, expert) -> None:
+        total = sum(align(t.nbytes) for t in entries)
+        if sizes[-1] and sizes[-1] + total > max_file_size:
+            sizes.append(0)
+        page = PageEntry(len(pages), kind, layer, expert, [t.name for t in entries], len(sizes) - 1, sizes[-1])
+        off = page.offset
+        for t in entries:
+            t.file, t.offset, t.page = page.file, off, page.id
+            off += align(t.nbytes)
+        page.nbytes = off - page.offset
+        sizes[-1] = off
+        pages.append(page)
+        tensors.extend(entries)
+
+    for kind, layer, expert, names in forward_groups(shapes):
+        entries = []
+        for name in names:
+            shape = tuple(shapes[name])
+            role = tensor_role(name, kind, len(shape))
+            src = source_types.get(name)
+            tk = tensor_kind(role, len(shape), policy, src)
+            exact = src if tk in QUANT_KINDS and src in quant.GGUF_EXACT else None
+            # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32.
+            gs = 32 if exact else (0 if tk == "q8" else group_size)
+            if tk in QUANT_KINDS and not quant.supports(tk, shape, gs):
+                tk, exact = "f32", None  # a shape the kernels cannot take (K not divisible by the group)
+            gs = gs if tk in QUANT_KINDS else None
+            parts = part_layout(tk, shape, gs, exact)
+            nbytes = max(p.offset + p.nbytes for p in parts.values())
+            lookup = role == "embedding" and not tied
+            entries.append(TensorEntry(name, role, layer, expert, list(shape), tk, gs, lookup, parts, nbytes))
+        if kind in ("ffn",):  # dense FFN: split between tensors at page_size
+            chunk: list[TensorEntry] = []
+            for t in entries:
+                if chunk and sum(align(c.nbytes) for c in chunk) + align(t.nbytes) > page_size:
+                    place(chunk, kind, layer, expert)
+                    chunk = []
+                chunk.append(t)
+            place(chunk, kind, layer, expert)
+        else:
+            place(entries, kind, layer, expert)
+    return tensors, pages, sizes
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+def read_manifest(path: Path) -> dict:
+    mf = path / MANIFEST
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no {MANIFEST}; not a Colibri container (convert it with colibri convert)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{mf}: unreadable manifest ({e}); reconvert the model") from None
+    if manifest.get("format") != FORMAT:
+        raise ModelLoadError(f"{mf}: not a Colibri container manifest (format {manifest.get('format')!r})")
+    version = manifest.get("version")
+    if version != VERSION:
+        raise ModelLoadError(f"{mf}: container format version {version} is not supported by this Colibri (reads"
+                             f" version {VERSION}); upgrade Colibri or reconvert the model")
+    return manifest
+
+
+class ContainerCheckpoint:
+    """A converted container, with the checkpoint surface the engine uses (config, tensors by HF name)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = m = read_manifest(self.path)
+        self.config: dict[str, Any] = m["config"]
+        self.files = [self.path / f["name"] for f in m["files"]]
+        for f, info in zip(self.files, m["files"]):
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: data file missing; the container is incomplete, reconvert it")
+            size = f.stat().st_size
+            if size != info["size"]:
+                state = "truncated" if size < info["size"] else "larger than recorded"
+                raise ModelLoadError(f"{f}: {state} ({size} bytes, manifest says {info['size']});"
+                                     " the container is damaged, reconvert it")
+        self.tensors = {t["name"]: t for t in m["tensors"]}
+        self.pages = m["pages"]
+        tok = m.get("tokenizer") or {}
+        self.special = dict(tok.get("special") or {})
+        self.chat_template = None
+        if tok.get("chat_template_file"):
+            self.chat_template = (self.path / tok["chat_template_file"]).read_text(encoding="utf-8")
+        self.tokenizer = None
+        if tok.get("file"):
+            from tokenizers import Tokenizer
+            self.tokenizer = Tokenizer.from_file(str(self.path / tok["file"]))
+        self._fds: dict[int, int] = {}
+
+    def tensor_names(self) -> list[str]:
+        return list(self.tensors)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def tensor_dtype(self, name: str) -> str:
+        t = self.tensors[name]
+        return t["kind"] + (f"-g{t['group_size']}" if t.get("group_size") else "")
+
+    def _fd(self, file: int) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(self.files[file], os.O_RDONLY)
+        return self._fds[file]
+
+    def read_extent(self, file: int, offset: int, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        got = os.preadv(self._fd(file), [view], offset)
+        if got != nbytes:
+            raise ModelLoadError(f"{self.files[file]}: short read at offset {offset} ({got} of {nbytes} bytes);"
+                                 " the file was truncated after loading, reconvert it")
+        return buf
+
+    def load(self, name: str):
+        """A float tensor (a view over the bytes read) or a quantized weight object."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the container")
+        return tensor_from_bytes(t, self.read_extent(t["file"], t["offset"], t["nbytes"]))
+
+    def verify(self) -> Iterator[tuple[str, str]]:
+        """Yield (what, error) for every checksum mismatch: pages first, then the tensors inside a bad page."""
+        for page in self.pages:
+            data = self.read_extent(page["file"], page["offset"], page["nbytes"])
+            if checksum_str(crc32(data.numpy())) == page["checksum"]:
+                continue
+            bad = [n for n in page["tensors"] if checksum_str(crc32(
+                self.read_extent(self.tensors[n]["file"], self.tensors[n]["offset"],
+                                 self.tensors[n]["nbytes"]).numpy())) != self.tensors[n]["checksum"]]
+            where = f"page {page['id']} ({page['kind']}, {self.files[page['file']].name} @ {page['offset']})"
+            yield where, f"tensor {bad[0]!r}" if bad else "padding bytes"
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def tensor_from_bytes(t: dict, buf: torch.Tensor):
+    """Views over `buf` (the tensor's extent) for each part: no copies."""
+    views = {}
+    for pname, p in t["parts"].items():
+        raw = buf[p["offset"]:p["offset"] + p["nbytes"]]
+        views[pname] = raw.view(DTYPES[p["dtype"]]).view(p["shape"])
+    if t["kind"] in FLOAT_KINDS:
+        return views["data"]
+    return quant.from_buffers(t["kind"], tuple(t["shape"]), t["group_size"], views)
+
+
+def entry_dict(e) -> dict:
+    return asdict(e)

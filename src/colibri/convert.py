@@ -1,0 +1,256 @@
+"""`colibri convert`: HF directory or GGUF file -> Colibri container (docs/format.md).
+
+Streams tensor by tensor (peak memory ~ the largest tensor, whatever the model size), writes into a sibling
+`OUT.partial-<fingerprint>` directory, journals finished pages so an interrupted run resumes, verifies every
+checksum, and only then renames the directory into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from colibri import __version__, container, quant
+from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, align, checksum_str, crc32, plan_layout
+from colibri.errors import ColibriError, InputError
+from colibri.model import open_model
+
+QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+QUANTS = ("q4", "q8", "bf16", "f16", "f32")
+JOURNAL = "progress.json"
+SPACE_MARGIN = 64 << 20
+
+
+@dataclass
+class ConvertOptions:
+    quant: str = "q4"
+    group_size: int = 64
+    page_size_mb: int = 64
+
+    def __post_init__(self) -> None:
+        self.quant = QUANT_ALIASES.get(self.quant.lower(), self.quant.lower())
+        if self.quant not in QUANTS:
+            raise InputError(f"--quant {self.quant!r} is not supported; choose one of {', '.join(QUANTS)} "
+                             f"(aliases: {', '.join(QUANT_ALIASES)})")
+        if self.group_size not in (32, 64, 128):
+            raise InputError(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
+        if not 1 <= self.page_size_mb <= 4096:
+            raise InputError(f"--page-size must be between 1 and 4096 MB (got {self.page_size_mb})")
+
+
+@dataclass
+class ConvertReport:
+    output: Path
+    bytes_written: int
+    total_bytes: int
+    resumed_pages: int
+    seconds: float
+
+
+def source_fingerprint(src: Path, opts: ConvertOptions) -> str:
+    """Identity of (input files, options): a partial output is resumed only for the same fingerprint."""
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    h = hashlib.sha256(f"{FORMAT}/{VERSION}/{asdict(opts)}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    """Write all of `data` at `offset` (the one place bytes reach the disk; tests inject failures here)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
+    """The extent of one tensor: its parts at their offsets, zero padding between."""
+    out = bytearray(entry.nbytes)
+    if entry.kind in container.FLOAT_KINDS:
+        buffers = {"data": value.to(container.FLOAT_KINDS[entry.kind]).contiguous()}
+    else:
+        buffers = value.buffers()
+    for pname, part in entry.parts.items():
+        b = buffers[pname].contiguous()
+        raw = b.reshape(-1).view(torch.uint8).numpy()
+        if raw.nbytes != part.nbytes:
+            raise ColibriError(f"internal: {entry.name}.{pname} is {raw.nbytes} bytes, layout says {part.nbytes}")
+        out[part.offset:part.offset + part.nbytes] = raw.tobytes()
+    return out
+
+
+def encode(entry: container.TensorEntry, ckpt) -> object:
+    """Source tensor -> the stored value: a float tensor or a quantized weight."""
+    if entry.kind in container.QUANT_KINDS and hasattr(ckpt, "raw_tensor"):
+        qtype, raw, shape = ckpt.raw_tensor(entry.name)
+        if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
+            return quant.from_gguf(raw, qtype, tuple(shape))
+    w = ckpt.load(entry.name)
+    if entry.kind in container.QUANT_KINDS:
+        return quant.quantize(w.float(), entry.kind, entry.group_size)
+    return w
+
+
+def tokenizer_files(ckpt, out: Path) -> dict:
+    """Write tokenizer.json and chat_template.jinja beside the manifest; return the manifest's tokenizer entry."""
+    entry = {"file": None, "chat_template_file": None, "special": ckpt.special}
+    if getattr(ckpt, "tokenizer", None) is not None:
+        (out / "tokenizer.json").write_text(ckpt.tokenizer.to_str(), encoding="utf-8")
+        entry["file"] = "tokenizer.json"
+    if ckpt.chat_template:
+        (out / "chat_template.jinja").write_text(ckpt.chat_template, encoding="utf-8")
+        entry["chat_template_file"] = "chat_template.jinja"
+    return entry
+
+
+def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
+            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None) -> ConvertReport:
+    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes."""
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not force:
+        raise InputError(f"{dst} already exists; pass --force to overwrite it")
+    ckpt, args, arch = open_model(src)
+    shapes = arch.weight_shapes()
+    have = set(ckpt.tensor_names())
+    for name, shape in shapes.items():
+        if name not in have:
+            raise InputError(f"{src}: tensor {name!r} is missing; the checkpoint is incomplete")
+        if tuple(ckpt.tensor_shape(name)) != tuple(shape):
+            raise InputError(f"{src}: tensor {name!r} has shape {list(ckpt.tensor_shape(name))}, expected {list(shape)}")
+    source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if hasattr(ckpt, "raw_tensor") else {}
+    if opts.quant not in container.QUANT_KINDS:
+        source_types = {}
+    tensors, pages, sizes = plan_layout(shapes, args.tie_word_embeddings, opts.quant, opts.group_size,
+                                        opts.page_size_mb << 20, source_types)
+    total = sum(sizes)
+    fp = source_fingerprint(src, opts)
+    work = dst.with_name(f"{dst.name}.partial-{fp}")
+    journal = _open_journal(work, fp)
+    done = {int(k): v for k, v in journal["pages"].items()}
+    _check_space(dst.parent if dst.parent.exists() else Path("."), total, work)
+
+    by_name = {t.name: t for t in tensors}
+    fds = [os.open(work / f"data-{i:05d}.bin", os.O_RDWR | os.O_CREAT, 0o644) for i in range(len(sizes))]
+    written = sum(p.nbytes for p in pages if p.id in done)
+    try:
+        for i, size in enumerate(sizes):
+            os.ftruncate(fds[i], size)
+        for page in pages:
+            if page.id in done:
+                page.checksum = done[page.id]["checksum"]
+                for n in page.tensors:
+                    by_name[n].checksum = done[page.id]["tensors"][n]
+                continue
+            for n in page.tensors:
+                t = by_name[n]
+                data = tensor_bytes(t, encode(t, ckpt))
+                t.checksum = checksum_str(crc32(data))
+                _pwrite(fds[t.file], data, t.offset)
+                written += t.nbytes
+                if progress:
+                    progress(written, total)
+            os.fdatasync(fds[page.file])
+            page.checksum = checksum_str(crc32(os.pread(fds[page.file], page.nbytes, page.offset)))
+            journal["pages"][str(page.id)] = {"checksum": page.checksum,
+                                              "tensors": {n: by_name[n].checksum for n in page.tensors}}
+            write_json_atomic(work / JOURNAL, journal)
+            if pause_after_pages is not None and len(journal["pages"]) >= pause_after_pages:
+                time.sleep(3600)  # test hook: a conversion "killed mid-way" is killed while sleeping here
+        for fd in fds:
+            os.fsync(fd)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            shutil.rmtree(work, ignore_errors=True)
+            raise ColibriError(f"no space left on the device writing {work}: the container needs {total / 2**30:.2f}"
+                               " GiB; free some space and run the command again") from None
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+    manifest = {
+        "format": FORMAT, "version": VERSION, "created_by": f"colibri {__version__}",
+        "source": {"kind": "gguf" if src.is_file() else "huggingface", "path": str(src.resolve()),
+                   "fingerprint": fp},
+        "config": ckpt.config,
+        "tokenizer": tokenizer_files(ckpt, work),
+        "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": container.policy_for(opts.quant)},
+        "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
+        "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
+        "tensors": [asdict(t) for t in tensors],
+        "pages": [asdict(p) for p in pages],
+    }
+    ckpt.close()
+    write_json_atomic(work / MANIFEST, manifest)
+    bad = next(container.ContainerCheckpoint(work).verify(), None)
+    if bad:
+        raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; rerun with --force")
+    (work / JOURNAL).unlink()
+    fsync_dir(work)
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(work, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, dst)
+    fsync_dir(dst.parent)
+    return ConvertReport(dst, written, total, len(done), time.perf_counter() - t0)
+
+
+def _open_journal(work: Path, fp: str) -> dict:
+    """Resume state from an earlier interrupted run with the same fingerprint, or a fresh partial directory."""
+    jf = work / JOURNAL
+    if jf.is_file():
+        try:
+            journal = json.loads(jf.read_text())
+            if journal.get("fingerprint") == fp:
+                return journal
+        except (OSError, json.JSONDecodeError):
+            pass
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    journal = {"fingerprint": fp, "pages": {}}
+    write_json_atomic(jf, journal)
+    return journal
+
+
+def _check_space(parent: Path, total: int, work: Path) -> None:
+    have = sum(f.stat().st_blocks * 512 for f in work.glob("data-*.bin"))
+    free = shutil.disk_usage(parent).free
+    need = total - have + SPACE_MARGIN
+    if free < need:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ColibriError(f"not enough free space in {parent}: the container needs {need / 2**30:.2f} GiB more,"
+                           f" {free / 2**30:.2f} GiB are free; free space or choose another --output")

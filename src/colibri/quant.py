@@ -1,0 +1,486 @@
+"""Quantized linear weights stored as plain bytes: q4 (4-bit, group-wise scale + zero) and q8 (int8, symmetric).
+
+A weight is a few contiguous tensors (`buffers()`) that a container writes as raw bytes and hands back through
+`from_buffers`, which keeps them as they are (no copy on the common path). `colibri.ops.linear` calls
+`w.linear(x, b)` for these objects.
+
+q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0, Np = N rounded up to 16):
+  qweight       uint8 [Np, K/2]   nibbles in the AVX-512 layout of torch's CPU int4 kernel: rows in tiles of 64;
+                                  tile t holds bytes [K, 32], byte (k, j) = q[64t + j, k] | q[64t + 32 + j, k] << 4.
+                                  A last partial tile of r = Np % 64 rows holds [K, r/2],
+                                  byte (k, i) = q[base + 2i, k] | q[base + 2i + 1, k] << 4.
+  scales_zeros  [K/g, Np, 2]      (scale, zero) per group and row, bf16/f16/f32 (the kind's scale_dtype).
+  weight = (q - 8) * scale + zero, q in [0, 15]; rows N..Np-1 are padding (q = 8, scale = zero = 0).
+  torch packs differently per CPU ISA (64-row tiles for AVX-512, 32-row tiles for AVX2, row pairs otherwise), so
+  the stored bytes are one fixed layout: the kernel's own on AVX-512 machines (zero-copy), repacked once at load
+  elsewhere (`from_buffers` keeps both then).
+q8 on-disk layout:
+  qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
+
+Compute (choices measured by benchmarks/quant_kernels.py):
+  bf16 x, fewer than BF16_GEMM_MIN_ROWS rows: torch's int4 / int8 weight-only kernels (scales rounded to bf16,
+    f32 accumulation, output rounded once to bf16). Grouped q8 has no kernel and takes the next route.
+  otherwise: a few MiB of rows at a time are dequantized in f32 (exactly the `dequantize()` values), rounded to
+    x's dtype and multiplied with a GEMM. f32 x thus stays exact; torch's f32 variants of the kernels are
+    scalar code, slower than this at every row count.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Q4_GROUP_SIZES = (32, 64, 128, 256)
+_TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
+_CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
+# bf16 x with at least this many rows dequantizes to bf16 and runs a bf16 GEMM: measured 1.7-2x faster than the
+# weight-only kernels at 256-512 rows, slower below ~100. Fewer rows (decode, speculative verification) keep the
+# kernels, whose results do not depend on the row count.
+BF16_GEMM_MIN_ROWS = 128
+_local = threading.local()
+
+
+def _scratch(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """A reused buffer per thread and dtype: a fresh multi-MiB allocation per call costs page faults."""
+    n = 1
+    for s in shape:
+        n *= s
+    bufs = _local.__dict__.setdefault("bufs", {})
+    if dtype not in bufs or bufs[dtype].numel() < n:
+        with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
+            bufs[dtype] = torch.empty(n, dtype=dtype)
+    return bufs[dtype][:n].view(shape)
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    """What a quantized weight is: `name` "q4" / "q8", `group_size` along K (q8: 0 = one scale per output
+    channel), and the dtype its scales (and q4 zeros) are stored in."""
+
+    name: str
+    group_size: int
+    scale_dtype: torch.dtype
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.name == "q4" else 8
+
+
+def _kind(kind: QuantKind | str, group_size: int | None) -> QuantKind:
+    if isinstance(kind, QuantKind):
+        return kind
+    if kind == "q4":
+        return QuantKind("q4", 64 if group_size is None else group_size, torch.bfloat16)
+    if kind == "q8":
+        return QuantKind("q8", 0 if group_size is None else group_size, torch.bfloat16)
+    raise ValueError(f"unknown quant kind {kind!r} (expected 'q4' or 'q8')")
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _check_shape(kind: QuantKind, shape: tuple[int, int]) -> tuple[int, int]:
+    n, k = (int(s) for s in shape)
+    g = kind.group_size
+    if kind.name == "q4" and g not in Q4_GROUP_SIZES:
+        raise ValueError(f"q4 group size must be one of {Q4_GROUP_SIZES}, got {g}")
+    if kind.name == "q8" and g < 0:
+        raise ValueError(f"q8 group size must be 0 (per channel) or positive, got {g}")
+    if n <= 0 or k <= 0 or (g and k % g):
+        raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by the group size {g}")
+    return n, k
+
+
+def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
+                  group_size: int | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The on-disk pieces of a weight of logical `shape` [N, K]: name -> (dtype, shape), in storage order."""
+    kind = _kind(kind, group_size)
+    n, k = _check_shape(kind, shape)
+    if kind.name == "q4":
+        np_ = _round16(n)
+        return {"qweight": (torch.uint8, (np_, k // 2)),
+                "scales_zeros": (kind.scale_dtype, (k // kind.group_size, np_, 2))}
+    scales = (n,) if kind.group_size == 0 else (n, k // kind.group_size)
+    return {"qweight": (torch.int8, (n, k)), "scales": (kind.scale_dtype, scales)}
+
+
+def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> None:
+    if kind.scale_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{kind.name} scales must be bf16, f16 or f32, got {kind.scale_dtype}")
+    for name, (dtype, want) in buffer_layout(kind, shape).items():
+        t = buffers.get(name)
+        if t is None:
+            raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
+        if tuple(t.shape) != want or (name == "qweight" and t.dtype != dtype) or not t.is_contiguous():
+            raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
+                             f"expected contiguous {dtype} {want}")
+
+
+# ---- q4 nibble layout -----------------------------------------------------------------------------------------
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 [Np, K] in [0, 15], Np % 16 == 0 -> uint8 [Np, K/2] in the layout described at the top."""
+    np_, k = q.shape
+    out = torch.empty(np_, k // 2, dtype=torch.uint8)
+    nf = np_ // _TILE * _TILE
+    if nf:
+        t = q[:nf].view(nf // _TILE, 2, 32, k)  # [tiles, low/high nibble, j, K]
+        out[:nf].view(nf // _TILE, k, 32).copy_((t[:, 0] | (t[:, 1] << 4)).transpose(1, 2))
+    if nf < np_:
+        t = q[nf:].view((np_ - nf) // 2, 2, k)  # [row pairs, even/odd, K]
+        out[nf:].view(k, (np_ - nf) // 2).copy_((t[:, 0] | (t[:, 1] << 4)).T)
+    return out
+
+
+def _signed_nibbles(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 bytes -> (low, high) nibbles as int8 q - 8. Flipping bit 3 of a nibble turns q into the 4-bit
+    two's complement of q - 8, which an arithmetic shift sign-extends."""
+    s = (p ^ 0x88).view(torch.int8)
+    return (s << 4) >> 4, s >> 4
+
+
+def _unpack_q4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_pack_q4`: uint8 [Np, K/2] -> int8 [Np, K] holding q - 8."""
+    np_, k = qweight.shape[0], qweight.shape[1] * 2
+    out = torch.empty(np_, k, dtype=torch.int8)
+    nf = np_ // _TILE * _TILE
+    if nf:
+        lo, hi = _signed_nibbles(qweight[:nf].view(nf // _TILE, k, 32))
+        o = out[:nf].view(nf // _TILE, 2, 32, k)
+        o[:, 0].copy_(lo.transpose(1, 2))
+        o[:, 1].copy_(hi.transpose(1, 2))
+    if nf < np_:
+        lo, hi = _signed_nibbles(qweight[nf:].view(k, (np_ - nf) // 2))
+        o = out[nf:].view((np_ - nf) // 2, 2, k)
+        o[:, 0].copy_(lo.T)
+        o[:, 1].copy_(hi.T)
+    return out
+
+
+@functools.cache
+def kernel_layout_is_stored_layout() -> bool:
+    """True when this process's torch packs int4 weights exactly as we store them (AVX-512 dispatch)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (64 + 16, 64 + 32, 64 + 48):
+        q = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.uint8)
+        if not torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1), _pack_q4(q)):
+            return False
+    return True
+
+
+def repack_for_kernel(qweight: torch.Tensor) -> torch.Tensor:
+    """Stored q4 bytes -> the bytes this machine's int4 kernel reads (the same tensor where they agree)."""
+    if kernel_layout_is_stored_layout():
+        return qweight
+    q = _unpack_q4(qweight).to(torch.int32) + 8
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+
+# ---- weights --------------------------------------------------------------------------------------------------
+
+def _as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
+    return x.reshape(-1, k).contiguous()
+
+
+class _QuantWeight:
+    kind: QuantKind
+    shape: tuple[int, int]
+
+    def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
+        self.shape = _check_shape(kind, shape)
+        _check_buffers(kind, self.shape, buffers)
+        self.kind = kind
+        self._buffers = {name: buffers[name] for name in buffer_layout(kind, self.shape)}
+        self._cache: dict = {}  # derived small tensors (scales in another dtype or order), built on first use
+
+    @property
+    def group_size(self) -> int:
+        return self.kind.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored buffers (what reading this weight from disk costs)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The on-disk pieces, each a contiguous tensor; see `buffer_layout`."""
+        return dict(self._buffers)
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        """Wrap stored pieces without copying them; the scale dtype is the stored one."""
+        scales = buffers.get("scales_zeros" if cls is Q4Weight else "scales")
+        if scales is None:
+            raise ValueError(f"{cls.__name__}.from_buffers: scale buffer missing (got {sorted(buffers)})")
+        return cls(QuantKind("q4" if cls is Q4Weight else "q8", group_size, scales.dtype), shape, buffers)
+
+    def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A stored small buffer converted to `dtype` once (the kernels want scales in the activation dtype)."""
+        t = self._buffers[name]
+        if t.dtype == dtype:
+            return t
+        key = (name, dtype)
+        if key not in self._cache:
+            self._cache[key] = t.to(dtype)
+        return self._cache[key]
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b. x: [..., K] float32 / bfloat16 (float16 computes in f32) -> [..., N] in x's dtype."""
+        n, k = self.shape
+        x2 = _as_2d(x, k)
+        if x2.dtype == torch.bfloat16 or x2.dtype == torch.float32:
+            y = self._linear_2d(x2)
+        else:
+            y = self._linear_2d(x2.float()).to(x.dtype)
+        if y.shape[1] != n:  # rows padded to 16
+            y = y[:, :n].contiguous()
+        if b is not None:
+            y += b.to(y.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind.name}, shape={self.shape}, group_size={self.group_size})"
+
+
+class Q4Weight(_QuantWeight):
+    """4-bit weight, asymmetric per group of `group_size` inputs: w = (q - 8) * scale + zero."""
+
+    def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
+        super().__init__(kind, shape, buffers)
+        self._packed = repack_for_kernel(self._buffers["qweight"])
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.shape[0] < BF16_GEMM_MIN_ROWS:
+            sz = self._buffer_as("scales_zeros", torch.bfloat16)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, sz)
+        return self._dequant_matmul(x)
+
+    def _scales_zeros_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sz = self._buffer_as("scales_zeros", torch.float32)
+        return sz[..., 0], sz[..., 1]  # [G, Np] each
+
+    def _tile_params_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of the full tiles as contiguous f32 [tiles, G, 1, 64], built once (strided broadcasts
+        in the dequantize loop cost 5x more than contiguous ones)."""
+        if "tiles" not in self._cache:
+            (_, k), g = self.shape, self.group_size
+            nf = self._buffers["qweight"].shape[0] // _TILE * _TILE
+            sz = self._buffers["scales_zeros"][:, :nf].float().view(k // g, nf // _TILE, _TILE, 2)
+            p = sz.permute(3, 1, 0, 2).unsqueeze(3).contiguous()  # [2, tiles, G, 1, 64]
+            self._cache["tiles"] = (p[0], p[1])
+        return self._cache["tiles"]
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T in x's dtype, dequantizing a few 64-row tiles at a time (W.T tiles are [K, 64]); the
+        weights are exactly `dequantize()`'s in f32, rounded once to bf16 for bf16 x."""
+        (_, k), g = self.shape, self.group_size
+        qw = self._buffers["qweight"]
+        np_, nt, t = qw.shape[0], qw.shape[0] // _TILE, x.shape[0]
+        y = torch.empty(t, np_, dtype=x.dtype)
+        if nt:
+            s, z = self._tile_params_f32()
+            tiles = qw[:nt * _TILE].view(nt, k, 32)
+            step = max(1, _CHUNK_BYTES // (k * _TILE * 4))
+            yt = y[:, :nt * _TILE].view(t, nt, _TILE)
+            for i in range(0, nt, step):
+                c = min(step, nt - i)
+                w = _scratch(torch.float32, c, k, _TILE)
+                lo, hi = _signed_nibbles(tiles[i:i + c])
+                w[..., :32].copy_(lo)
+                w[..., 32:].copy_(hi)
+                w4 = w.view(c, k // g, g, _TILE)
+                torch.addcmul(z[i:i + c], w4, s[i:i + c], out=w4)  # (q - 8) * scale + zero, one rounding
+                if x.dtype != torch.float32:
+                    w = _scratch(x.dtype, c, k, _TILE).copy_(w)
+                yt[:, i:i + c].copy_(torch.matmul(x, w).transpose(0, 1))
+        if nt * _TILE < np_:
+            y[:, nt * _TILE:] = x @ self._dequant_rows(nt * _TILE, np_).to(x.dtype).T
+        return y
+
+    def _dequant_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """f32 [r1 - r0, K] for a row range aligned to the layout (whole tiles, or the tail)."""
+        (_, k), g = self.shape, self.group_size
+        qw = self._buffers["qweight"]
+        q = _unpack_q4(qw[r0:r1]) if r0 % _TILE == 0 and (r1 - r0) % _TILE == 0 else _unpack_q4(qw)[r0:r1]
+        scale, zero = self._scales_zeros_f32()
+        w = q.float().view(r1 - r0, k // g, g)
+        torch.addcmul(zero[:, r0:r1].T.unsqueeze(-1), w, scale[:, r0:r1].T.unsqueeze(-1), out=w)
+        return w.view(r1 - r0, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense [N, K] tensor (computed in f32: bit-exact to what the f32 path multiplies by)."""
+        n = self.shape[0]
+        return self._dequant_rows(0, self._buffers["qweight"].shape[0])[:n].to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """f32 [len(ids), K]: rows of a lookup table (token embedding), dequantizing only the tiles they sit in."""
+        out = torch.empty(len(ids), self.shape[1])
+        np_ = self._buffers["qweight"].shape[0]
+        full = np_ // _TILE * _TILE
+        for i, r in enumerate(ids.tolist()):
+            r0, r1 = (r // _TILE * _TILE, r // _TILE * _TILE + _TILE) if r < full else (full, np_)
+            out[i] = self._dequant_rows(r0, r1)[r - r0]
+        return out
+
+
+class Q8Weight(_QuantWeight):
+    """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size == 0 and x.dtype == torch.bfloat16 and x.shape[0] < BF16_GEMM_MIN_ROWS:
+            s = self._buffer_as("scales", torch.bfloat16)
+            return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)
+        return self._dequant_matmul(x)
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
+        n, k = self.shape
+        qw = self._buffers["qweight"]
+        s = self._buffer_as("scales", torch.float32)
+        g = self.group_size or k
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        step = max(1, _CHUNK_BYTES // (k * 4))
+        for r in range(0, n, step):
+            c = min(step, n - r)
+            w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
+            w.view(c, k // g, g).mul_(s[r:r + c].view(c, -1, 1))
+            if x.dtype != torch.float32:
+                w = _scratch(x.dtype, c, k).copy_(w)
+            y[:, r:r + c] = x @ w.T
+        return y
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        s = self._buffer_as("scales", torch.float32)
+        g = self.group_size or k
+        return (self._buffers["qweight"].float().view(n, k // g, g) * s.view(n, -1, 1)).view(n, k).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
+        n, k = self.shape
+        g = self.group_size or k
+        s = self._buffer_as("scales", torch.float32).view(n, -1)[ids]
+        return (self._buffers["qweight"][ids].float().view(len(ids), k // g, g) * s.unsqueeze(-1)).view(len(ids), k)
+
+
+# ---- quantize -------------------------------------------------------------------------------------------------
+
+def _bf16_round_up(t: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16 >= t, for t >= 0 (f32 in, bf16 out): scales rounded up keep every value in range."""
+    bits = t.float().contiguous().view(torch.int32)
+    up = torch.where((bits & 0xFFFF) != 0, (bits + 0x10000) & ~0xFFFF, bits)
+    return up.view(torch.float32).to(torch.bfloat16)
+
+
+def quantize(w: torch.Tensor, kind: str, group_size: int) -> Q4Weight | Q8Weight:
+    """Round-to-nearest quantization of a float [N, K] weight, scales (and zeros) stored in bf16.
+
+    q4: per group, min/max onto q in [0, 15]: zero = bf16(min + 8 * scale), then the scale (rounded up to bf16) is
+    widened just enough that [zero - 8 scale, zero + 7 scale] covers [min, max]: error <= scale / 2.
+    q8: per output channel (group_size 0) or per group, scale = absmax / 127 rounded up to bf16, q in [-127, 127].
+    """
+    kind_ = _kind(kind, group_size)
+    n, k = _check_shape(kind_, tuple(w.shape))
+    g = kind_.group_size or k
+    wf = w.detach().float().reshape(n, k // g, g)
+    if kind_.name == "q8":
+        scale = _bf16_round_up(wf.abs().amax(-1) / 127)
+        sf = scale.float().unsqueeze(-1)
+        q = torch.where(sf > 0, torch.round(wf / sf.clamp_min(1e-30)), 0).clamp_(-127, 127).to(torch.int8)
+        scales = scale.reshape(n) if kind_.group_size == 0 else scale
+        return Q8Weight(kind_, (n, k), {"qweight": q.view(n, k), "scales": scales.contiguous()})
+    lo, hi = wf.amin(-1), wf.amax(-1)  # [N, G]
+    zero = (lo + 8 * (hi - lo) / 15).to(torch.bfloat16)
+    zf = zero.float()
+    scale = _bf16_round_up(torch.maximum((hi - zf) / 7, (zf - lo) / 8).clamp_min(0))
+    sf = scale.float().unsqueeze(-1)
+    q = torch.where(sf > 0, torch.round((wf - zf.unsqueeze(-1)) / sf.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
+    np_ = _round16(n)
+    qp = torch.full((np_, k), 8, dtype=torch.uint8)
+    qp[:n] = q.view(n, k).to(torch.uint8)
+    sz = torch.zeros(k // g, np_, 2, dtype=torch.bfloat16)
+    sz[:, :n, 0] = scale.T
+    sz[:, :n, 1] = zero.T
+    return Q4Weight(kind_, (n, k), {"qweight": _pack_q4(qp), "scales_zeros": sz})
+
+
+# ---- GGUF blocks ----------------------------------------------------------------------------------------------
+
+def _gguf_type_name(gguf_type) -> str:
+    if isinstance(gguf_type, str):
+        return gguf_type.upper()
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(int(gguf_type)).name
+
+
+def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | Q8Weight:
+    """Re-express GGUF Q4_0 / Q4_1 (-> q4, group 32) or Q8_0 (-> q8, group 32) blocks without loss.
+
+    raw: uint8 [N, K / 32 * block_bytes] (rows in HF order), shape: [N, K]. `dequantize()` of the result equals
+    `gguf.quants.dequantize` bit for bit in f32. Scales stay f16 where that is exact (Q4_0, Q8_0); Q4_1's zero
+    m + 8 d is stored in f32 and checked to be exact (raises ValueError otherwise).
+    """
+    name = _gguf_type_name(gguf_type)
+    n, k = (int(s) for s in shape)
+    bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
+    if bytes_per_block is None:
+        raise ValueError(f"from_gguf: {name} blocks are not supported (only Q4_0, Q4_1, Q8_0)")
+    if k % 32:
+        raise ValueError(f"from_gguf: K = {k} is not a multiple of the 32-value block")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, bytes_per_block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, G]
+    if name == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+        return Q8Weight(QuantKind("q8", 32, torch.float16), (n, k),
+                        {"qweight": q, "scales": torch.from_numpy(d.copy())})
+    nib = blocks[..., bytes_per_block - 16:]  # [N, G, 16]: byte j = value j (low nibble) | value j + 16 (high)
+    np_ = _round16(n)
+    q = torch.full((np_, k), 8, dtype=torch.uint8)
+    q[:n] = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k))
+    if name == "Q4_0":
+        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float16)
+        sz[:, :n, 0] = torch.from_numpy(d.T.copy())
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        zero64 = m.astype(np.float64) + 8 * d.astype(np.float64)
+        zero = zero64.astype(np.float32)
+        if not np.array_equal(zero.astype(np.float64), zero64):
+            raise ValueError("from_gguf: a Q4_1 block's m + 8 d is not exact in float32; keep this tensor as float")
+        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float32)
+        sz[:, :n, 0] = torch.from_numpy(d.T.astype(np.float32))
+        sz[:, :n, 1] = torch.from_numpy(zero.T.copy())
+    return Q4Weight(QuantKind("q4", 32, sz.dtype), (n, k), {"qweight": _pack_q4(q), "scales_zeros": sz})
+
+
+# ---- container helpers ----------------------------------------------------------------------------------------
+
+# GGUF block types re-expressed without loss, and the kind (group 32, scale dtype) each becomes.
+GGUF_EXACT = {
+    "Q4_0": QuantKind("q4", 32, torch.float16),
+    "Q4_1": QuantKind("q4", 32, torch.float32),
+    "Q8_0": QuantKind("q8", 32, torch.float16),
+}
+
+
+def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
+    """Whether a weight of `shape` can be stored as `kind` (2-D, K divisible by the group size)."""
+    if len(shape) != 2:
+        return False
+    try:
+        _check_shape(_kind(kind, group_size), tuple(shape))
+    except ValueError:
+        return False
+    return True
+
+
+def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
+    cls = {"q4": Q4Weight, "q8": Q8Weight}[kind]
+    return cls.from_buffers(tuple(shape), group_size, buffers)

