@@ -207,8 +207,10 @@ def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str,
             exact = src if tk in QUANT_KINDS and src in quant.GGUF_EXACT else None
             # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32.
             gs = 32 if exact else (0 if tk == "q8" else group_size)
+            if tk == "q4" and not quant.supports(tk, shape, gs):  # K not divisible: the largest group that fits
+                gs = next((g for g in (128, 64, 32) if g < gs and quant.supports(tk, shape, g)), gs)
             if tk in QUANT_KINDS and not quant.supports(tk, shape, gs):
-                tk, exact = "f32", None  # a shape the kernels cannot take (K not divisible by the group)
+                tk, exact = "f32", None  # a shape the kernels cannot take at all
             gs = gs if tk in QUANT_KINDS else None
             parts = part_layout(tk, shape, gs, exact)
             nbytes = max(p.offset + p.nbytes for p in parts.values())
