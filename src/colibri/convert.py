@@ -22,7 +22,7 @@ import torch
 from colibri import __version__, container, quant
 from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, align, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
-from colibri.model import open_model
+from colibri.model import check_tensors, open_model
 
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
@@ -134,27 +134,35 @@ def tokenizer_files(ckpt, out: Path) -> dict:
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
             progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None) -> ConvertReport:
     """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes."""
-    t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
     ckpt, args, arch = open_model(src)
     shapes = arch.weight_shapes()
-    have = set(ckpt.tensor_names())
-    for name, shape in shapes.items():
-        if name not in have:
-            raise InputError(f"{src}: tensor {name!r} is missing; the checkpoint is incomplete")
-        if tuple(ckpt.tensor_shape(name)) != tuple(shape):
-            raise InputError(f"{src}: tensor {name!r} has shape {list(ckpt.tensor_shape(name))}, expected {list(shape)}")
-    source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if hasattr(ckpt, "raw_tensor") else {}
-    if opts.quant not in container.QUANT_KINDS:
-        source_types = {}
-    tensors, pages, sizes = plan_layout(shapes, args.tie_word_embeddings, opts.quant, opts.group_size,
-                                        opts.page_size_mb << 20, source_types)
+    check_tensors(ckpt, shapes, src)
+    gguf = hasattr(ckpt, "raw_tensor")
+    source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
+    source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
+    try:
+        return write_container(dst, ckpt.config, shapes, args.tie_word_embeddings, opts,
+                               lambda entry: encode(entry, ckpt), source_fingerprint(src, opts), source,
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages)
+    finally:
+        ckpt.close()
+
+
+def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]], tied: bool, opts: ConvertOptions,
+                    encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
+                    tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    pause_after_pages: int | None = None) -> ConvertReport:
+    """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces."""
+    t0 = time.perf_counter()
+    tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
+                                        source_types)
     total = sum(sizes)
-    fp = source_fingerprint(src, opts)
-    work = dst.with_name(f"{dst.name}.partial-{fp}")
-    journal = _open_journal(work, fp)
+    work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
+    journal = _open_journal(work, fingerprint)
     done = {int(k): v for k, v in journal["pages"].items()}
     _check_space(dst.parent if dst.parent.exists() else Path("."), total, work)
 
@@ -172,7 +180,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
                 continue
             for n in page.tensors:
                 t = by_name[n]
-                data = tensor_bytes(t, encode(t, ckpt))
+                data = tensor_bytes(t, encode_fn(t))
                 t.checksum = checksum_str(crc32(data))
                 _pwrite(fds[t.file], data, t.offset)
                 written += t.nbytes
@@ -199,17 +207,15 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
 
     manifest = {
         "format": FORMAT, "version": VERSION, "created_by": f"colibri {__version__}",
-        "source": {"kind": "gguf" if src.is_file() else "huggingface", "path": str(src.resolve()),
-                   "fingerprint": fp},
-        "config": ckpt.config,
-        "tokenizer": tokenizer_files(ckpt, work),
+        "source": {**source, "fingerprint": fingerprint},
+        "config": config,
+        "tokenizer": tokenizer_fn(work),
         "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": container.policy_for(opts.quant)},
         "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
         "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
         "tensors": [asdict(t) for t in tensors],
         "pages": [asdict(p) for p in pages],
     }
-    ckpt.close()
     write_json_atomic(work / MANIFEST, manifest)
     bad = next(container.ContainerCheckpoint(work).verify(), None)
     if bad:

@@ -69,6 +69,19 @@ def open_model(path: Path):
     return ckpt, args, fam.Model(args)
 
 
+def check_tensors(ckpt, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Every tensor the math reads is present with the shape the config implies (checked before any is read)."""
+    have = set(ckpt.tensor_names())
+    for name, shape in shapes.items():
+        if name not in have:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing; the checkpoint is incomplete"
+                                 f" or not a {ckpt.config.get('model_type')} model")
+        got = tuple(ckpt.tensor_shape(name))
+        if got != tuple(shape):
+            raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}"
+                                 " from the config; the weights do not match the config")
+
+
 def describe(path: str | Path) -> dict[str, str]:
     """What `colibri info` prints: architecture, size, storage types, tokenizer, context length."""
     path = Path(path)
@@ -115,22 +128,11 @@ class Model:
         ckpt = self.checkpoint
         self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
         shapes = self.arch.weight_shapes()
-        self._check_shapes(shapes)
+        check_tensors(ckpt, shapes, self.path)
         self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.tokenizer = self._tokenizer()
         self.context_length = self.args.max_position_embeddings
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
-
-    def _check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        have = set(self.checkpoint.tensor_names())
-        for name, shape in shapes.items():
-            if name not in have:
-                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing; the checkpoint is incomplete"
-                                     f" or not a {self.args.model_type} model")
-            got = tuple(self.checkpoint.tensor_shape(name))
-            if got != shape:
-                raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}"
-                                     " from config.json; the weights do not match the config")
 
     def _tokenizer(self) -> Tokenizer | None:
         ckpt = self.checkpoint

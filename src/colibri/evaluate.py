@@ -1,0 +1,32 @@
+"""Quality measurements: perplexity over a token sequence, computed chunk by chunk with the KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from colibri.errors import InputError
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], chunk: int = 512) -> tuple[float, float]:
+    """(perplexity, mean negative log-likelihood) of ids[1:] given their prefixes, in one causal pass.
+
+    Memory stays at one chunk of logits ([chunk, V] f32) whatever len(ids) is.
+    """
+    if len(ids) < 2:
+        raise InputError("perplexity needs at least two tokens")
+    if len(ids) > model.context_length:
+        raise InputError(f"{len(ids)} tokens exceed the context of {model.context_length}")
+    cache = model.new_cache()
+    total, count = 0.0, 0
+    for s in range(0, len(ids) - 1, chunk):
+        window = ids[s:s + chunk]
+        logits = model.arch.forward(model.store, torch.tensor(window), cache, all_logits=True).float()
+        target = torch.tensor(ids[s + 1:s + 1 + len(window)])
+        logits = logits[: len(target)]
+        total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        count += len(target)
+    nll = total / count
+    return math.exp(nll), nll
