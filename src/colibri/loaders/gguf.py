@@ -16,6 +16,7 @@ are hard-coded here the same way.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ class GGUFCheckpoint:
         w = (w.copy() if t.tensor_type == QT.F32 else w.astype(np.float32, copy=False)).reshape(self.tensor_shape(name))
         if src.heads is not None:
             w = _unpermute_rows(w, src.heads)
+        self._drop_pages(t)
         out = torch.from_numpy(w)
         if src.minus_one:
             out -= 1.0
@@ -166,10 +168,21 @@ class GGUFCheckpoint:
         if src.minus_one:
             return QT.F32, self.load(name).numpy(), self.tensor_shape(name)
         t = self._tensors[src.gguf_name]
-        data = np.asarray(t.data if src.expert is None else t.data[src.expert])  # may be a read-only view of the map
+        data = np.array(t.data if src.expert is None else t.data[src.expert])  # a copy: the map's pages are dropped
         if src.heads is not None:
             data = _unpermute_rows(data, src.heads)
+        self._drop_pages(t)
         return QT(t.tensor_type), data, self.tensor_shape(name)
+
+    def _drop_pages(self, t) -> None:
+        """Unmap the pages of a tensor just read, so converting a large file keeps RSS at about one tensor (the
+        kernel keeps them in the page cache; only this process's mapping lets go)."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(t.data_offset + t.n_bytes, len(mm))
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Drop the memory map (released once no loaded view refers to it)."""

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from colibri.errors import ModelLoadError, UnsupportedModelError
 
-FLOAT_DTYPES = {"F32", "F16", "BF16"}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_DTYPES = set(SAFETENSORS_DTYPES)
 
 
 def read_json(path: Path) -> dict:
@@ -21,8 +22,8 @@ def read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({e}); re-download or fix the file") from None
 
 
-def safetensors_header(path: Path) -> dict:
-    """Parse and bounds-check a .safetensors header: {name: {dtype, shape, data_offsets}}."""
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """Parse and bounds-check a .safetensors header: ({name: {dtype, shape, data_offsets}}, data start)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -43,7 +44,7 @@ def safetensors_header(path: Path) -> dict:
             raise ModelLoadError(
                 f"{path}: truncated: tensor {name!r} ends at byte {end} but the file holds {data_size} data bytes;"
                 " re-download the file")
-    return header
+    return header, 8 + n
 
 
 class HFCheckpoint:
@@ -57,7 +58,7 @@ class HFCheckpoint:
         gen = self.path / "generation_config.json"
         self.generation_config = read_json(gen) if gen.is_file() else {}
         self._index = self._tensor_index()
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, int] = {}
         self.tokenizer, self.chat_template, self.special = self._tokenizer_files()
 
     def _tensor_index(self) -> dict[str, tuple[Path, dict]]:
@@ -73,10 +74,12 @@ class HFCheckpoint:
                                      " (save_pretrained(..., safe_serialization=True))")
             raise ModelLoadError(f"{self.path}: no .safetensors weights found")
         index = {}
+        self._data_start: dict[Path, int] = {}
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{f}: listed in model.safetensors.index.json but missing; re-download it")
-            for name, info in safetensors_header(f).items():
+            header, self._data_start[f] = safetensors_header(f)
+            for name, info in header.items():
                 index[name] = (f, info)
         return index
 
@@ -96,9 +99,17 @@ class HFCheckpoint:
         if info["dtype"] not in FLOAT_DTYPES:
             raise UnsupportedModelError(f"{f}: tensor {name!r} has dtype {info['dtype']}; supported: F32, F16, BF16"
                                         " (convert quantized checkpoints with their own tools first)")
+        # pread into a fresh buffer rather than safetensors' mmap: touched mmap pages count as RSS, so converting
+        # a 14 GB checkpoint through the map would grow RSS to 14 GB; this keeps it at about one tensor.
         if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(name)
+            self._handles[f] = os.open(f, os.O_RDONLY)
+        start, end = info["data_offsets"]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        if end > start:
+            got = os.preadv(self._handles[f], [memoryview(buf.numpy())], self._data_start[f] + start)
+            if got != end - start:
+                raise ModelLoadError(f"{f}: short read of tensor {name!r}; the file is truncated, re-download it")
+        return buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
     def _tokenizer_files(self):
         tok_file = self.path / "tokenizer.json"
@@ -128,4 +139,6 @@ class HFCheckpoint:
         return tokenizer, template, special
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
