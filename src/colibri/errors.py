@@ -15,3 +15,7 @@ class UnsupportedModelError(ColibriError):
 
 class InputError(ColibriError):
     """A prompt or request argument is invalid (empty, too long, bad value)."""
+
+
+class StorageError(ColibriError):
+    """Reading weights from disk failed (I/O error, file truncated or replaced); names the file and offset."""

@@ -1,0 +1,485 @@
+"""Disk reads for streamed weights: reusable 4096-aligned buffers and a few threads doing O_DIRECT `preadv`.
+
+Why this shape (benchmarks/disk.py): sequential O_DIRECT reads of a few MiB with two requests in flight reach the
+disk's bandwidth, and never leave a second copy of the weights in the page cache (which would then act as the
+cache and count against the memory limit). `os.preadv` releases the GIL, so two Python threads keep two requests
+in flight while the model computes. No mmap: page-fault driven reads are the slowest way to stream.
+
+* `AlignedBuffer` — an anonymous mapping (page-aligned by construction); `.tensor(offset, nbytes)` is a uint8
+  view over it, no copy. A buffer is reused after `BufferPool.release`: the caller drops its views first.
+* `BufferPool` — hands out buffers under a byte cap and reuses released ones.
+* `Reader` — opens each data file once, splits a page read into `request_size` requests, and runs them on
+  `io_threads` threads, demand reads (priority 0) ahead of prefetches (priority 1). `submit` returns a Future
+  that resolves to the filled buffer, or raises `StorageError` naming the file, offset and failure.
+* `probe_bandwidth` — measured read bandwidth of one file through a `Reader`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import heapq
+import itertools
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from colibri.errors import StorageError
+
+ALIGN = 4096  # O_DIRECT wants offset, length and memory address aligned; 4096 covers every logical block size
+# benchmarks/disk.py: 256 KiB requests lose up to 6x on cold data, 1-8 MiB are within run-to-run noise; 2 MiB
+# keeps the per-request Python cost small (~1000 requests/s at 2 GB/s).
+DEFAULT_REQUEST_SIZE = 2 << 20
+DEFAULT_IO_THREADS = 2  # cold reads: 1 thread ~1.1-1.5 GB/s, 2 threads ~2.6-2.9; 4 gave nothing consistent
+DEMAND, PREFETCH = 0, 1  # priorities: lower runs first
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+class AlignedBuffer:
+    """`nbytes` (rounded up to 4096) of page-aligned anonymous memory, with zero-copy torch and memoryview views.
+
+    The mapping is never closed explicitly: torch views keep it alive and it is unmapped when the last one goes.
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = align_up(max(int(nbytes), 1))
+        self._mem = mmap.mmap(-1, self.nbytes)  # anonymous mappings start on a page boundary
+        self._u8 = torch.frombuffer(self._mem, dtype=torch.uint8)
+        self._mv = memoryview(self._mem)
+
+    @property
+    def address(self) -> int:
+        return self._u8.data_ptr()
+
+    def _check(self, offset: int, nbytes: int | None) -> int:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + n}) is outside the {self.nbytes}-byte buffer")
+        return n
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """uint8 [nbytes] view of the buffer's bytes from `offset` (no copy; valid until the buffer is reused)."""
+        n = self._check(offset, nbytes)
+        return self._u8[offset:offset + n]
+
+    def memoryview(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        n = self._check(offset, nbytes)
+        return self._mv[offset:offset + n]
+
+    def __repr__(self) -> str:
+        return f"AlignedBuffer(nbytes={self.nbytes}, address={self.address:#x})"
+
+
+class BufferPool:
+    """Aligned buffers under a total byte cap, reused after release.
+
+    `acquire(n)` returns the smallest free buffer of at least `n` bytes, else allocates one (first dropping free
+    buffers that are too small when the cap requires it). When buffers in use fill the cap it blocks until a
+    release, or raises TimeoutError after `timeout` seconds (`timeout=0`: raise at once). A request larger than
+    the cap raises ValueError immediately: no release could satisfy it.
+    """
+
+    def __init__(self, cap_bytes: int):
+        self.cap_bytes = int(cap_bytes)
+        self._cv = threading.Condition()
+        self._free: list[AlignedBuffer] = []
+        self._in_use: dict[int, AlignedBuffer] = {}
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self._cv:
+            return sum(b.nbytes for b in self._in_use.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes held by the pool: in use plus free buffers kept for reuse."""
+        with self._cv:
+            return sum(b.nbytes for b in self._in_use.values()) + sum(b.nbytes for b in self._free)
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> AlignedBuffer:
+        n = align_up(max(int(nbytes), 1))
+        if n > self.cap_bytes:
+            raise ValueError(f"a {n}-byte buffer exceeds the buffer pool cap of {self.cap_bytes} bytes")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                buf = self._take_locked(n)
+                if buf is not None:
+                    self._in_use[id(buf)] = buf
+                    return buf
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no {n}-byte buffer free within {timeout} s: "
+                                       f"{sum(b.nbytes for b in self._in_use.values())} of {self.cap_bytes} "
+                                       f"bytes in use")
+                self._cv.wait(left)
+
+    def _take_locked(self, n: int) -> AlignedBuffer | None:
+        fits = [b for b in self._free if b.nbytes >= n]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(buf)
+            return buf
+        used = sum(b.nbytes for b in self._in_use.values())
+        if used + n > self.cap_bytes:
+            return None
+        self._free.sort(key=lambda b: b.nbytes)
+        while self._free and used + sum(b.nbytes for b in self._free) + n > self.cap_bytes:
+            self._free.pop(0)  # too small for this request and in the way of the cap: unmapped when unreferenced
+        return AlignedBuffer(n)
+
+    def release(self, buf: AlignedBuffer) -> None:
+        with self._cv:
+            if self._in_use.pop(id(buf), None) is None:
+                raise ValueError("release of a buffer that is not in use from this pool")
+            self._free.append(buf)
+            self._cv.notify_all()
+
+    def trim(self) -> int:
+        """Drop the free buffers; returns the bytes given back."""
+        with self._cv:
+            freed = sum(b.nbytes for b in self._free)
+            self._free.clear()
+            return freed
+
+
+@dataclass
+class IOStats:
+    direct: bool  # every file is read with O_DIRECT (False: buffered + fadvise(DONTNEED) fallback)
+    io_threads: int
+    request_size: int
+    reads: int = 0  # completed page reads
+    requests: int = 0  # completed preadv requests
+    bytes_read: int = 0
+    busy_s: float = 0.0  # summed over threads: time inside preadv
+    active_s: float = 0.0  # wall time with at least one request in flight
+    errors: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        """Achieved bandwidth while reading (10^9 bytes/s)."""
+        return self.bytes_read / self.active_s / 1e9 if self.active_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["gb_per_s"] = round(self.gb_per_s, 3)
+        return d
+
+
+class _Read:
+    __slots__ = ("future", "file_index", "offset", "nbytes", "buffer", "label", "todo", "inflight", "started",
+                 "error", "skip")
+
+    def __init__(self, future, file_index, offset, nbytes, buffer, label, todo):
+        self.future, self.file_index, self.offset, self.nbytes = future, file_index, offset, nbytes
+        self.buffer, self.label, self.todo = buffer, label, todo
+        self.inflight = 0
+        self.started = False
+        self.error: StorageError | None = None
+        self.skip = False  # cancelled before it started, or failed: its queued requests are dropped
+
+
+class _Request:
+    __slots__ = ("read", "offset", "length", "need", "view", "taken", "inject")
+
+    def __init__(self, read, offset, length, need, view):
+        self.read, self.offset, self.length, self.need, self.view = read, offset, length, need, view
+        self.taken = False
+        self.inject = False
+
+
+class Reader:
+    """Page reads from a fixed list of data files on `io_threads` threads; see the module docstring.
+
+    `direct`: None tries O_DIRECT per file and falls back to buffered reads (dropping the read range from the page
+    cache afterwards) where the filesystem refuses it; False forces buffered reads; True refuses the fallback.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], io_threads: int = DEFAULT_IO_THREADS,
+                 request_size: int = DEFAULT_REQUEST_SIZE, direct: bool | None = None):
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if request_size < ALIGN or request_size % ALIGN:
+            raise ValueError(f"request_size must be a positive multiple of {ALIGN}, got {request_size}")
+        self.paths = [os.fspath(p) for p in paths]
+        self.io_threads, self.request_size = io_threads, request_size
+        self._fds: list[int] = []
+        self._direct: list[bool] = []
+        self._retired_fds: list[int] = []
+        try:
+            for p in self.paths:
+                self._open(p, direct)
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            raise
+        self._require_direct = direct is True
+        self._cv = threading.Condition(threading.RLock())
+        self._heap: list[tuple[int, int, _Request]] = []
+        self._seq = itertools.count()
+        self._injected: dict[tuple[int, int | None], int] = {}
+        self._stats = IOStats(direct=all(self._direct), io_threads=io_threads, request_size=request_size)
+        self._inflight = 0
+        self._active_since = 0.0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, name=f"colibri-io-{i}", daemon=True)
+                         for i in range(io_threads)]
+        for t in self._threads:
+            t.start()
+
+    def _open(self, path: str, direct: bool | None) -> None:
+        try:
+            if direct is not False:
+                try:
+                    self._fds.append(os.open(path, os.O_RDONLY | os.O_DIRECT))
+                    self._direct.append(True)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL or direct:
+                        raise
+            self._fds.append(os.open(path, os.O_RDONLY))
+            self._direct.append(False)
+        except OSError as e:
+            raise StorageError(f"cannot open data file {path}: {e.strerror}") from e
+
+    # ---- public API -------------------------------------------------------------------------------------------
+
+    def submit(self, file_index: int, offset: int, nbytes: int, buffer: AlignedBuffer, priority: int = PREFETCH,
+               buffer_offset: int = 0, label: str = "") -> Future:
+        """Read bytes [offset, offset + nbytes) of file `file_index` into `buffer` at `buffer_offset`.
+
+        Both offsets must be multiples of 4096 and the buffer must hold `nbytes` rounded up to 4096. Returns a
+        Future resolving to `buffer` once every request of the read is done; `label` (e.g. "page 12") prefixes
+        the error message. A Future cancelled before its first request starts reads nothing.
+        """
+        if not 0 <= file_index < len(self.paths):
+            raise ValueError(f"file index {file_index} out of range (the reader has {len(self.paths)} files)")
+        if offset % ALIGN or buffer_offset % ALIGN:
+            raise ValueError(f"offsets must be multiples of {ALIGN}: file offset {offset}, "
+                             f"buffer offset {buffer_offset}")
+        span = align_up(nbytes)
+        if nbytes < 0 or buffer_offset + span > buffer.nbytes:
+            raise ValueError(f"a {nbytes}-byte read at buffer offset {buffer_offset} does not fit the "
+                             f"{buffer.nbytes}-byte buffer")
+        fut: Future = Future()
+        read = _Read(fut, file_index, offset, nbytes, buffer, label, 0)
+        reqs = []
+        for pos in range(0, nbytes, self.request_size):
+            length = min(self.request_size, span - pos)
+            reqs.append(_Request(read, offset + pos, length, min(length, nbytes - pos),
+                                 buffer.memoryview(buffer_offset + pos, length)))
+        read.todo = len(reqs)
+        fut._colibri_read = read  # lets promote() find the requests
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the reader is closed")
+            if not reqs:
+                fut.set_result(buffer)
+                return fut
+            for r in reqs:
+                heapq.heappush(self._heap, (priority, next(self._seq), r))
+            self._cv.notify(min(len(reqs), self.io_threads))
+        return fut
+
+    def read(self, file_index: int, offset: int, nbytes: int, buffer: AlignedBuffer, buffer_offset: int = 0,
+             label: str = "") -> AlignedBuffer:
+        """Blocking demand read."""
+        return self.submit(file_index, offset, nbytes, buffer, DEMAND, buffer_offset, label).result()
+
+    def promote(self, future: Future, priority: int = DEMAND) -> None:
+        """Move the not-yet-started requests of a submitted read to `priority` (a prefetch became a demand)."""
+        read = getattr(future, "_colibri_read", None)
+        if read is None:
+            return
+        with self._cv:
+            # re-push the waiting requests; the old heap entries are skipped when popped (already taken)
+            waiting = [r for _, _, r in self._heap if r.read is read and not r.taken]
+            for r in waiting:
+                nr = _Request(read, r.offset, r.length, r.need, r.view)
+                r.taken = True
+                heapq.heappush(self._heap, (priority, next(self._seq), nr))
+
+    def inject_error(self, file_index: int, offset: int | None = None, times: int = 1) -> None:
+        """Test hook: the next `times` requests of file `file_index` covering byte `offset` (any offset: None)
+        fail with EIO as if the disk had returned it."""
+        with self._cv:
+            self._injected[(file_index, offset)] = self._injected.get((file_index, offset), 0) + times
+
+    def stats(self) -> IOStats:
+        """A snapshot of the counters."""
+        with self._cv:
+            s = dataclasses.replace(self._stats, direct=all(self._direct))
+            if self._inflight:
+                s.active_s += time.perf_counter() - self._active_since
+            return s
+
+    def close(self) -> None:
+        """Stop the threads (each finishes its current request), fail reads still queued, close the files."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        pending = {id(r.read): r.read for _, _, r in self._heap if not r.taken}
+        self._heap.clear()
+        for read in pending.values():
+            if not read.future.cancel() and not read.future.done():
+                err = self._error(read, read.offset, "the reader was closed before the read finished")
+                read.future.set_exception(err)
+        for fd in self._fds + self._retired_fds:
+            os.close(fd)
+        self._fds, self._retired_fds = [], []
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- worker side ------------------------------------------------------------------------------------------
+
+    def _error(self, read: _Read, offset: int, what: str) -> StorageError:
+        head = f"{read.label}: " if read.label else ""
+        return StorageError(f"{head}read of {self.paths[read.file_index]} at offset {offset} failed: {what}")
+
+    def _next_locked(self) -> _Request | None:
+        while True:
+            while not self._heap and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return None
+            req = heapq.heappop(self._heap)[2]
+            if req.taken:
+                continue
+            req.taken = True
+            read = req.read
+            if read.skip:
+                continue
+            if not read.started:
+                read.started = True
+                if not read.future.set_running_or_notify_cancel():
+                    read.skip = True
+                    continue
+            req.inject = self._take_injection(read.file_index, req.offset, req.length)
+            read.inflight += 1
+            if self._inflight == 0:
+                self._active_since = time.perf_counter()
+            self._inflight += 1
+            return req
+
+    def _take_injection(self, file_index: int, offset: int, length: int) -> bool:
+        for key, left in self._injected.items():
+            f, at = key
+            if f == file_index and left > 0 and (at is None or offset <= at < offset + length):
+                self._injected[key] = left - 1
+                return True
+        return False
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                req = self._next_locked()
+            if req is None:
+                return
+            read = req.read
+            t0 = time.perf_counter()
+            err = None
+            try:
+                self._do(req)
+            except StorageError as e:
+                err = e
+            except OSError as e:
+                err = self._error(read, req.offset, f"{e.strerror or e} (errno {e.errno})")
+            t1 = time.perf_counter()
+            result = None
+            with self._cv:
+                st = self._stats
+                st.busy_s += t1 - t0
+                self._inflight -= 1
+                if self._inflight == 0:
+                    st.active_s += t1 - self._active_since
+                read.inflight -= 1
+                if err is None:
+                    st.requests += 1
+                    st.bytes_read += req.need
+                    read.todo -= 1
+                    if read.todo == 0 and read.error is None:
+                        st.reads += 1
+                        result = (read.future.set_result, read.buffer)
+                else:
+                    st.errors += 1
+                    if read.error is None:
+                        read.error, read.skip = err, True
+                # a failed read resolves only when none of its requests still writes into the buffer
+                if read.error is not None and read.inflight == 0 and not read.future.done():
+                    result = (read.future.set_exception, read.error)
+            if result is not None:
+                result[0](result[1])  # outside the lock: callbacks may submit more reads
+
+    def _do(self, req: _Request) -> None:
+        i = req.read.file_index
+        if req.inject:
+            raise OSError(errno.EIO, "Input/output error (injected by the test hook)")
+        fd, direct = self._fds[i], self._direct[i]
+        done = 0
+        while done < req.need:
+            try:
+                n = os.preadv(fd, [req.view[done:]], req.offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and direct and done == 0 and not self._require_direct:
+                    fd, direct = self._fall_back(i), False  # the filesystem accepted O_DIRECT at open, not here
+                    continue
+                raise
+            if n == 0 or (direct and (done + n) % ALIGN and done + n < req.need):
+                raise self._error(req.read, req.offset + done + n,
+                                  f"short read, got {done + n} of {req.need} bytes from offset {req.offset}; "
+                                  f"the file is shorter than the container says (truncated or replaced)")
+            done += n
+        if not direct:
+            os.posix_fadvise(fd, req.offset, req.length, os.POSIX_FADV_DONTNEED)
+
+    def _fall_back(self, i: int) -> int:
+        with self._cv:
+            if self._direct[i]:
+                try:
+                    fd = os.open(self.paths[i], os.O_RDONLY)
+                except OSError as e:
+                    raise StorageError(f"cannot reopen data file {self.paths[i]}: {e.strerror}") from e
+                self._retired_fds.append(self._fds[i])  # another thread may still be using it
+                self._fds[i], self._direct[i] = fd, False
+            return self._fds[i]
+
+
+def probe_bandwidth(path: str | os.PathLike, seconds: float = 1.0, request_size: int = DEFAULT_REQUEST_SIZE,
+                    threads: int = DEFAULT_IO_THREADS, window: int = 64 << 20) -> float:
+    """Read bandwidth of `path` in bytes/s: sequential `window`-sized reads (O_DIRECT where supported, two in
+    flight) for about `seconds`, wrapping around at the end of the file."""
+    size = os.path.getsize(path) // ALIGN * ALIGN
+    if size == 0:
+        raise ValueError(f"{path} is smaller than {ALIGN} bytes; nothing to measure")
+    window = min(align_up(window), size)
+    bufs = [AlignedBuffer(window) for _ in range(2)]
+    with Reader([path], io_threads=threads, request_size=request_size) as reader:
+        offsets = itertools.cycle(range(0, size - window + 1, window))
+        t0 = time.perf_counter()
+        inflight = [reader.submit(0, next(offsets), window, b) for b in bufs]
+        while True:
+            done = inflight.pop(0).result()
+            if time.perf_counter() - t0 >= seconds:
+                break
+            inflight.append(reader.submit(0, next(offsets), window, done))
+        for f in inflight:
+            f.result()
+        elapsed = time.perf_counter() - t0
+        return reader.stats().bytes_read / elapsed
