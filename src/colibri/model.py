@@ -117,10 +117,8 @@ def describe(path: str | Path) -> dict[str, str]:
 
 
 class Model:
-    def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None):
-        if memory_limit is not None:
-            raise UnsupportedModelError("memory_limit needs the streaming runtime, which this version lacks;"
-                                        " omit it to load all weights into RAM")
+    def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
+                 io_threads: int = 2, prefetch_depth: int = 2):
         if threads:
             torch.set_num_threads(int(threads))
         self.path = Path(path)
@@ -129,7 +127,16 @@ class Model:
         self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
-        self.store = RamStore.load(shapes, ckpt.load, self.dtype)
+        if memory_limit is not None:
+            if not hasattr(ckpt, "manifest"):
+                raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
+                                            " convert the model first (colibri convert --input ... --output ...)")
+            from colibri.streaming import StreamingStore
+            self.store = StreamingStore(ckpt, self.args.num_layers, self.args.tie_word_embeddings,
+                                        parse_size(memory_limit), self.dtype, io_threads=io_threads,
+                                        prefetch_depth=prefetch_depth)
+        else:
+            self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.tokenizer = self._tokenizer()
         self.context_length = self.args.max_position_embeddings
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
@@ -230,6 +237,34 @@ class Model:
         self.close()
 
 
-def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None) -> Model:
-    """Load an HF model directory or a .gguf file. dtype: None (checkpoint's), "float32"/"bfloat16" or torch dtype."""
-    return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads)
+def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None, io_threads: int = 2,
+         prefetch_depth: int = 2) -> Model:
+    """Load a Colibri container, an HF model directory or a .gguf file.
+
+    dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
+    like "600M", "2G"; containers only): the weights' budget; pages that do not fit are streamed from disk with
+    O_DIRECT reads by `io_threads` threads, `prefetch_depth` pages ahead.
+    """
+    return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
+                 prefetch_depth=prefetch_depth)
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_size(value) -> int:
+    """Bytes from an int or a string like "600M", "2G", "1.5GiB" (binary units)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        unit = text[len(num):]
+        try:
+            n = int(float(num) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise InputError(f"memory size {value!r} is not understood; write e.g. 600M, 2G or a byte count") from None
+    if n <= 0:
+        raise InputError(f"memory size must be positive (got {value!r})")
+    return n

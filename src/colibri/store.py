@@ -27,7 +27,11 @@ class WeightStore(Protocol):
         """Rows `ids` of a lookup table (token embedding): [len(ids), D]."""
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
-        """Scope of layer i's compute: a streaming store makes its pages resident and prefetches ahead."""
+        """Scope of layer i's compute (i == num_layers: the head): a streaming store makes its pages resident
+        and prefetches ahead; tensors got inside are not used after it closes."""
+
+    def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
+        """Scope of one routed expert's compute in layer i."""
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Hint: these tensors are needed next (the routed experts of the current layer)."""
@@ -68,6 +72,10 @@ class RamStore:
 
     @contextlib.contextmanager
     def layer(self, i: int) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def expert(self, i: int, e: int) -> Iterator[None]:
         yield
 
     def prefetch(self, names: Iterable[str]) -> None:

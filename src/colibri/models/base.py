@@ -313,8 +313,9 @@ class DecoderModel:
         cache.advance(tokens.shape[0])
         if not all_logits:
             x = x[-1:]
-        x = self.norm(x, store, "model.norm.weight")
-        logits = linear(x, store.get(self.lm_head_name()))
+        with store.layer(a.num_layers):  # the head's scope
+            x = self.norm(x, store, "model.norm.weight")
+            logits = linear(x, store.get(self.lm_head_name()))
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
@@ -386,7 +387,8 @@ class DecoderModel:
         out = torch.zeros_like(x)
         for e in routed:
             tok, slot = torch.where(top_i == e)
-            y = self.expert(store, self.expert_names(i, e), x[tok]) * top_w[tok, slot, None]
+            with store.expert(i, e):
+                y = self.expert(store, self.expert_names(i, e), x[tok]) * top_w[tok, slot, None]
             out.index_add_(0, tok, y)
         if a.shared_expert_intermediate_size:
             s = self.mlp(store, m + "shared_expert.", x)
