@@ -58,8 +58,9 @@ def test_dense_sweep_reads_exactly_the_streamed_bytes(containers):
     start = m.store.stats.bytes_read  # the pinned pages
     assert start == p.pinned_bytes
     ids = PROMPT[:1]
-    m.generate(ids, max_tokens=5, ignore_eos=True)  # 5 forward passes (1 prefill + 4 decode steps)
+    r = m.generate(ids, max_tokens=5, ignore_eos=True)  # 5 forward passes (1 prefill + 4 decode steps)
     assert m.store.stats.bytes_read - start == 5 * p.streamed_bytes  # no thrash, no re-reads within a pass
+    assert r.stats["disk_bytes_read"] == 5 * p.streamed_bytes and r.stats["io_wait_s"] >= 0
     assert all(m.store.state[i] == PageState.PINNED for i in p.pinned)
 
 

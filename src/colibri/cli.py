@@ -18,6 +18,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "dtype": (dict(choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's; f32 for GGUF)"),
               None),
     "threads": (dict(type=int, help="CPU threads for compute (default: torch's choice)"), "COLIBRI_THREADS"),
+    "memory_limit": (dict(help="memory budget for weights, e.g. 600M, 2G (Colibri containers): pages that do not"
+                               " fit are streamed from disk"), "COLIBRI_MEMORY_LIMIT"),
+    "io_threads": (dict(type=int, default=2, help="threads reading streamed weights (default 2)"), None),
+    "prefetch_depth": (dict(type=int, default=2, help="streamed pages read ahead of use (default 2)"), None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=256, help="maximum tokens to generate (default 256)"), None),
@@ -41,7 +45,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
 }
-COMMON = ["model", "dtype", "threads", "debug"]
+COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "debug"]
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
 
 
@@ -82,7 +86,8 @@ def model_path(args) -> str:
 
 def load_model(args):
     from colibri.model import load
-    return load(model_path(args), dtype=args.dtype, threads=args.threads)
+    return load(model_path(args), dtype=args.dtype, threads=args.threads, memory_limit=args.memory_limit,
+                io_threads=args.io_threads, prefetch_depth=args.prefetch_depth)
 
 
 def sampling(args) -> dict[str, Any]:

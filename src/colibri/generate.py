@@ -44,6 +44,13 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
     metrics.prompt_tokens = len(prompt_ids)
     sampler = Sampler(params)
     cache = model.new_cache()
+    io = getattr(model.store, "stats", None)  # streaming store counters; absent when all weights are in RAM
+    io0 = (io.bytes_read, io.io_wait_s) if io else (0, 0.0)
+
+    def account_io() -> None:
+        if io:
+            metrics.disk_bytes_read, metrics.io_wait_s = io.bytes_read - io0[0], io.io_wait_s - io0[1]
+
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids, cache)
     metrics.prefill_s = time.perf_counter() - t0
@@ -61,12 +68,14 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
         context.append(token)
         metrics.generated_tokens += 1
         metrics.decode_s = time.perf_counter() - t_decode
+        account_io()
         yield token
         if n + 1 == params.max_tokens or cache.length + 1 >= ctx:
             break
         logits = model.decode_step(token, cache)
     if t_decode is not None:
         metrics.decode_s = time.perf_counter() - t_decode
+    account_io()
 
 
 def stream(model: "Model", prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:

@@ -23,6 +23,8 @@ class GenerationMetrics:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    disk_bytes_read: int = 0  # weight bytes read from disk during this generation (streaming store)
+    io_wait_s: float = 0.0  # time the forward pass waited for those reads
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def mark_first_token(self) -> None:
@@ -51,9 +53,13 @@ class GenerationMetrics:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
             "peak_rss_bytes": peak_rss_bytes(),
             "finish_reason": self.finish_reason,
+            "disk_bytes_read": self.disk_bytes_read,
+            "io_wait_s": round(self.io_wait_s, 6),
         }
 
     def summary(self) -> str:
         return (f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens | "
                 f"TTFT {self.ttft_s:.3f} s | prefill {self.prefill_tokens_per_s:.1f} tok/s | "
-                f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
+                f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
+                + (f" | disk read {self.disk_bytes_read / 2**20:.0f} MiB, I/O wait {self.io_wait_s:.2f} s"
+                   if self.disk_bytes_read else ""))
