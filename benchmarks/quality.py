@@ -4,7 +4,8 @@
 
 Each model's GGUF (from PyPI, see DESIGN.md) is dequantized once into a bf16 HF directory; that bf16 model is the
 baseline, and is converted to q8, q4-g32, q4-g64 and q4-g128 containers. The original GGUF (imported losslessly)
-is listed too. Text: the first --tokens tokens of CPython's pydoc topics (`pydoc_data.topics`, keys sorted).
+is listed too (`convert --quant q4` of the .gguf: its Q4_0/Q4_1/Q8_0 tensors are kept bit-exact, other GGUF types
+are re-quantized by the q4 policy). Text: the first --tokens tokens of CPython's pydoc topics (`pydoc_data.topics`, keys sorted).
 Perplexity is computed with f32 activations (so only the stored weights differ between rows) and, for the
 quantized rows, also with the default bf16 activations that the fast int4/int8 kernels use.
 """
@@ -83,11 +84,11 @@ def main() -> None:
             t0 = time.perf_counter()
             base = ppl(hf, ids, "float32")
             rows.append(("bf16 (baseline)", base, None, hf))
-            rows.append(("GGUF original, imported losslessly", None, None, None))
+            rows.append(("GGUF file via `convert --quant q4`", None, None, None))
             c = tmp / "gguf-import"
             convert(gguf, c, ConvertOptions(quant="q4"))
             both = key in a.bf16_act
-            rows[-1] = ("GGUF original, imported losslessly", ppl(c, ids, "float32"),
+            rows[-1] = ("GGUF file via `convert --quant q4`", ppl(c, ids, "float32"),
                         ppl(c, ids, "bfloat16") if both else None, c)
             for label, q, g in KINDS:
                 c = tmp / label
