@@ -204,3 +204,15 @@ def test_real_gguf_tensors_are_lossless():
             expected = gguf_dequantize(raw[:80], t.tensor_type).reshape(80, k)
             assert torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
     assert checked == {QT.Q4_1, QT.Q8_0}
+
+
+@pytest.mark.parametrize("kind,group_size", [("q4", 64), ("q8", 0), ("q8", 32)])
+def test_quantize_in_row_chunks_is_identical(monkeypatch, kind, group_size):
+    """The converter quantizes big tensors a few rows at a time (bounded memory); results do not change."""
+    import colibri.quant as q
+
+    w = _randn(200, 256)  # 200 rows: the padded q4 tail (208 rows) is crossed by a chunk boundary
+    whole = quantize(w, kind, group_size).buffers()
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 256 * 7)
+    chunked = quantize(w, kind, group_size).buffers()
+    assert all(torch.equal(whole[k], chunked[k]) for k in whole)

@@ -380,6 +380,7 @@ def _bf16_round_up(t: torch.Tensor) -> torch.Tensor:
 
 
 Q4_FIT_ITERS = 6
+QUANTIZE_CHUNK = 1 << 22  # elements per quantization step (16 MiB of f32): bounds converter memory
 
 
 def _q4_fit(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,22 +423,30 @@ def quantize(w: torch.Tensor, kind: str, group_size: int) -> Q4Weight | Q8Weight
     kind_ = _kind(kind, group_size)
     n, k = _check_shape(kind_, tuple(w.shape))
     g = kind_.group_size or k
-    wf = w.detach().float().reshape(n, k // g, g)
+    w = w.detach()
+    rows = max(1, QUANTIZE_CHUNK // k)  # f32 temporaries stay at a few chunks whatever the tensor's size
     if kind_.name == "q8":
-        scale = _bf16_round_up(wf.abs().amax(-1) / 127)
-        sf = scale.float().unsqueeze(-1)
-        q = torch.where(sf > 0, torch.round(wf / sf.clamp_min(1e-30)), 0).clamp_(-127, 127).to(torch.int8)
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // g, dtype=torch.bfloat16)
+        for r in range(0, n, rows):
+            wf = w[r:r + rows].float().reshape(-1, k // g, g)
+            scale[r:r + rows] = _bf16_round_up(wf.abs().amax(-1) / 127)
+            sf = scale[r:r + rows].float().unsqueeze(-1)
+            q[r:r + rows] = torch.where(sf > 0, torch.round(wf / sf.clamp_min(1e-30)), 0).clamp_(-127, 127).view(-1, k)
         scales = scale.reshape(n) if kind_.group_size == 0 else scale
-        return Q8Weight(kind_, (n, k), {"qweight": q.view(n, k), "scales": scales.contiguous()})
-    scale, zero = _q4_fit(wf)
-    sf, zf = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
-    q = torch.where(sf > 0, torch.round((wf - zf) / sf.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
+        return Q8Weight(kind_, (n, k), {"qweight": q, "scales": scales.contiguous()})
     np_ = _round16(n)
     qp = torch.full((np_, k), 8, dtype=torch.uint8)
-    qp[:n] = q.view(n, k).to(torch.uint8)
     sz = torch.zeros(k // g, np_, 2, dtype=torch.bfloat16)
-    sz[:, :n, 0] = scale.T
-    sz[:, :n, 1] = zero.T
+    for r in range(0, n, rows):
+        wf = w[r:r + rows].float().reshape(-1, k // g, g)
+        scale, zero = _q4_fit(wf)
+        sf, zf = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        q = torch.where(sf > 0, torch.round((wf - zf) / sf.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
+        end = r + wf.shape[0]  # qp and sz have padding rows beyond n
+        qp[r:end] = q.view(-1, k).to(torch.uint8)
+        sz[:, r:end, 0] = scale.T
+        sz[:, r:end, 1] = zero.T
     return Q4Weight(kind_, (n, k), {"qweight": _pack_q4(qp), "scales_zeros": sz})
 
 
