@@ -147,8 +147,7 @@ class GGUFCheckpoint:
         src = self._source(name)
         t = self._tensors[src.gguf_name]
         data = t.data if src.expert is None else t.data[src.expert]
-        w = dequantize(data, t.tensor_type)  # F32 comes back as a view of the map: copy it
-        w = (w.copy() if t.tensor_type == QT.F32 else w.astype(np.float32, copy=False)).reshape(self.tensor_shape(name))
+        w = _dequantize_rows(data, t.tensor_type).reshape(self.tensor_shape(name))
         if src.heads is not None:
             w = _unpermute_rows(w, src.heads)
         self._drop_pages(t)
@@ -389,6 +388,24 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelLoadError(
             f"{path}: the GGUF file is truncated or corrupt ({type(e).__name__}: {_first_line(e)}); download it again"
         ) from e
+
+
+DEQUANT_ROWS_BYTES = 8 << 20  # stored bytes dequantized per step: numpy's dequantizers make several f32 temporaries
+
+
+def _dequantize_rows(data: np.ndarray, qtype) -> np.ndarray:
+    """float32 copy of a stored tensor, dequantized a few MiB of rows at a time (bounded temporaries)."""
+    if qtype == QT.F32:
+        return np.array(data, dtype=np.float32)  # a view of the map: copy it
+    if data.ndim < 2 or data.shape[0] < 2:
+        return dequantize(data, qtype).astype(np.float32, copy=False)
+    step = max(1, DEQUANT_ROWS_BYTES // max(1, data[0].nbytes))
+    first = dequantize(data[:step], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    out[:step] = first
+    for r in range(step, data.shape[0], step):
+        out[r:r + step] = dequantize(data[r:r + step], qtype)
+    return out
 
 
 def _first_line(e: Exception) -> str:
