@@ -137,14 +137,22 @@ def forward_groups(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, int | 
     return [(k, l, e, names) for (k, l, e), names in sorted(groups.items(), key=lambda kv: order(kv[0]))]
 
 
-def policy_for(quant_kind: str) -> dict[str, str]:
+# Under q4, the attention value projection and the FFN down projection (mixtral: w2) are stored as q8, as
+# llama.cpp's Q4_K_M keeps attn_v / ffn_down at higher precision: measured on SmolLM2 (docs/quality.md) they carry
+# most of q4's perplexity cost for ~15 % more bytes.
+SENSITIVE = ("self_attn.v_proj.", "down_proj.", ".w2.")
+
+
+def policy_for(quant_kind: str) -> dict:
     """Which kind each class of tensor is stored as (docs/format.md, "Quantization policy")."""
     edge = "q8" if quant_kind in QUANT_KINDS else quant_kind
-    small = "f32"
-    return {"linear": quant_kind, "small": small, "embedding": edge, "lm_head": edge}
+    policy = {"linear": quant_kind, "small": "f32", "embedding": edge, "lm_head": edge}
+    if quant_kind == "q4":
+        policy["sensitive"] = {"kind": "q8", "names": list(SENSITIVE)}
+    return policy
 
 
-def tensor_kind(role: str, ndim: int, policy: dict[str, str], source_type: str | None) -> str:
+def tensor_kind(name: str, role: str, ndim: int, policy: dict, source_type: str | None) -> str:
     if ndim == 1 or role == "router":
         return policy["small"]
     if source_type is not None and policy["linear"] in QUANT_KINDS:
@@ -155,6 +163,9 @@ def tensor_kind(role: str, ndim: int, policy: dict[str, str], source_type: str |
         return policy["embedding"]
     if role == "head":
         return policy["lm_head"]
+    sensitive = policy.get("sensitive")
+    if sensitive and any(k in name for k in sensitive["names"]):
+        return sensitive["kind"]
     return policy["linear"]
 
 
@@ -203,7 +214,7 @@ def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str,
             shape = tuple(shapes[name])
             role = tensor_role(name, kind, len(shape))
             src = source_types.get(name)
-            tk = tensor_kind(role, len(shape), policy, src)
+            tk = tensor_kind(name, role, len(shape), policy, src)
             exact = src if tk in QUANT_KINDS and src in quant.GGUF_EXACT else None
             # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32.
             gs = 32 if exact else (0 if tk == "q8" else group_size)

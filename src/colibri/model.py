@@ -111,7 +111,8 @@ def describe(path: str | Path) -> dict[str, str]:
         info["pages"] = f"{len(mf['pages'])} (target {mf['page_size'] >> 20} MiB)"
         q = mf["quant"]
         info["quantization"] = f"{q['kind']} group {q['group_size']}; policy " + ", ".join(
-            f"{k}={v}" for k, v in q["policy"].items())
+            f"{k}={v['kind']} ({', '.join(n.strip('.') for n in v['names'])})" if isinstance(v, dict) else f"{k}={v}"
+            for k, v in q["policy"].items())
     ckpt.close()
     return info
 
