@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -78,7 +79,10 @@ def main() -> None:
             t0 = time.perf_counter()
             write_synthetic_hf(a.synthetic_hf, src)
             print(f"wrote synthetic bf16 checkpoint {src} ({dir_size(src) / 2**30:.2f} GiB) in "
-                  f"{time.perf_counter() - t0:.0f} s")
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            # Start afresh: a child's ru_maxrss includes the parent's pages at fork, and writing the checkpoint
+            # left this process large. The re-run finds the checkpoint and goes straight to the conversion.
+            os.execv(sys.executable, [sys.executable, *sys.argv])
     if src is None:
         sys.exit("error: give --input or --synthetic-hf")
     out = work / "converted"
