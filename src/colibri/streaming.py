@@ -17,7 +17,7 @@ import contextlib
 import enum
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
@@ -131,7 +131,6 @@ def plan(pages: list[dict], num_layers: int, tied: bool, budget: int | None, pre
 class _Slot:
     buffer: AlignedBuffer
     future: Future
-    state: PageState = PageState.LOADING
 
 
 @dataclass
@@ -141,7 +140,6 @@ class StreamStats:
     hits: int = 0  # a streamed page found already read (prefetched) when its scope began
     misses: int = 0
     io_wait_s: float = 0.0
-    per_pass: list[int] = field(default_factory=list)
 
 
 class StreamingStore:
@@ -252,7 +250,6 @@ class StreamingStore:
         try:
             for pid in pids:
                 self._slots[pid].future.result()  # raises StorageError naming the page and file
-                self._slots[pid].state = PageState.RESIDENT
                 self.state[pid] = PageState.RESIDENT
         except BaseException:
             for pid in pids:  # a failed read leaves nothing behind: the next pass reads the pages again
