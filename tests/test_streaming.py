@@ -10,6 +10,9 @@ import colibri
 import tiny_models
 from colibri import convert as conv
 from colibri.errors import InputError, StorageError
+import torch
+
+from colibri import streaming
 from colibri.streaming import PageState
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
@@ -36,12 +39,19 @@ def total_bytes(m) -> int:
     return sum(p["nbytes"] for p in m.checkpoint.pages)
 
 
+def limit_for(path, fraction: float, batch_size: int = 512) -> int:
+    """A memory limit: the container's minimum working set (KV cache, activations, staging) plus `fraction` of
+    its weight bytes."""
+    placement, _, _ = colibri.model.plan(path, None, batch_size=batch_size)
+    return placement.minimum + int(fraction * placement.pinned_bytes)
+
+
 @pytest.mark.parametrize("family", tiny_models.FAMILIES)
 def test_placement_never_changes_tokens(containers, family):
     path = containers(family)
     ref = colibri.load(path).generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids
     size = total_bytes(colibri.load(path))
-    configs = [(size // 2, 1, 0), (size // 2, 4, 2), (size * 3 // 4, 2, 4)]
+    configs = [(limit_for(path, 0), 1, 0), (limit_for(path, 0.25), 4, 2), (limit_for(path, 0.5), 2, 4)]
     for limit, io_threads, depth in configs:
         m = colibri.load(path, memory_limit=limit, io_threads=io_threads, prefetch_depth=depth)
         assert m.store.placement.streamed, "the limit must force streaming"
@@ -52,7 +62,7 @@ def test_placement_never_changes_tokens(containers, family):
 
 
 def test_dense_sweep_reads_exactly_the_streamed_bytes(containers):
-    m = colibri.load(containers("llama"), memory_limit=total_bytes(colibri.load(containers("llama"))) // 2,
+    m = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25),
                      prefetch_depth=0)
     p = m.store.placement
     start = m.store.stats.bytes_read  # the pinned pages
@@ -79,7 +89,7 @@ def test_memory_limit_needs_a_container(tiny_model_dir):
 def test_read_error_names_page_and_file_and_engine_recovers(containers):
     path = containers("qwen3_moe")
     ref = colibri.load(path).generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
-    m = colibri.load(path, memory_limit=total_bytes(colibri.load(path)) // 2, prefetch_depth=0)
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)
     streamed = m.store.placement.streamed[0]
     page = m.checkpoint.pages[streamed]
     m.store.reader.inject_error(page["file"], page["offset"])
@@ -95,8 +105,117 @@ def test_data_file_truncated_after_load(containers, tmp_path):
 
     path = tmp_path / "c"
     shutil.copytree(containers("llama"), path)
-    m = colibri.load(path, memory_limit=total_bytes(colibri.load(path)) // 2, prefetch_depth=0)
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)
     last = m.checkpoint.pages[m.store.placement.streamed[-1]]
     os.truncate(path / "data-00000.bin", last["offset"])
     with pytest.raises(StorageError, match="data-00000.bin.*(short read|truncated)"):
         m.generate(PROMPT, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_containers(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream-bf16")
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = root / family
+            conv.convert(tiny_model_dir(family), cache[family], conv.ConvertOptions(quant="bf16", page_size_mb=1))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "q4"), ("llama_tied", "q4"), ("qwen2", "bf16"),
+                                         ("gemma3", "bf16"), ("llama", "bf16")])
+def test_tables_read_by_rows_and_blocks(containers, bf16_containers, monkeypatch, family, kind):
+    """Embedding lookups read only their rows and the head streams its rows in blocks: same tokens, same logits."""
+    monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)  # tiny tables: force several blocks
+    path = (containers if kind == "q4" else bf16_containers)(family)
+    ref = colibri.load(path, batch_size=1)  # same pass shapes: bf16 results depend on them
+    want_ids = ref.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids
+    want_logits = ref.logits(PROMPT)
+    # one token per pass: the lookup's row buffers stay smaller than the tiny embedding page
+    m = colibri.load(path, memory_limit=limit_for(path, 0, 1), prefetch_depth=0, batch_size=1)
+    tables = {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows}
+    assert "embedding" in tables and (m.args.tie_word_embeddings or "head" in tables)
+    assert m.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == want_ids
+    got = m.logits(PROMPT)
+    # q8 tables compute row by row (bit-identical); a bf16 GEMM may accumulate a split vocabulary differently
+    assert torch.equal(got, want_logits) if kind == "q4" else torch.allclose(got, want_logits, atol=1e-4, rtol=0)
+    assert m.store.stats.row_bytes_read > 0
+
+
+def test_batch_size_chunks_prefill_reads(containers):
+    """A 12-token prompt with --batch-size 5 is three forward passes: the streamed pages are read three times."""
+    path = containers("llama")
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0, batch_size=5)
+    p = m.store.placement
+    before = m.store.stats.bytes_read - m.store.stats.row_bytes_read
+    m.generate(PROMPT, max_tokens=1)
+    assert m.store.stats.bytes_read - m.store.stats.row_bytes_read - before == 3 * p.streamed_bytes
+    with pytest.raises(InputError, match="batch-size"):
+        colibri.load(path, batch_size=0)
+
+
+def test_corrupt_page_is_found_on_first_read(containers, tmp_path):
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(containers("llama"), path)
+    placement, _, _ = colibri.model.plan(path, limit_for(path, 0.25), prefetch_depth=0)
+    page = colibri.load(path).checkpoint.pages[placement.streamed[-1]]
+    with open(path / "data-00000.bin", "r+b") as f:
+        f.seek(page["offset"] + page["nbytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)  # the bad page is not read yet
+    with pytest.raises(StorageError, match=f"page {page['id']}: checksum mismatch in .*data-00000.bin"):
+        m.generate(PROMPT, max_tokens=4, ignore_eos=True)
+
+
+def test_data_file_rewritten_after_load_is_refused(containers, tmp_path):
+    import shutil
+
+    path = tmp_path / "c"
+    shutil.copytree(containers("llama"), path)
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25))
+    shutil.copy(path / "data-00000.bin", tmp_path / "copy.bin")
+    os.replace(tmp_path / "copy.bin", path / "data-00000.bin")  # a different file under the same name
+    with pytest.raises(StorageError, match="data-00000.bin changed on disk after the model was loaded"):
+        m.generate(PROMPT, max_tokens=2)
+
+
+def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
+    """Experts stay cached between tokens, prefill never evicts the decode set, and usage.json (written at
+    close) makes the next load pin the hottest experts; tokens never change."""
+    import json
+    import shutil
+
+    path = tmp_path / "moe"
+    shutil.copytree(containers("qwen3_moe"), path)
+    (path / "usage.json").unlink(missing_ok=True)  # other tests' runs wrote their counts
+    ref = colibri.load(path).generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids
+    pages = colibri.load(path).checkpoint.pages
+    dense = sum(p["nbytes"] for p in pages if p["kind"] != "expert")
+    expert = max(p["nbytes"] for p in pages if p["kind"] == "expert")
+    _, reserve, _ = colibri.model.plan(path, None)
+    limit = reserve.total + dense + 4 * expert  # every dense page pinned, one staging slot, three cache slots
+    m = colibri.load(path, memory_limit=limit, prefetch_depth=0)
+    assert m.store.placement.cache_slots >= 3 and m.store.placement.learned_pins == 0
+    assert m.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == ref
+    assert m.store.stats.expert_hits > 0
+    decode_set = {pid for pid, s in m.store._slots.items() if s.cached}
+    assert decode_set
+    m.store.begin_pass(2)  # a prefill pass: only free cache slots may take its experts
+    for pid in [p["id"] for p in pages if p["kind"] == "expert" and p["id"] not in decode_set]:
+        with m.store.expert(pages[pid]["layer"], pages[pid]["expert"]):
+            pass
+    assert decode_set <= {pid for pid, s in m.store._slots.items() if s.cached}
+    m.close()
+    usage = json.loads((path / "usage.json").read_text())
+    assert usage["shape"] == [m.args.num_layers, m.args.num_experts] and sum(map(sum, usage["counts"])) > 0
+    m2 = colibri.load(path, memory_limit=limit, prefetch_depth=0)
+    assert m2.store.placement.learned_pins > 0
+    assert m2.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == ref

@@ -44,12 +44,12 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
     metrics.prompt_tokens = len(prompt_ids)
     sampler = Sampler(params)
     cache = model.new_cache()
-    io = getattr(model.store, "stats", None)  # streaming store counters; absent when all weights are in RAM
-    io0 = (io.bytes_read, io.io_wait_s) if io else (0, 0.0)
+    counters = getattr(model.store, "counters", None)  # streaming store; absent when all weights are in RAM
+    io0 = counters() if counters else None
 
     def account_io() -> None:
-        if io:
-            metrics.disk_bytes_read, metrics.io_wait_s = io.bytes_read - io0[0], io.io_wait_s - io0[1]
+        if counters:
+            metrics.account_io(io0, counters())
 
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids, cache)

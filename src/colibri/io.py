@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -177,11 +177,12 @@ class IOStats:
 
 class _Read:
     __slots__ = ("future", "file_index", "offset", "nbytes", "buffer", "label", "todo", "inflight", "started",
-                 "error", "skip")
+                 "error", "skip", "verify", "buffer_offset")
 
-    def __init__(self, future, file_index, offset, nbytes, buffer, label, todo):
+    def __init__(self, future, file_index, offset, nbytes, buffer, label, todo, verify=None):
         self.future, self.file_index, self.offset, self.nbytes = future, file_index, offset, nbytes
-        self.buffer, self.label, self.todo = buffer, label, todo
+        self.buffer, self.label, self.todo, self.verify = buffer, label, todo, verify
+        self.buffer_offset = 0
         self.inflight = 0
         self.started = False
         self.error: StorageError | None = None
@@ -254,12 +255,13 @@ class Reader:
     # ---- public API -------------------------------------------------------------------------------------------
 
     def submit(self, file_index: int, offset: int, nbytes: int, buffer: AlignedBuffer, priority: int = PREFETCH,
-               buffer_offset: int = 0, label: str = "") -> Future:
+               buffer_offset: int = 0, label: str = "", verify: Callable[[memoryview], None] | None = None) -> Future:
         """Read bytes [offset, offset + nbytes) of file `file_index` into `buffer` at `buffer_offset`.
 
         Both offsets must be multiples of 4096 and the buffer must hold `nbytes` rounded up to 4096. Returns a
         Future resolving to `buffer` once every request of the read is done; `label` (e.g. "page 12") prefixes
-        the error message. A Future cancelled before its first request starts reads nothing.
+        the error message. A Future cancelled before its first request starts reads nothing. `verify`, if given,
+        runs on the I/O thread over the bytes read (a checksum); the StorageError it raises fails the Future.
         """
         if not 0 <= file_index < len(self.paths):
             raise ValueError(f"file index {file_index} out of range (the reader has {len(self.paths)} files)")
@@ -271,7 +273,8 @@ class Reader:
             raise ValueError(f"a {nbytes}-byte read at buffer offset {buffer_offset} does not fit the "
                              f"{buffer.nbytes}-byte buffer")
         fut: Future = Future()
-        read = _Read(fut, file_index, offset, nbytes, buffer, label, 0)
+        read = _Read(fut, file_index, offset, nbytes, buffer, label, 0, verify)
+        read.buffer_offset = buffer_offset
         reqs = []
         for pos in range(0, nbytes, self.request_size):
             length = min(self.request_size, span - pos)
@@ -416,7 +419,7 @@ class Reader:
                     read.todo -= 1
                     if read.todo == 0 and read.error is None:
                         st.reads += 1
-                        result = (read.future.set_result, read.buffer)
+                        result = (self._finish, read)
                 else:
                     st.errors += 1
                     if read.error is None:
@@ -426,6 +429,15 @@ class Reader:
                     result = (read.future.set_exception, read.error)
             if result is not None:
                 result[0](result[1])  # outside the lock: callbacks may submit more reads
+
+    def _finish(self, read: _Read) -> None:
+        if read.verify is not None:
+            try:
+                read.verify(read.buffer.memoryview(read.buffer_offset, read.nbytes))
+            except StorageError as e:
+                read.future.set_exception(e)
+                return
+        read.future.set_result(read.buffer)
 
     def _do(self, req: _Request) -> None:
         i = req.read.file_index

@@ -25,7 +25,40 @@ class GenerationMetrics:
     finish_reason: str = ""
     disk_bytes_read: int = 0  # weight bytes read from disk during this generation (streaming store)
     io_wait_s: float = 0.0  # time the forward pass waited for those reads
+    read_s: float = 0.0  # wall time with a read in flight: achieved bandwidth = disk_bytes_read / read_s
+    direct_io: bool | None = None  # O_DIRECT (True) or the buffered fallback; None: nothing streamed
+    page_hits: int = 0  # streamed pages found resident (prefetched or cached) when needed
+    page_misses: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    pinned_bytes: int = 0
+    cached_bytes: int = 0
+    staging_bytes: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
+
+    def account_io(self, start: dict, now: dict) -> None:
+        """Take a streaming store's counters: differences since `start` for the flows, `now` for the levels."""
+        diff = {k: now[k] - start[k] for k in ("bytes_read", "io_wait_s", "read_active_s", "hits", "misses",
+                                               "hit_bytes", "miss_bytes", "expert_hits", "expert_misses")}
+        self.disk_bytes_read, self.io_wait_s, self.read_s = diff["bytes_read"], diff["io_wait_s"], diff["read_active_s"]
+        self.page_hits, self.page_misses = diff["hits"], diff["misses"]
+        self.hit_bytes, self.miss_bytes = diff["hit_bytes"], diff["miss_bytes"]
+        self.expert_hits, self.expert_misses = diff["expert_hits"], diff["expert_misses"]
+        self.direct_io = now["direct_io"]
+        self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
+                                                                    now["staging_bytes"])
+
+    @property
+    def read_gb_per_s(self) -> float:
+        return self.disk_bytes_read / self.read_s / 1e9 if self.read_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> tuple[float, float]:
+        """(by pages, by bytes) of the streamed pages needed: how many were already resident."""
+        pages, nbytes = self.page_hits + self.page_misses, self.hit_bytes + self.miss_bytes
+        return (self.page_hits / pages if pages else 0.0, self.hit_bytes / nbytes if nbytes else 0.0)
 
     def mark_first_token(self) -> None:
         self.ttft_s = time.perf_counter() - self._t0
@@ -55,11 +88,25 @@ class GenerationMetrics:
             "finish_reason": self.finish_reason,
             "disk_bytes_read": self.disk_bytes_read,
             "io_wait_s": round(self.io_wait_s, 6),
+            "read_s": round(self.read_s, 6),
+            "read_gb_per_s": round(self.read_gb_per_s, 3),
+            "direct_io": self.direct_io,
+            "page_hits": self.page_hits,
+            "page_misses": self.page_misses,
+            "hit_rate_pages": round(self.hit_rate[0], 4),
+            "hit_rate_bytes": round(self.hit_rate[1], 4),
+            "expert_hits": self.expert_hits,
+            "expert_misses": self.expert_misses,
+            "pinned_bytes": self.pinned_bytes,
+            "cached_bytes": self.cached_bytes,
+            "staging_bytes": self.staging_bytes,
+            "decode_io_wait_s_per_token": round(self.io_wait_s / max(1, self.generated_tokens), 6),
         }
 
     def summary(self) -> str:
         return (f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens | "
                 f"TTFT {self.ttft_s:.3f} s | prefill {self.prefill_tokens_per_s:.1f} tok/s | "
                 f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
-                + (f" | disk read {self.disk_bytes_read / 2**20:.0f} MiB, I/O wait {self.io_wait_s:.2f} s"
-                   if self.disk_bytes_read else ""))
+                + (f" | SSD read {self.disk_bytes_read / 1e9:.2f} GB at {self.read_gb_per_s:.2f} GB/s"
+                   f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s,"
+                   f" hit rate {100 * self.hit_rate[1]:.0f} %" if self.disk_bytes_read else ""))

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from colibri import budget
 from colibri import generate as gen
 from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
 from colibri.kv import KVCache
@@ -18,7 +19,6 @@ from colibri.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-PREFILL_CHUNK = 512  # tokens per forward pass during prefill and logits(): bounds activation memory
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
@@ -119,7 +119,8 @@ def describe(path: str | Path) -> dict[str, str]:
 
 class Model:
     def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
-                 io_threads: int = 2, prefetch_depth: int = 2):
+                 io_threads: int = 2, prefetch_depth: int = 2, ctx_length: int | None = None,
+                 batch_size: int = budget.DEFAULT_BATCH):
         if threads:
             torch.set_num_threads(int(threads))
         self.path = Path(path)
@@ -128,19 +129,38 @@ class Model:
         self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
+        self.tokenizer = self._tokenizer()
+        self.batch_size = int(batch_size)
+        if self.batch_size < 1:
+            raise InputError(f"--batch-size must be at least 1 (got {batch_size})")
+        self.context_length = self._context_length(ctx_length, limited=memory_limit is not None)
+        # Everything allocated so far (interpreter, torch, tokenizer, manifest) is the runtime baseline, outside
+        # the memory limit; what follows (weights, staging, KV cache, activations) is inside it.
+        self.baseline_rss_bytes = budget.rss_bytes()
+        self.reserve = budget.reserve(self.args, self.context_length, self.batch_size, self.dtype)
         if memory_limit is not None:
             if not hasattr(ckpt, "manifest"):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
-            self.store = StreamingStore(ckpt, self.args.num_layers, self.args.tie_word_embeddings,
-                                        parse_size(memory_limit), self.dtype, io_threads=io_threads,
-                                        prefetch_depth=prefetch_depth)
+            budget.tame_allocator()
+            self.store = StreamingStore(ckpt, self.args, parse_size(memory_limit), self.dtype,
+                                        io_threads=io_threads, prefetch_depth=prefetch_depth,
+                                        reserve=self.reserve.total, batch=self.batch_size)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
-        self.tokenizer = self._tokenizer()
-        self.context_length = self.args.max_position_embeddings
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
+
+    def _context_length(self, ctx_length: int | None, limited: bool) -> int:
+        """The maximum context: the model's own unless set; under a memory limit (where its KV cache is reserved
+        up front) at most budget.LIMITED_CTX by default."""
+        top = self.args.max_position_embeddings
+        if ctx_length is None:
+            return min(top, budget.LIMITED_CTX) if limited else top
+        ctx = int(ctx_length)
+        if not 1 <= ctx <= top:
+            raise InputError(f"--ctx-length {ctx_length} is outside 1..{top}, the context this model supports")
+        return ctx
 
     def _tokenizer(self) -> Tokenizer | None:
         ckpt = self.checkpoint
@@ -159,12 +179,20 @@ class Model:
         a = self.args
         return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.context_length)
 
+    def stats(self) -> dict:
+        """Placement and cumulative I/O counters of the weight store, with the runtime baseline."""
+        out = {"runtime_baseline_rss_bytes": self.baseline_rss_bytes, **self.reserve.as_dict()}
+        if hasattr(self.store, "placement"):
+            out.update(self.store.placement.as_dict())
+            out.update(self.store.counters())
+        return out
+
     @torch.inference_mode()
     def prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
         """Run `ids` through the model in chunks after the cache's contents; logits [V] of the last position."""
         out = None
-        for s in range(0, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor(ids[s:s + PREFILL_CHUNK], dtype=torch.long)
+        for s in range(0, len(ids), self.batch_size):
+            chunk = torch.tensor(ids[s:s + self.batch_size], dtype=torch.long)
             out = self.arch.forward(self.store, chunk, cache, all_logits=False)
         return out[-1].float()
 
@@ -180,8 +208,8 @@ class Model:
             raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
         cache = self.new_cache()
         parts = []
-        for s in range(0, len(ids), PREFILL_CHUNK):
-            chunk = torch.tensor(ids[s:s + PREFILL_CHUNK], dtype=torch.long)
+        for s in range(0, len(ids), self.batch_size):
+            chunk = torch.tensor(ids[s:s + self.batch_size], dtype=torch.long)
             parts.append(self.arch.forward(self.store, chunk, cache, all_logits=True).float())
         return torch.cat(parts)
 
@@ -238,16 +266,41 @@ class Model:
         self.close()
 
 
+def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int = 2, ctx_length: int | None = None,
+         batch_size: int = budget.DEFAULT_BATCH):
+    """(Placement, Reserve, ModelArgs) that `load` with these settings would use, without reading a weight."""
+    from colibri.streaming import ExpertUsage, USAGE_FILE, plan as place
+
+    ckpt, args, _ = open_model(Path(path))
+    try:
+        if not hasattr(ckpt, "manifest"):
+            raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
+        top = args.max_position_embeddings
+        ctx = min(top, budget.LIMITED_CTX) if ctx_length is None else int(ctx_length)
+        res = budget.reserve(args, ctx, batch_size, resolve_dtype(dtype) or checkpoint_dtype(ckpt))
+        usage = None
+        if args.num_experts:
+            usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
+                                ExpertUsage.identity_of(ckpt)).loaded
+        limit = None if memory_limit is None else parse_size(memory_limit)
+        return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit, prefetch_depth,
+                     res.total, batch_size, usage), res, args
+    finally:
+        ckpt.close()
+
+
 def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None, io_threads: int = 2,
-         prefetch_depth: int = 2) -> Model:
+         prefetch_depth: int = 2, ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH) -> Model:
     """Load a Colibri container, an HF model directory or a .gguf file.
 
     dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
-    like "600M", "2G"; containers only): the weights' budget; pages that do not fit are streamed from disk with
-    O_DIRECT reads by `io_threads` threads, `prefetch_depth` pages ahead.
+    like "600M", "2G"; containers only) bounds the weights, their staging, the KV cache for `ctx_length` tokens
+    and the activations of `batch_size` tokens; pages that do not fit are streamed from disk with O_DIRECT reads
+    by `io_threads` threads, `prefetch_depth` pages ahead. batch_size: tokens per forward pass (a long prompt is
+    prefilled in chunks of it).
     """
     return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
-                 prefetch_depth=prefetch_depth)
+                 prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size)
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,

@@ -26,6 +26,12 @@ class WeightStore(Protocol):
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a lookup table (token embedding): [len(ids), D]."""
 
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        """A head table as consecutive row blocks (one block: the whole table), inside the head's scope."""
+
+    def begin_pass(self, tokens: int) -> None:
+        """A forward pass over `tokens` tokens starts."""
+
     def layer(self, i: int) -> contextlib.AbstractContextManager:
         """Scope of layer i's compute (i == num_layers: the head): a streaming store makes its pages resident
         and prefetches ahead; tensors got inside are not used after it closes."""
@@ -33,8 +39,9 @@ class WeightStore(Protocol):
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
         """Scope of one routed expert's compute in layer i."""
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Hint: these tensors are needed next (the routed experts of the current layer)."""
+    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
+        """Layer i's router chose these experts (expert -> tokens routed to it); `names` are their tensors,
+        needed next."""
 
     def close(self) -> None: ...
 
@@ -78,7 +85,13 @@ class RamStore:
     def expert(self, i: int, e: int) -> Iterator[None]:
         yield
 
-    def prefetch(self, names: Iterable[str]) -> None:
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        yield self.get(name)
+
+    def begin_pass(self, tokens: int) -> None:
+        pass
+
+    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
         pass
 
     def nbytes(self) -> int:

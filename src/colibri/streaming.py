@@ -1,9 +1,21 @@
 """Streaming weight store: a container larger than the memory budget, read from disk as the forward pass goes.
 
-Placement (decided once, at load): pages are PINNED (resident for the whole run) or streamed. Streamed pages
-are read with O_DIRECT into a staging pool sized by the budget, just before their scope and ahead of it
-(prefetch), and released when the scope ends. The pinned set is fixed, so a dense model's cyclic layer sweep
-reads exactly the streamed bytes once per forward pass: the optimum, with no LRU thrash.
+Placement (decided once, at load, by `plan`): the budget first sets aside the KV cache and activations
+(budget.Reserve); then pages are PINNED (resident for the whole run) while the staging the remaining pages need
+still fits. Streamed pages are read with O_DIRECT into equal-size staging slots just before their scope and
+ahead of it (prefetch), and released when the scope ends. The pinned set is fixed, so a dense model's cyclic
+layer sweep reads exactly the streamed bytes once per forward pass: the optimum, with no LRU thrash.
+
+Three refinements:
+* Lookup and head tables (the token embedding, an untied lm_head) are never staged whole: the lookup reads only
+  the rows of the tokens in the pass, and the head streams its rows in blocks through two small buffers. Their
+  small companions (scales of a q8 table, the final norm) stay resident.
+* MoE experts: budget left after pinning becomes an expert cache (slots that keep experts resident after their
+  scope), evicting by decayed use count, then recency. A multi-token pass (prefill) only fills free cache slots:
+  it never evicts the decode working set. Routing counts persist beside the container (usage.json, written
+  atomically) and the next load pins the hottest experts from the start.
+* Every page's checksum is verified on its first read, on the I/O thread; a mismatch, a failed or short read, or
+  a data file changed after load raises StorageError naming the page and file, and leaves the engine usable.
 
 Scopes (the model math opens them; see models/base.py): `layer(i)` for layer i's attention and dense FFN pages,
 `layer(num_layers)` for the head, `expert(i, e)` for one routed expert. A streamed page is held only inside
@@ -15,20 +27,33 @@ from __future__ import annotations
 import bisect
 import contextlib
 import enum
+import json
+import math
+import os
 import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from colibri.container import ContainerCheckpoint, tensor_from_bytes
-from colibri.errors import InputError
-from colibri.io import DEMAND, PREFETCH, AlignedBuffer, Reader
+from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
+from colibri.errors import InputError, StorageError
+from colibri.io import ALIGN, DEMAND, PREFETCH, AlignedBuffer, Reader, align_up
+from colibri import quant
 
-# What is resident besides the streamed pages is small; pinning these kinds first costs little and saves a
-# read of them on every token.
+# Every non-expert page is read once per token whatever its kind, so for a dense model each pinned byte saves
+# one byte of reading per token. The order pins the small every-token pages first (they are the largest share
+# of scopes), and experts last: each is needed by only top_k / num_experts of the tokens.
 PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
+BLOCK_BYTES = 8 << 20  # rows of the head read per block (two blocks in flight)
+ROW_KINDS = ("f32", "bf16", "f16", "q8")  # storage kinds whose rows are contiguous bytes
+LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
+USAGE_FILE = "usage.json"
+USAGE_HALF_LIFE = 256  # tokens: the expert cache's use counts halve over this many routed tokens
+USAGE_SAVE_EVERY = 128  # forward passes between usage.json writes (also written at close)
 
 
 class PageState(enum.Enum):
@@ -38,21 +63,47 @@ class PageState(enum.Enum):
     PINNED = "pinned"
 
 
-@dataclass
-class Placement:
-    budget: int
-    pinned: list[int]
-    streamed: list[int]
-    staging_bytes: int  # the staging pool: the largest scope's streamed pages plus prefetch room
-    pinned_bytes: int
-    streamed_bytes: int
-    minimum: int  # the smallest budget this container can run in
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
-    def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget, "pinned_bytes": self.pinned_bytes,
-                "streamed_bytes": self.streamed_bytes, "staging_bytes": self.staging_bytes,
-                "pinned_pages": len(self.pinned), "streamed_pages": len(self.streamed),
-                "minimum_bytes": self.minimum}
+
+# -------------------------------------------------------------------------------------------------- tables
+
+
+def row_tensor(page: dict, tensors: dict[str, dict]) -> str | None:
+    """The lookup/head table of an embedding or head page when its rows can be read on their own."""
+    name = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}.get(page["kind"])
+    t = tensors.get(name) if name else None
+    if t is None or t["kind"] not in ROW_KINDS or len(t["shape"]) != 2 or name not in page["tensors"]:
+        return None
+    return name
+
+
+def main_part(t: dict) -> str:
+    return "data" if t["kind"] in FLOAT_KINDS else "qweight"
+
+
+def row_bytes(t: dict) -> int:
+    p = t["parts"][main_part(t)]
+    return p["nbytes"] // p["shape"][0]
+
+
+def side_ranges(page: dict, tensors: dict[str, dict], table: str) -> list[tuple[str, str | None, int, int]]:
+    """(tensor, part or None for the whole tensor, page-relative offset, nbytes) of what stays resident when a
+    table page is read by rows: the table's parts other than its rows (q8 scales) and every other tensor."""
+    out = []
+    for name in page["tensors"]:
+        t = tensors[name]
+        if name == table:
+            for pname, p in t["parts"].items():
+                if pname != main_part(t):
+                    out.append((name, pname, t["offset"] + p["offset"] - page["offset"], p["nbytes"]))
+        else:
+            out.append((name, None, t["offset"] - page["offset"], t["nbytes"]))
+    return out
 
 
 def scopes_of(page: dict, num_layers: int, tied: bool) -> list[tuple]:
@@ -62,13 +113,6 @@ def scopes_of(page: dict, num_layers: int, tied: bool) -> list[tuple]:
     if page["kind"] == "embedding":
         return [("embedding",), ("layer", num_layers)] if tied else [("embedding",)]
     return [("layer", num_layers if page["kind"] == "head" else page["layer"])]
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool,
@@ -91,107 +135,407 @@ def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, t
     return max([*count.values(), *nested.values()]) + prefetch_depth, size
 
 
-def staging_need(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool,
-                 prefetch_depth: int) -> int:
-    slots, size = staging_slots(pages, streamed, num_layers, tied, prefetch_depth)
-    return slots * size
+# -------------------------------------------------------------------------------------------------- planning
 
 
-def plan(pages: list[dict], num_layers: int, tied: bool, budget: int | None, prefetch_depth: int) -> Placement:
-    """Everything pinned when it fits; else pin greedily (small, every-token pages first, then in forward
-    order) while the staging ring the remaining streamed pages need still fits."""
+@dataclass
+class Placement:
+    budget: int | None
+    reserve: int  # KV cache and activations (budget.Reserve), set aside before weights
+    pinned: list[int]
+    streamed: list[int]  # read whole through the staging slots
+    by_rows: list[int]  # tables read by rows (lookup) or row blocks (head)
+    side_bytes: int  # resident companions of the by-rows tables
+    slots: int  # staging slots, expert cache slots included
+    slot_bytes: int
+    cache_slots: int  # how many slots may keep experts resident after their scope
+    block_bytes: int  # the head's row-block buffers
+    lookup_bytes: int  # transient row buffers of one pass's embedding lookup
+    pinned_bytes: int
+    streamed_bytes: int  # whole-read streamed pages: what a dense pass reads
+    minimum: int  # the smallest budget this container runs in
+    learned_pins: int = 0  # experts pinned because usage.json says they are the hottest
+    prefetch_depth: int = 0
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.slots * self.slot_bytes + self.block_bytes + self.lookup_bytes + self.side_bytes
+
+    def as_dict(self) -> dict:
+        return {"budget_bytes": self.budget, "reserve_bytes": self.reserve, "pinned_bytes": self.pinned_bytes,
+                "streamed_bytes": self.streamed_bytes, "staging_bytes": self.staging_bytes,
+                "expert_cache_bytes": self.cache_slots * self.slot_bytes, "expert_cache_slots": self.cache_slots,
+                "pinned_pages": len(self.pinned), "streamed_pages": len(self.streamed),
+                "row_read_pages": len(self.by_rows), "learned_pins": self.learned_pins,
+                "prefetch_depth": self.prefetch_depth, "minimum_bytes": self.minimum}
+
+
+class _Costs:
+    """What a set of streamed pages needs besides itself: staging slots, and for by-rows tables their resident
+    companions, head block buffers and lookup row buffers."""
+
+    def __init__(self, pages, tensors, num_layers, tied, batch):
+        self.pages, self.num_layers, self.tied = pages, num_layers, tied
+        self.parts: dict[int, tuple[int, int, int]] = {}  # by-rows page -> (side, block, lookup) bytes
+        for p in pages:
+            table = row_tensor(p, tensors)
+            if table is None:
+                continue
+            t = tensors[table]
+            side = sum(align_up(n) for *_, n in side_ranges(p, tensors, table))
+            block = 2 * block_buffer_bytes(t) if p["kind"] == "head" or tied else 0
+            lookup = 0
+            if p["kind"] == "embedding":  # one aligned span per distinct token, never more than the table
+                main = t["parts"][main_part(t)]["nbytes"]
+                lookup = min(batch * row_span_bytes(t), align_up(main) + ALIGN)
+            if side + block + lookup < p["nbytes"]:  # else staging the whole page is cheaper (small tables)
+                self.parts[p["id"]] = (side, block, lookup)
+        self.rows = {i: sum(v) for i, v in self.parts.items()}
+
+    def need(self, streamed: Iterable[int], depth: int) -> int:
+        streamed = list(streamed)
+        slots, size = staging_slots(self.pages, [i for i in streamed if i not in self.rows], self.num_layers,
+                                    self.tied, depth)
+        return slots * size + sum(self.rows[i] for i in streamed if i in self.rows)
+
+
+def row_span_bytes(t: dict) -> int:
+    """The most bytes an aligned read of one row covers."""
+    rb = row_bytes(t)
+    base = t["offset"] + t["parts"][main_part(t)]["offset"]
+    straddles = not (base % ALIGN == 0 and (ALIGN % rb == 0 or rb % ALIGN == 0))
+    return align_up(rb) + (ALIGN if straddles else 0)
+
+
+def block_rows(t: dict) -> int:
+    """Rows per head block: about BLOCK_BYTES, a whole number of 4096-byte units when the rows allow it."""
+    rb = row_bytes(t)
+    rows, unit = max(1, BLOCK_BYTES // rb), ALIGN // math.gcd(rb, ALIGN)
+    return rows - rows % unit if rows >= unit else rows
+
+
+def block_buffer_bytes(t: dict) -> int:
+    """One head block buffer: its rows, plus a unit of slack when blocks do not start on 4096 boundaries."""
+    rows = min(block_rows(t), t["shape"][0])
+    base = t["offset"] + t["parts"][main_part(t)]["offset"]
+    aligned = base % ALIGN == 0 and (rows * row_bytes(t)) % ALIGN == 0
+    return align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN)
+
+
+def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, budget: int | None,
+         prefetch_depth: int, reserve: int = 0, batch: int = 1,
+         usage: dict[tuple[int, int], float] | None = None) -> Placement:
+    """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
+    the staging the remaining pages need still fits, and give what is left to the expert cache."""
     ids = list(range(len(pages)))
     total = sum(p["nbytes"] for p in pages)
-    minimum = staging_need(pages, ids, num_layers, tied, 0)
-    if budget is None or budget >= total:
-        return Placement(budget or total, ids, [], 0, total, 0, minimum)
+    costs = _Costs(pages, tensors, num_layers, tied, batch)
+    minimum = reserve + costs.need(ids, 0)
+    if budget is None or budget >= reserve + total:
+        return Placement(budget, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
     if budget < minimum:
         raise InputError(f"memory limit {fmt_bytes(budget)} is below this model's minimum working set of "
-                         f"{fmt_bytes(minimum)} for weights (staging for its largest layer's pages);"
-                         " raise --memory-limit")
-    pinned: list[int] = []
+                         f"{fmt_bytes(minimum)} ({fmt_bytes(reserve)} KV cache and activations, "
+                         f"{fmt_bytes(minimum - reserve)} staging for its largest layer); raise --memory-limit"
+                         " or lower --ctx-length / --batch-size")
+    room = budget - reserve
     streamed = set(ids)
     pinned_bytes = 0
-    for pid in sorted(ids, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
+
+    def try_pin(pid: int, depth: int) -> bool:
+        nonlocal pinned_bytes
         rest = streamed - {pid}
-        if pinned_bytes + pages[pid]["nbytes"] + staging_need(pages, rest, num_layers, tied,
-                                                              prefetch_depth) <= budget:
-            pinned.append(pid)
-            streamed = rest
+        if pinned_bytes + pages[pid]["nbytes"] + costs.need(rest, depth) <= room:
+            streamed.discard(pid)
             pinned_bytes += pages[pid]["nbytes"]
-    streamed_list = sorted(streamed, key=lambda i: (pages[i]["file"], pages[i]["offset"]))
-    staging = staging_need(pages, streamed_list, num_layers, tied, prefetch_depth)
-    if pinned_bytes + staging > budget:  # prefetch does not fit beside the pins: stage without it
-        staging = staging_need(pages, streamed_list, num_layers, tied, 0)
-    return Placement(budget, sorted(pinned), streamed_list, staging, pinned_bytes,
-                     sum(pages[i]["nbytes"] for i in streamed_list), minimum)
+            return True
+        return False
+
+    untied_lookup = {i for i in costs.rows if pages[i]["kind"] == "embedding" and not tied}
+    dense = [i for i in ids if pages[i]["kind"] != "expert" and i not in untied_lookup]  # rows are cheap to read
+    for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
+        try_pin(pid, prefetch_depth)
+    depth = prefetch_depth if pinned_bytes + costs.need(streamed, prefetch_depth) <= room else 0
+    need = costs.need(streamed, depth)
+    experts = [i for i in streamed if pages[i]["kind"] == "expert"]
+    learned = 0
+    if experts and usage:
+        share = LEARNED_PIN_SHARE * (room - pinned_bytes - need)
+        hot = sorted((i for i in experts if usage.get((pages[i]["layer"], pages[i]["expert"]), 0) > 0),
+                     key=lambda i: -usage[(pages[i]["layer"], pages[i]["expert"])])
+        spent = 0
+        for pid in hot:  # pinning an expert never raises the staging need: checked by bytes alone
+            if spent + pages[pid]["nbytes"] > share:
+                break
+            streamed.discard(pid)
+            pinned_bytes += pages[pid]["nbytes"]
+            spent += pages[pid]["nbytes"]
+            learned += 1
+        need = costs.need(streamed, depth)
+    normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i]["file"], pages[i]["offset"]))
+    slots, slot_bytes = staging_slots(pages, normal, num_layers, tied, depth)
+    cache_slots = 0
+    if any(pages[i]["kind"] == "expert" for i in normal) and slot_bytes:
+        cache_slots = max(0, (room - pinned_bytes - need) // slot_bytes)
+    by_rows = sorted(i for i in streamed if i in costs.rows)
+    side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
+    pinned = sorted(set(ids) - streamed)
+    return Placement(budget, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
+                     block, lookup, pinned_bytes, sum(pages[i]["nbytes"] for i in normal), minimum, learned, depth)
+
+
+# -------------------------------------------------------------------------------------------------- expert usage
+
+
+class ExpertUsage:
+    """Decayed routing counts (the expert cache's eviction score) and per-run totals (persisted in usage.json).
+
+    Decay is lazy: a count is stored with the token clock at its last update and scaled by 2^(-age/half-life)
+    when read. Saved totals carry the previous runs' totals at half weight, so the file follows drift."""
+
+    def __init__(self, path: Path | None, num_layers: int, num_experts: int, identity: str):
+        self.path, self.identity = path, identity
+        self.shape = (num_layers, num_experts)
+        self.clock = 0
+        self.count: dict[tuple[int, int], float] = {}
+        self.stamp: dict[tuple[int, int], int] = {}
+        self.last_use: dict[tuple[int, int], int] = {}
+        self.run: dict[tuple[int, int], int] = {}
+        self.loaded = self._load()
+        self.saved_ok: bool | None = None
+
+    def _load(self) -> dict[tuple[int, int], float]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("version") != 1 or data.get("container") != self.identity or \
+                    tuple(data.get("shape", ())) != self.shape:
+                return {}  # another container's counts (or an older layout): start afresh
+            return {(i, e): float(c) for i, row in enumerate(data["counts"]) for e, c in enumerate(row) if c > 0}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+
+    @staticmethod
+    def identity_of(ckpt: ContainerCheckpoint) -> str:
+        """Which container the counts belong to: its source fingerprint and page checksums."""
+        pages = ",".join(p["checksum"] for p in ckpt.pages)
+        return ckpt.manifest.get("source", {}).get("fingerprint", "") + "/" + f"{zlib.crc32(pages.encode()):08x}"
+
+    def tick(self, tokens: int) -> None:
+        self.clock += tokens
+
+    def record(self, layer: int, uses: dict[int, int]) -> None:
+        for e, n in uses.items():
+            key = (layer, e)
+            self.count[key] = self.score(key) + n
+            self.stamp[key] = self.last_use[key] = self.clock
+            self.run[key] = self.run.get(key, 0) + n
+
+    def score(self, key: tuple[int, int]) -> float:
+        c = self.count.get(key)
+        if c is None:
+            return 0.0
+        return c * 0.5 ** ((self.clock - self.stamp[key]) / USAGE_HALF_LIFE)
+
+    def rank(self, key: tuple[int, int]) -> tuple[float, int]:
+        """Eviction order: lowest decayed count first, then least recently used."""
+        return self.score(key), self.last_use.get(key, -1)
+
+    def save(self) -> None:
+        """Write totals atomically (temp file + rename); a read-only container directory is not an error."""
+        if self.path is None or not self.run:
+            return
+        layers, experts = self.shape
+        rows = [[round(0.5 * self.loaded.get((i, e), 0.0) + self.run.get((i, e), 0), 3) for e in range(experts)]
+                for i in range(layers)]
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"version": 1, "container": self.identity, "shape": list(self.shape),
+                                       "counts": rows}))
+            os.replace(tmp, self.path)
+            self.saved_ok = True
+        except OSError:
+            self.saved_ok = False
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+# -------------------------------------------------------------------------------------------------- the store
 
 
 @dataclass
 class _Slot:
     buffer: AlignedBuffer
     future: Future
+    cached: bool = False  # an expert kept resident after its scope
 
 
 @dataclass
 class StreamStats:
-    bytes_read: int = 0
+    bytes_read: int = 0  # everything read from the data files, pinned pages included
     page_reads: int = 0
-    hits: int = 0  # a streamed page found already read (prefetched) when its scope began
+    hits: int = 0  # streamed pages already resident (prefetched or cached) when their scope began
     misses: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    row_bytes_read: int = 0  # lookup rows and head blocks
+    verified_pages: int = 0
     io_wait_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
 class StreamingStore:
     """The WeightStore for a container under a memory budget (see module docstring)."""
 
-    def __init__(self, ckpt: ContainerCheckpoint, num_layers: int, tied: bool, budget: int | None,
-                 dtype: torch.dtype, io_threads: int = 2, prefetch_depth: int = 2, direct: bool | None = None):
+    def __init__(self, ckpt: ContainerCheckpoint, args, budget: int | None, dtype: torch.dtype,
+                 io_threads: int = 2, prefetch_depth: int = 2, direct: bool | None = None, reserve: int = 0,
+                 batch: int = 1, usage: bool = True):
         self.ckpt = ckpt
         self.dtype = dtype
-        self.num_layers = num_layers
+        self.args = args
+        self.num_layers = num_layers = args.num_layers
+        tied = args.tie_word_embeddings
         self.pages = ckpt.pages
-        self.placement = plan(self.pages, num_layers, tied, budget, prefetch_depth)
+        self.tensors = ckpt.tensors
+        self.usage = ExpertUsage(ckpt.path / USAGE_FILE if usage else None, num_layers, args.num_experts,
+                                 ExpertUsage.identity_of(ckpt)) if args.num_experts else None
+        self.placement = plan(self.pages, self.tensors, num_layers, tied, budget, prefetch_depth, reserve, batch,
+                              self.usage.loaded if self.usage else None)
+        self.prefetch_depth = self.placement.prefetch_depth
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
         self.stats = StreamStats()
         self.state = {pid: PageState.ON_DISK for pid in range(len(self.pages))}
+        self._file_ids = [self._file_id(p) for p in ckpt.files]
+        self._verified: set[int] = set()
         self._pinned: dict[str, object] = {}
+        self._side: dict[str, dict[str, torch.Tensor]] = {}  # by-rows table -> its resident parts
         self._page_of = {t["name"]: t["page"] for t in ckpt.manifest["tensors"]}
+        self._by_rows = set(self.placement.by_rows)
         self._slots: dict[int, _Slot] = {}
         self._held: set[int] = set()  # streamed pages of the open scope(s)
         self._objects: dict[str, object] = {}  # tensors built over held pages
-        self._order = sorted(self.placement.streamed)  # page ids are in forward order: the prefetch sequence
+        self._order = list(self.placement.streamed)  # forward order: the prefetch sequence
         self._scope_pages: dict[tuple, list[int]] = {}
         self._scope_end: dict[tuple, int] = {}  # last page id of each scope
+        streamed = set(self.placement.streamed)
         for p in self.pages:
             for key in scopes_of(p, num_layers, tied):
-                if p["id"] in self.placement.streamed:
+                if p["id"] in streamed:
                     self._scope_pages.setdefault(key, []).append(p["id"])
                 self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
-        depth = prefetch_depth if self.placement.staging_bytes == staging_need(
-            self.pages, self.placement.streamed, num_layers, tied, prefetch_depth) else 0
-        n_slots, slot_bytes = staging_slots(self.pages, self.placement.streamed, num_layers, tied, depth)
-        self.prefetch_depth = depth
-        self._free: list[AlignedBuffer] = [AlignedBuffer(slot_bytes) for _ in range(n_slots)]
+        self._multi = False  # the current pass has several tokens (prefill): it must not evict cached experts
+        self._passes = 0
+        pl = self.placement
+        self._free: list[AlignedBuffer] = [AlignedBuffer(pl.slot_bytes) for _ in range(pl.slots)]
+        self._blocks: list[AlignedBuffer] = []
         self._load_pinned()
+        self._load_by_rows()
 
-    # -- pinned pages ------------------------------------------------------------------------------------
+    # -- load time -------------------------------------------------------------------------------------------
+
+    def _verifier(self, pid: int):
+        """Checksum check for a page's first read (runs on the I/O thread)."""
+        if pid in self._verified:
+            return None
+        page = self.pages[pid]
+
+        def verify(data: memoryview) -> None:
+            if checksum_str(zlib.crc32(data)) != page["checksum"]:
+                raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
+                                   f"{page['offset']} ({page['nbytes']} bytes); the file is corrupt — run "
+                                   f"`colibri verify` and reconvert")
+            self._verified.add(pid)
+            self.stats.verified_pages += 1
+
+        return verify
 
     def _load_pinned(self) -> None:
         for pid in self.placement.pinned:
             page = self.pages[pid]
             buf = AlignedBuffer(page["nbytes"])
-            self.reader.read(page["file"], page["offset"], page["nbytes"], buf, label=f"page {pid}")
+            self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, DEMAND, label=f"page {pid}",
+                               verify=self._verifier(pid)).result()
             self.stats.bytes_read += page["nbytes"]
             for name in page["tensors"]:
-                t = self.ckpt.tensors[name]
-                value = tensor_from_bytes(t, buf.tensor(t["offset"] - page["offset"], t["nbytes"]))
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    value = value.to(self.dtype)
-                self._pinned[name] = value
+                t = self.tensors[name]
+                self._pinned[name] = self._as_compute(tensor_from_bytes(
+                    t, buf.tensor(t["offset"] - page["offset"], t["nbytes"])))
             self.state[pid] = PageState.PINNED
 
+    def _load_by_rows(self) -> None:
+        """Verify each by-rows page once, reading it in blocks, and keep its small companions resident."""
+        if not self.placement.by_rows:
+            return
+        step = 8 << 20
+        chunk = AlignedBuffer(step)
+        for pid in self.placement.by_rows:
+            page = self.pages[pid]
+            table = row_tensor(page, self.tensors)
+            ranges = side_ranges(page, self.tensors, table)
+            side = AlignedBuffer(sum(align_up(n) for *_, n in ranges))
+            dest, at = [], 0
+            for r in ranges:
+                dest.append(at)
+                at += align_up(r[3])
+            crc = 0
+            for c0 in range(0, page["nbytes"], step):
+                n = min(step, page["nbytes"] - c0)
+                self.reader.read(page["file"], page["offset"] + c0, n, chunk, label=f"page {pid}")
+                crc = zlib.crc32(chunk.memoryview(0, n), crc)
+                for (_, _, off, nb), d in zip(ranges, dest):
+                    lo, hi = max(off, c0), min(off + nb, c0 + n)
+                    if lo < hi:
+                        side.tensor(d + lo - off, hi - lo).copy_(chunk.tensor(lo - c0, hi - lo))
+            self.stats.bytes_read += page["nbytes"]
+            if checksum_str(crc) != page["checksum"]:
+                raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
+                                   f"{page['offset']}; the file is corrupt — run `colibri verify` and reconvert")
+            self._verified.add(pid)
+            self.stats.verified_pages += 1
+            for (name, part, _, nb), d in zip(ranges, dest):
+                t = self.tensors[name]
+                if part is None:
+                    self._pinned[name] = self._as_compute(tensor_from_bytes(t, side.tensor(d, nb)))
+                else:
+                    p = t["parts"][part]
+                    self._side.setdefault(name, {})[part] = side.tensor(d, nb).view(DTYPES[p["dtype"]]).view(p["shape"])
+        if any(self.pages[i]["kind"] == "head" or self.args.tie_word_embeddings for i in self.placement.by_rows):
+            half = self.placement.block_bytes // 2
+            self._blocks = [AlignedBuffer(half), AlignedBuffer(half)]
+
+    def _as_compute(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
+            return value.to(self.dtype)
+        return value
+
+    @staticmethod
+    def _file_id(path: Path) -> tuple:
+        st = os.stat(path)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
     # -- the WeightStore surface ---------------------------------------------------------------------------
+
+    def begin_pass(self, tokens: int) -> None:
+        """A forward pass over `tokens` tokens starts: check the data files are the ones loaded."""
+        for path, ident in zip(self.ckpt.files, self._file_ids):
+            try:
+                now = self._file_id(path)
+            except OSError:
+                now = None
+            if now != ident:
+                raise StorageError(f"data file {path} changed on disk after the model was loaded (replaced, "
+                                   "truncated or rewritten); reload the model")
+        self._multi = tokens > 1
+        self._passes += 1
+        if self.usage:
+            self.usage.tick(tokens)
+            if self._passes % USAGE_SAVE_EVERY == 0:
+                self.usage.save()
 
     def get(self, name: str):
         if name in self._pinned:
@@ -208,9 +552,18 @@ class StreamingStore:
         if name in self._pinned:
             w = self._pinned[name]
             return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
+        if self._page_of[name] in self._by_rows:
+            return self._read_rows(name, ids)
         with self._scope(("embedding",)):
             w = self.get(name)
             return (w[ids].clone() if isinstance(w, torch.Tensor) else w.rows(ids)).to(self.dtype)
+
+    def row_blocks(self, name: str) -> Iterator:
+        """The table `name` as consecutive row blocks (inside the head's scope): the whole table when resident."""
+        if name in self._pinned or self._page_of[name] not in self._by_rows:
+            yield self.get(name)
+            return
+        yield from self._stream_blocks(name)
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
         return self._scope(("layer", i))
@@ -218,13 +571,21 @@ class StreamingStore:
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
         return self._scope(("expert", i, e))
 
+    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
+        """Layer i's router picked experts (expert -> tokens routed to it): count the use, and start reading the
+        missing ones now so they load concurrently."""
+        if self.usage:
+            self.usage.record(i, uses)
+        self.prefetch(names)
+
     def prefetch(self, names: Iterable[str]) -> None:
-        """Routed experts: start their reads now, so all of a layer's missing experts load concurrently."""
         for pid in sorted({self._page_of[n] for n in names}):
-            if self.state[pid] == PageState.ON_DISK and self._free:
+            if self.state[pid] == PageState.ON_DISK and pid in self._order and self._free:
                 self._start(pid, DEMAND)
 
     def close(self) -> None:
+        if self.usage:
+            self.usage.save()
         self.reader.close()
         self._pinned.clear()
         self._objects.clear()
@@ -233,19 +594,37 @@ class StreamingStore:
     def nbytes(self) -> int:
         return self.placement.pinned_bytes + self.placement.staging_bytes
 
+    def counters(self) -> dict:
+        """Cumulative counters (GenerationMetrics takes differences) and the placement's resident bytes."""
+        io = self.reader.stats()
+        cached = sum(1 for s in self._slots.values() if s.cached)
+        return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
+                "pinned_bytes": self.placement.pinned_bytes, "cached_bytes": cached * self.placement.slot_bytes,
+                "staging_bytes": self.placement.staging_bytes, "reserve_bytes": self.placement.reserve}
+
     # -- streaming -------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _scope(self, key: tuple) -> Iterator[None]:
         pids = self._scope_pages.get(key, [])
         for pid in pids:  # demand reads for what prefetch did not bring
-            if pid in self._slots:
+            nbytes = self.pages[pid]["nbytes"]
+            slot = self._slots.get(pid)
+            if slot is not None:
                 self.stats.hits += 1
-                self.reader.promote(self._slots[pid].future)
+                self.stats.hit_bytes += nbytes
+                slot.cached = False  # held now; re-admitted (or not) when the scope ends
+                self.reader.promote(slot.future)
             else:
                 self.stats.misses += 1
+                self.stats.miss_bytes += nbytes
                 self._make_room(keep=set(pids))
                 self._start(pid, DEMAND)
+            if key[0] == "expert":
+                if slot is not None:
+                    self.stats.expert_hits += 1
+                else:
+                    self.stats.expert_misses += 1
         t0 = time.perf_counter()
         try:
             for pid in pids:
@@ -266,15 +645,39 @@ class StreamingStore:
                 for name in self.pages[pid]["tensors"]:
                     self._objects.pop(name, None)
                 self._held.discard(pid)
-                self._drop(pid)
+                if key[0] == "expert" and self._admit(pid):
+                    self._slots[pid].cached = True
+                else:
+                    self._drop(pid)
             self._prefetch_after(self._scope_end.get(key, -1))
 
+    def _cached(self) -> list[int]:
+        return [pid for pid, s in self._slots.items() if s.cached]
+
+    def _key(self, pid: int) -> tuple[int, int]:
+        return self.pages[pid]["layer"], self.pages[pid]["expert"]
+
+    def _admit(self, pid: int) -> bool:
+        """Keep an expert resident after its scope? Into a free cache slot always; over a cached expert only in
+        a single-token pass (decode), and only when that expert ranks lower."""
+        cap = self.placement.cache_slots
+        if cap == 0 or self.usage is None:
+            return False
+        cached = self._cached()
+        if len(cached) < cap:
+            return True
+        if self._multi:
+            return False
+        victim = min(cached, key=lambda i: self.usage.rank(self._key(i)))
+        if self.usage.rank(self._key(victim)) >= self.usage.rank(self._key(pid)):
+            return False
+        self._drop(victim)
+        return True
+
     def _build(self, name: str, pid: int):
-        t = self.ckpt.tensors[name]
+        t = self.tensors[name]
         page, slot = self.pages[pid], self._slots[pid]
-        value = tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"]))
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
-            value = value.to(self.dtype)
+        value = self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"])))
         self._objects[name] = value
         return value
 
@@ -283,19 +686,26 @@ class StreamingStore:
         if not self._free:
             raise RuntimeError(f"internal: no staging slot free for page {pid}")
         buf = self._free.pop()
-        fut = self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, priority, label=f"page {pid}")
+        fut = self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, priority, label=f"page {pid}",
+                                 verify=self._verifier(pid))
         self._slots[pid] = _Slot(buf, fut)
         self.state[pid] = PageState.LOADING
         self.stats.bytes_read += page["nbytes"]
         self.stats.page_reads += 1
 
     def _make_room(self, keep: set[int]) -> None:
-        """Drop prefetched pages (farthest ahead first) until a slot is free for a demand read."""
-        for pid in sorted(self._slots, key=self._distance, reverse=True):
-            if self._free:
-                return
+        """Free a slot for a demand read: drop prefetched pages (farthest ahead first), then, if still needed,
+        the lowest-ranked cached expert."""
+        if self._free:
+            return
+        for pid in sorted((p for p, s in self._slots.items() if not s.cached), key=self._distance, reverse=True):
             if pid not in self._held and pid not in keep:
                 self._drop(pid)
+                if self._free:
+                    return
+        cached = [p for p in self._cached() if p not in keep]
+        if cached and self.usage:
+            self._drop(min(cached, key=lambda i: self.usage.rank(self._key(i))))
 
     def _distance(self, pid: int) -> int:
         return bisect.bisect_left(self._order, pid)
@@ -314,7 +724,7 @@ class StreamingStore:
 
     def _prefetch_after(self, last: int) -> None:
         """Start reads of the streamed pages that follow page `last` in forward order (cyclically: the next
-        pass starts over), up to `prefetch_depth` pages and as far as the staging pool allows."""
+        pass starts over), up to `prefetch_depth` pages and as far as free slots allow."""
         if self.prefetch_depth <= 0 or not self._order:
             return
         start = bisect.bisect_right(self._order, last)
@@ -331,3 +741,100 @@ class StreamingStore:
             if not self._free:
                 return  # never evict something needed sooner for something needed later
             self._start(nxt, PREFETCH)
+
+    # -- tables read by rows -----------------------------------------------------------------------------------
+
+    def _table(self, name: str, r0: int, r1: int, data: torch.Tensor):
+        """Rows [r0, r1) of table `name` over `data` (their bytes), with the resident companions."""
+        t = self.tensors[name]
+        p = t["parts"][main_part(t)]
+        k = t["shape"][1]
+        rows = data.view(DTYPES[p["dtype"]]).view(r1 - r0, *p["shape"][1:])
+        if t["kind"] in FLOAT_KINDS:
+            return rows
+        side = {n: v[r0:r1] for n, v in self._side.get(name, {}).items()}
+        return quant.from_buffers(t["kind"], (r1 - r0, k), t["group_size"], {"qweight": rows, **side})
+
+    def _read_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup of a table on disk: read only the rows of these tokens (merged aligned spans)."""
+        t = self.tensors[name]
+        page = self.pages[self._page_of[name]]
+        base = t["offset"] + t["parts"][main_part(t)]["offset"]
+        rb = row_bytes(t)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        spans: list[list[int]] = []  # [file start, file end] of merged aligned spans
+        for r in uniq.tolist():
+            s, e = (base + r * rb) // ALIGN * ALIGN, align_up(base + (r + 1) * rb)
+            if spans and s <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], e)
+            else:
+                spans.append([s, e])
+        buf = AlignedBuffer(sum(e - s for s, e in spans))
+        futures, at, where = [], 0, []
+        for s, e in spans:
+            futures.append(self.reader.submit(page["file"], s, e - s, buf, DEMAND, buffer_offset=at,
+                                              label=f"page {page['id']} (rows of {name})"))
+            where.append((s, e, at))
+            at += e - s
+        t0 = time.perf_counter()
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            self.stats.io_wait_s += time.perf_counter() - t0
+        self.stats.bytes_read += at
+        self.stats.row_bytes_read += at
+        got = []
+        for r in uniq.tolist():
+            a = base + r * rb
+            s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
+            got.append(buf.tensor(off + a - s, rb))
+        p = t["parts"][main_part(t)]
+        rows = torch.stack(got).view(DTYPES[p["dtype"]]).view(len(got), *p["shape"][1:])
+        if t["kind"] in FLOAT_KINDS:
+            vals = rows
+        else:
+            side = {n: v[uniq].contiguous() for n, v in self._side.get(name, {}).items()}
+            vals = quant.from_buffers(t["kind"], (len(got), t["shape"][1]), t["group_size"],
+                                      {"qweight": rows, **side}).rows(torch.arange(len(got)))
+        return vals[inverse].to(self.dtype)
+
+    def _stream_blocks(self, name: str) -> Iterator:
+        """Rows of a head table in blocks: two buffers, the next block read while this one computes."""
+        t = self.tensors[name]
+        page = self.pages[self._page_of[name]]
+        base = t["offset"] + t["parts"][main_part(t)]["offset"]
+        rb, n, step = row_bytes(t), t["shape"][0], block_rows(t)
+        blocks = [(r, min(n, r + step)) for r in range(0, n, step)]
+        pending: dict[int, tuple[Future, int]] = {}
+
+        def submit(b: int) -> None:
+            r0, r1 = blocks[b]
+            s = (base + r0 * rb) // ALIGN * ALIGN
+            size = base + r1 * rb - s
+            fut = self.reader.submit(page["file"], s, size, self._blocks[b % 2], DEMAND,
+                                     label=f"page {page['id']} (rows {r0}-{r1} of {name})")
+            pending[b] = (fut, base + r0 * rb - s)
+            self.stats.bytes_read += size
+            self.stats.row_bytes_read += size
+
+        try:
+            for b in range(min(2, len(blocks))):
+                submit(b)
+            for b, (r0, r1) in enumerate(blocks):
+                fut, off = pending[b]
+                t0 = time.perf_counter()
+                try:
+                    fut.result()
+                finally:
+                    self.stats.io_wait_s += time.perf_counter() - t0
+                del pending[b]
+                data = self._blocks[b % 2].tensor(off, (r1 - r0) * rb)
+                yield self._as_compute(self._table(name, r0, r1, data))
+                if b + 2 < len(blocks):
+                    submit(b + 2)
+        finally:
+            for fut, _ in pending.values():  # an abandoned pass: no read may still write into a buffer
+                if not fut.cancel():
+                    with contextlib.suppress(Exception):
+                        fut.result()

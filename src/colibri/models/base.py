@@ -8,6 +8,7 @@ D = hidden size, H / Hkv = query / key-value heads, Dh = head dim, S = cached po
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -303,6 +304,7 @@ class DecoderModel:
         a = self.args
         start = cache.length
         positions = torch.arange(start, start + tokens.shape[0])
+        store.begin_pass(tokens.shape[0])
         x = store.rows("model.embed_tokens.weight", tokens)  # [T, D]
         if a.embed_scale is not None:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
@@ -315,7 +317,8 @@ class DecoderModel:
             x = x[-1:]
         with store.layer(a.num_layers):  # the head's scope
             x = self.norm(x, store, "model.norm.weight")
-            logits = linear(x, store.get(self.lm_head_name()))
+            parts = [linear(x, w) for w in store.row_blocks(self.lm_head_name())]  # vocab blocks when streamed
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
@@ -382,8 +385,9 @@ class DecoderModel:
         if a.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
-        routed = sorted(set(top_i.flatten().tolist()))
-        store.prefetch([n for e in routed for n in self.expert_names(i, e)])
+        uses = Counter(top_i.flatten().tolist())
+        routed = sorted(uses)
+        store.route(i, dict(uses), [n for e in routed for n in self.expert_names(i, e)])
         out = torch.zeros_like(x)
         for e in routed:
             tok, slot = torch.where(top_i == e)

@@ -1,0 +1,324 @@
+"""Decode speed of a container with the whole process confined by a cgroup-v1 memory limit.
+
+    python benchmarks/limited.py --model DIR [--cgroup-limit 800M] [--memory-limit 500M] [--tokens 64]
+    python benchmarks/limited.py --model DIR --config none,none --config 800M,500M --config 600M,300M
+
+Each configuration runs in a fresh child process inside a fresh child memory cgroup of our own cgroup
+(`/proc/self/cgroup`, controller mounted at /sys/fs/cgroup/memory). `--cgroup-limit` is written to
+`memory.limit_in_bytes`, which charges page cache as well as anonymous memory: it caps the whole process the way a
+small machine would. Without it the cgroup is only used for accounting. `--memory-limit` is the engine's own weight
+budget (colibri.load's memory_limit); omit it (or write `none`) to keep every weight in RAM. A configuration is
+`CGROUP_LIMIT,MEMORY_LIMIT`, either side `none`. The page cache is dropped before every run (cold start: weights
+come from disk), and the cgroup is removed afterwards, also on error.
+
+The child loads with `colibri.load(path, memory_limit, io_threads, prefetch_depth, threads)` and generates greedily
+(temperature 0, EOS ignored so every run produces exactly --tokens tokens). Per configuration the parent prints one
+summary line (decode tok/s, TTFT, bytes read from disk, peak RSS, the cgroup's max usage and failcnt, OOM kills),
+then one JSON object with everything, and says whether the generated tokens agree across the configurations that
+completed. A child killed by the OOM killer (exit -9) or failing otherwise is reported, not raised. Needs root and
+the cgroup-v1 memory controller; exits with status 2 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
+PROMPT = "def quicksort(arr):"
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str | None) -> int | None:
+    """Bytes from '800M', '1.5G', '123' (binary units); None for None/'none'/''."""
+    if text is None or str(text).strip().lower() in ("", "none", "unlimited"):
+        return None
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in _UNITS else (t, "")
+    return int(float(num) * _UNITS[unit])
+
+
+def fmt_size(n: int | None) -> str:
+    return "none" if n is None else f"{n / 2**20:.0f}M"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------- child: one measurement, one JSON line on stdout
+
+def child(a: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    import torch  # noqa: F401  (imported first so the baseline is python + torch + colibri)
+
+    import colibri
+
+    rss_import = rss_bytes()
+    t1 = time.perf_counter()
+    m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), io_threads=a.io_threads,
+                     prefetch_depth=a.prefetch_depth, threads=a.threads)
+    load_s = time.perf_counter() - t1
+    rss_load = rss_bytes()
+    r = m.generate(a.prompt, max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    out = {"colibri": os.path.dirname(colibri.__file__), "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3), "rss_after_import_bytes": rss_import,
+           "rss_after_load_bytes": rss_load, "rss_end_bytes": rss_bytes(), **r.stats,
+           "token_ids": r.token_ids, "text": r.text}
+    m.close()
+    print(json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------- parent: cgroups, page cache, child processes
+
+def own_memcg() -> Path:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return MEMCG_ROOT / path.lstrip("/")
+    raise RuntimeError("no cgroup-v1 memory controller in /proc/self/cgroup")
+
+
+def swap_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("SwapTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def busy_others(child_pid: int) -> list[str]:
+    """Other processes that used over 20 % of a core since they started and are still running (a crude
+    interference check: a concurrent test suite halves the figures on a 2-core machine)."""
+    hz, now = os.sysconf("SC_CLK_TCK"), time.clock_gettime(time.CLOCK_BOOTTIME)
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in (os.getpid(), child_pid):
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cpu, start = (int(f[11]) + int(f[12])) / hz, int(f[19]) / hz
+            if now - start > 5 and cpu / (now - start) > 0.2:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out.append(f"{d.name} {cmd[:80].strip()}")
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class MemCG:
+    """A child memory cgroup of ours; removed on exit (processes in it are killed first)."""
+
+    def __init__(self, parent: Path, name: str, limit: int | None):
+        self.path = parent / name
+        self.path.mkdir()
+        try:
+            if limit is not None:
+                self.write("memory.limit_in_bytes", limit)
+                if swap_total() and self.has("memory.memsw.limit_in_bytes"):
+                    # No escape into swap either. Only with swap: once memsw is limited, charges fail on the memsw
+                    # counter first, and on this kernel neither memory.failcnt nor memsw.failcnt then counts them.
+                    self.write("memory.memsw.limit_in_bytes", limit)
+        except BaseException:
+            self.remove()
+            raise
+
+    def write(self, name: str, value) -> None:
+        (self.path / name).write_text(f"{value}\n")
+
+    def has(self, name: str) -> bool:
+        return (self.path / name).exists()
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def stat(self) -> dict[str, int]:
+        return {k: int(v) for k, v in (line.split() for line in self.read("memory.stat").splitlines())}
+
+    def oom_kills(self) -> int:
+        for line in self.read("memory.oom_control").splitlines():
+            k, v = line.split()
+            if k == "oom_kill":
+                return int(v)
+        return -1  # older kernels do not count
+
+    def remove(self) -> None:
+        if not self.path.exists():
+            return
+        for _ in range(50):
+            pids = [int(p) for p in self.read("cgroup.procs").split()]
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        try:
+            self.write("memory.force_empty", 0)  # release the page cache charged here
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove {self.path}", file=sys.stderr)
+
+
+def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | None, idx: int) -> dict:
+    # Other processes competing for the 2 cores or the disk make the figures meaningless: record the load.
+    res: dict = {"cgroup_limit_bytes": cg_limit, "memory_limit_bytes": mem_limit,
+                 "loadavg_1m_before": round(os.getloadavg()[0], 2)}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--tokens", str(a.tokens),
+           "--prompt", a.prompt, "--io-threads", str(a.io_threads), "--prefetch-depth", str(a.prefetch_depth),
+           "--memory-limit", str(mem_limit) if mem_limit is not None else "none"]
+    if a.threads is not None:
+        cmd += ["--threads", str(a.threads)]
+    cg = MemCG(own_memcg(), f"colibri-limited-{os.getpid()}-{idx}", cg_limit)
+    try:
+        drop_caches()
+        procs = str(cg.path / "cgroup.procs")
+
+        def enter_cgroup() -> None:  # runs in the forked child before exec: all of its memory is charged here
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=enter_cgroup)
+        peak = {"rss": 0, "cache": 0}
+        out_err: dict = {}
+
+        def reader(name, stream):
+            out_err[name] = stream.read()
+
+        ts = [threading.Thread(target=reader, args=(n, s), daemon=True) for n, s in (("out", p.stdout), ("err", p.stderr))]
+        for t in ts:
+            t.start()
+        while p.poll() is None:
+            try:
+                s = cg.stat()
+                peak["rss"] = max(peak["rss"], s.get("rss", 0))  # anonymous memory; "cache" is page cache
+                peak["cache"] = max(peak["cache"], s.get("cache", 0))
+            except OSError:
+                pass
+            time.sleep(0.2)
+        for t in ts:
+            t.join()
+        res["wall_s"] = round(time.perf_counter() - t0, 2)
+        res["busy_other_processes"] = busy_others(p.pid)
+        res["exit_code"] = p.returncode
+        res["cgroup_max_usage_bytes"] = int(cg.read("memory.max_usage_in_bytes"))
+        res["cgroup_failcnt"] = int(cg.read("memory.failcnt"))
+        # With memsw limited too, charges hit the memsw counter first and it is memsw.failcnt that counts them.
+        res["cgroup_memsw_failcnt"] = int(cg.read("memory.memsw.failcnt")) if cg.has("memory.memsw.failcnt") else None
+        res["cgroup_oom_kills"] = cg.oom_kills()
+        res["cgroup_peak_rss_sampled_bytes"] = peak["rss"]
+        res["cgroup_peak_cache_sampled_bytes"] = peak["cache"]
+        res["oom_killed"] = p.returncode == -signal.SIGKILL or res["cgroup_oom_kills"] > 0
+        stdout, stderr = out_err.get("out", ""), out_err.get("err", "")
+        if p.returncode == 0:
+            res.update(json.loads(stdout.strip().splitlines()[-1]))
+            res["ok"] = True
+        else:
+            res["ok"] = False
+            res["error"] = ("OOM-killed (SIGKILL, exit -9) by the cgroup memory limit" if res["oom_killed"]
+                            else f"child exited with status {p.returncode}")
+            res["stderr_tail"] = stderr.strip()[-2000:]
+    finally:
+        cg.remove()
+    return res
+
+
+def summary(r: dict) -> str:
+    head = f"cgroup {fmt_size(r['cgroup_limit_bytes']):>5} | memory_limit {fmt_size(r['memory_limit_bytes']):>5} | "
+    memsw = r.get("cgroup_memsw_failcnt")
+    cgs = (f"cgroup max {r['cgroup_max_usage_bytes'] / 2**20:.0f} MiB, failcnt {r['cgroup_failcnt']}"
+           + (f" (memsw {memsw})" if memsw is not None else "") + f", oom_kill {r['cgroup_oom_kills']}")
+    if not r["ok"]:
+        last = r.get("stderr_tail", "").splitlines()[-1:] or [""]
+        return head + f"FAILED: {r['error']}; {cgs}" + (f"; {last[0]}" if last[0] else "")
+    return (head + f"decode {r['decode_tokens_per_s']:.2f} tok/s | TTFT {r['ttft_s']:.2f} s | load {r['load_s']:.1f} s | "
+            f"read {r['disk_bytes_read'] / 2**20:.0f} MiB, I/O wait {r['io_wait_s']:.1f} s | "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (after import {r['rss_after_import_bytes'] / 2**20:.0f}, "
+            f"after load {r['rss_after_load_bytes'] / 2**20:.0f}) | {cgs}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="Colibri container directory")
+    ap.add_argument("--cgroup-limit", help="whole-process limit incl. page cache, e.g. 800M (default: none)")
+    ap.add_argument("--memory-limit", help="the engine's weight budget, e.g. 500M (default: none, all in RAM)")
+    ap.add_argument("--config", action="append", metavar="CGROUP,MEMORY",
+                    help="a configuration, e.g. 800M,500M or none,none (repeatable; overrides the two above)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--prefetch-depth", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default 2)")
+    ap.add_argument("--json-out", help="also write the JSON result to this file")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a)
+        return
+
+    if os.geteuid() != 0 or not MEMCG_ROOT.is_dir():
+        print("needs root and the cgroup-v1 memory controller at /sys/fs/cgroup/memory", file=sys.stderr)
+        sys.exit(2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child and its cgroup are removed
+    if a.config:
+        configs = []
+        for c in a.config:
+            cg, _, ml = c.partition(",")
+            configs.append((parse_size(cg), parse_size(ml)))
+    else:
+        configs = [(parse_size(a.cgroup_limit), parse_size(a.memory_limit))]
+    print(f"model {a.model}; {a.tokens} tokens greedy; threads {a.threads}, io_threads {a.io_threads}, "
+          f"prefetch_depth {a.prefetch_depth}; page cache dropped before each run", flush=True)
+    results = []
+    for i, (cg, ml) in enumerate(configs):
+        r = run_config(a, cg, ml, i)
+        results.append(r)
+        print(summary(r), flush=True)
+        if r.get("busy_other_processes"):
+            print(f"  WARNING: other busy processes during this run (figures unreliable): "
+                  f"{'; '.join(r['busy_other_processes'])}", flush=True)
+
+    done = [r for r in results if r["ok"]]
+    same = len({tuple(r["token_ids"]) for r in done}) <= 1
+    if len(done) > 1:
+        print(f"generated tokens {'IDENTICAL' if same else 'DIFFER'} across the {len(done)} completed configurations")
+        if not same:
+            ref = done[0]["token_ids"]
+            for r in done[1:]:
+                k = next((j for j, (x, y) in enumerate(zip(ref, r["token_ids"])) if x != y),
+                         min(len(ref), len(r["token_ids"])))
+                print(f"  cgroup {fmt_size(r['cgroup_limit_bytes'])} memory_limit {fmt_size(r['memory_limit_bytes'])}: "
+                      f"first difference at token {k}")
+    if done:
+        print("text:", json.dumps(done[0]["text"]))
+    report = {"model": a.model, "tokens": a.tokens, "prompt": a.prompt, "threads": a.threads,
+              "io_threads": a.io_threads, "prefetch_depth": a.prefetch_depth, "tokens_identical": same,
+              "results": results}
+    text = json.dumps(report)
+    print(text)
+    if a.json_out:
+        Path(a.json_out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What a memory budget holds besides the weights: the KV cache for the context and one forward pass's activations.
+
+`--memory-limit` bounds what the engine allocates for a model: resident and staged weights, the KV cache, and
+the activations of a forward pass of up to `--batch-size` tokens. The runtime baseline (the Python interpreter,
+torch, the tokenizer and the manifest, all present before the first weight is read) is outside it; `Model`
+measures and reports it. The planner first sets aside `reserve_bytes` from the limit and places weights in the
+rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BATCH = 512  # prompt tokens per forward pass
+LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front
+# Allocator slack on top of the activation estimate: temporaries of the quantized kernels and glibc's own.
+SLACK = 1.25
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes(args, ctx: int, dtype: torch.dtype) -> int:
+    """K and V for `ctx` positions in every layer."""
+    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * ctx * element_size(dtype)
+
+
+def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
+    """Peak of one forward pass over `batch` tokens attending to `ctx` positions (the largest moment: one layer's
+    attention or FFN, with the residual stream alive), with allocator slack."""
+    b = element_size(dtype)
+    T, S, d = batch, ctx, args.hidden_size
+    H, Hkv, Dh = args.num_heads, args.num_kv_heads, args.head_dim
+    residual = 4 * T * d * b  # x, the normed input, the branch output, the sum
+    qkv = 2 * T * (H + 2 * Hkv) * Dh * b  # projections and their roped/transposed copies
+    # sdpa: K/V repeated for grouped-query heads, the f32 score and probability matrices, the bool mask
+    attn = 2 * H * S * Dh * b + 2 * H * T * S * 4 + T * S + 2 * T * H * Dh * b
+    inter = max(args.intermediate_size if not all(args.moe_layers) else 0,
+                (args.moe_intermediate_size or 0) + (args.shared_expert_intermediate_size or 0))
+    ffn = 3 * T * inter * b + (T * args.num_experts * 4 * 3 if args.num_experts else 0)
+    # logits: the last position only during generation, every position for `logits()`
+    head = T * args.vocab_size * 4 * 2 + T * d * b
+    return int(SLACK * (residual + max(qkv + attn, ffn, head)))
+
+
+@dataclass
+class Reserve:
+    """The non-weight part of a budget."""
+    ctx: int
+    batch: int
+    kv_bytes: int
+    activation_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_bytes + self.activation_bytes
+
+    def as_dict(self) -> dict:
+        return {"ctx_length": self.ctx, "batch_size": self.batch, "kv_reserve_bytes": self.kv_bytes,
+                "activation_reserve_bytes": self.activation_bytes}
+
+
+def reserve(args, ctx: int, batch: int, dtype: torch.dtype) -> Reserve:
+    return Reserve(ctx, batch, kv_bytes(args, ctx, dtype), activation_bytes(args, min(batch, ctx), ctx, dtype))
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def tame_allocator() -> None:
+    """Keep glibc from holding freed memory: large blocks come from (and return to) mmap, and the heap is
+    trimmed eagerly. Without it, glibc's adaptive mmap threshold lets freed activation buffers of a few MB stay
+    in the heap, and RSS drifts above the budget."""
+    path = ctypes.util.find_library("c")
+    if not path:
+        return
+    try:
+        libc = ctypes.CDLL(path)
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 256 << 10)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
