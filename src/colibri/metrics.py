@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process. On Linux VmHWM (of this program's own memory: ru_maxrss keeps the
+    peak of the process image before exec, e.g. a large parent that forked it); else ru_maxrss (KiB on Linux,
+    bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(r if sys.platform == "darwin" else r * 1024)
 

@@ -134,8 +134,10 @@ class Model:
         if self.batch_size < 1:
             raise InputError(f"--batch-size must be at least 1 (got {batch_size})")
         self.context_length = self._context_length(ctx_length, limited=memory_limit is not None)
-        # Everything allocated so far (interpreter, torch, tokenizer, manifest) is the runtime baseline, outside
-        # the memory limit; what follows (weights, staging, KV cache, activations) is inside it.
+        # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
+        # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
+        # activations) is inside it.
+        budget.warm_up(self.dtype)
         self.baseline_rss_bytes = budget.rss_bytes()
         self.reserve = budget.reserve(self.args, self.context_length, self.batch_size, self.dtype)
         if memory_limit is not None:

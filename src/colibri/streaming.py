@@ -48,7 +48,7 @@ from colibri import quant
 # one byte of reading per token. The order pins the small every-token pages first (they are the largest share
 # of scopes), and experts last: each is needed by only top_k / num_experts of the tokens.
 PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
-BLOCK_BYTES = 8 << 20  # rows of the head read per block (two blocks in flight)
+BLOCK_BYTES = 4 << 20  # rows of the head read per block (two blocks in flight: four 2 MiB requests)
 ROW_KINDS = ("f32", "bf16", "f16", "q8")  # storage kinds whose rows are contiguous bytes
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
 USAGE_FILE = "usage.json"
