@@ -1,7 +1,8 @@
 """What a memory budget holds besides the weights: the KV cache for the context and one forward pass's activations.
 
 `--memory-limit` bounds what the engine allocates for a model: resident and staged weights, the KV cache, and
-the activations of a forward pass of up to `--batch-size` tokens. The runtime baseline (the Python interpreter,
+the activations of a forward pass of up to `--batch-size` tokens (for generation; the [T, vocab] logits that
+`Model.logits()` returns are the caller's, outside it). The runtime baseline (the Python interpreter,
 torch, the tokenizer and the manifest, all present before the first weight is read) is outside it; `Model`
 measures and reports it. The planner first sets aside `reserve_bytes` from the limit and places weights in the
 rest.
@@ -16,8 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from colibri.errors import InputError
+
 DEFAULT_BATCH = 512  # prompt tokens per forward pass
-LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front
+LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front...
+KV_SHARE = 0.25  # ...and halved (down to MIN_CTX) while that KV cache would take more of the limit than this
+MIN_CTX = 256
 # Allocator slack on top of the activation estimate: temporaries of the quantized kernels and glibc's own.
 SLACK = 1.25
 
@@ -44,9 +49,27 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
     inter = max(args.intermediate_size if not all(args.moe_layers) else 0,
                 (args.moe_intermediate_size or 0) + (args.shared_expert_intermediate_size or 0))
     ffn = 3 * T * inter * b + (T * args.num_experts * 4 * 3 if args.num_experts else 0)
-    # logits: the last position only during generation, every position for `logits()`
-    head = T * args.vocab_size * 4 * 2 + T * d * b
+    # logits of the last position (generation); `Model.logits()` returns [T, V] on top of the budget
+    head = 2 * args.vocab_size * 4 + T * d * b
     return int(SLACK * (residual + max(qkv + attn, ffn, head)))
+
+
+def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch.dtype) -> int:
+    """The maximum context. Set: checked against the model's. Unset: the model's own without a memory limit (the
+    KV cache grows as used); under a limit, where its KV cache is reserved up front, at most LIMITED_CTX and
+    halved while that cache would exceed KV_SHARE of the limit."""
+    top = args.max_position_embeddings
+    if ctx_length is not None:
+        ctx = int(ctx_length)
+        if not 1 <= ctx <= top:
+            raise InputError(f"--ctx-length {ctx_length} is outside 1..{top}, the context this model supports")
+        return ctx
+    if limit is None:
+        return top
+    ctx = min(top, LIMITED_CTX)
+    while ctx > MIN_CTX and kv_bytes(args, ctx, dtype) > KV_SHARE * limit:
+        ctx //= 2
+    return ctx
 
 
 @dataclass

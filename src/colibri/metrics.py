@@ -119,3 +119,13 @@ class GenerationMetrics:
                 + (f" | SSD read {self.disk_bytes_read / 1e9:.2f} GB at {self.read_gb_per_s:.2f} GB/s"
                    f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s,"
                    f" hit rate {100 * self.hit_rate[1]:.0f} %" if self.disk_bytes_read else ""))
+
+
+def format_timeline(events: list[dict]) -> str:
+    """The streaming store's per-scope timeline (--verbose): for each scope of the first passes, the pages it
+    needed, the bytes read on demand (not prefetched), the wait for them and the compute inside the scope."""
+    lines = [f"{'pass':>4} {'scope':<12} {'pages':>5} {'demand MiB':>10} {'wait ms':>9} {'compute ms':>10}"]
+    for e in events:
+        lines.append(f"{e['pass']:>4} {e['scope']:<12} {e['pages']:>5} {e['demand_bytes'] / 2**20:>10.1f} "
+                     f"{e['wait_ms']:>9.2f} {e['compute_ms']:>10.2f}")
+    return "\n".join(lines)

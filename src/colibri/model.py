@@ -133,7 +133,8 @@ class Model:
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
             raise InputError(f"--batch-size must be at least 1 (got {batch_size})")
-        self.context_length = self._context_length(ctx_length, limited=memory_limit is not None)
+        limit = None if memory_limit is None else parse_size(memory_limit)
+        self.context_length = budget.context_length(self.args, ctx_length, limit, self.dtype)
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
@@ -146,23 +147,12 @@ class Model:
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
             budget.tame_allocator()
-            self.store = StreamingStore(ckpt, self.args, parse_size(memory_limit), self.dtype,
+            self.store = StreamingStore(ckpt, self.args, limit, self.dtype,
                                         io_threads=io_threads, prefetch_depth=prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
-
-    def _context_length(self, ctx_length: int | None, limited: bool) -> int:
-        """The maximum context: the model's own unless set; under a memory limit (where its KV cache is reserved
-        up front) at most budget.LIMITED_CTX by default."""
-        top = self.args.max_position_embeddings
-        if ctx_length is None:
-            return min(top, budget.LIMITED_CTX) if limited else top
-        ctx = int(ctx_length)
-        if not 1 <= ctx <= top:
-            raise InputError(f"--ctx-length {ctx_length} is outside 1..{top}, the context this model supports")
-        return ctx
 
     def _tokenizer(self) -> Tokenizer | None:
         ckpt = self.checkpoint
@@ -277,14 +267,13 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int = 2, ct
     try:
         if not hasattr(ckpt, "manifest"):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
-        top = args.max_position_embeddings
-        ctx = min(top, budget.LIMITED_CTX) if ctx_length is None else int(ctx_length)
-        res = budget.reserve(args, ctx, batch_size, resolve_dtype(dtype) or checkpoint_dtype(ckpt))
+        limit = None if memory_limit is None else parse_size(memory_limit)
+        dt = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
+        res = budget.reserve(args, budget.context_length(args, ctx_length, limit, dt), batch_size, dt)
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
-        limit = None if memory_limit is None else parse_size(memory_limit)
         return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit, prefetch_depth,
                      res.total, batch_size, usage), res, args
     finally:

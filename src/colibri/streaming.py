@@ -430,6 +430,8 @@ class StreamingStore:
                 self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
         self._multi = False  # the current pass has several tokens (prefill): it must not evict cached experts
         self._passes = 0
+        self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
+        self.timeline: list[dict] = []
         pl = self.placement
         self._free: list[AlignedBuffer] = [AlignedBuffer(pl.slot_bytes) for _ in range(pl.slots)]
         self._blocks: list[AlignedBuffer] = []
@@ -607,10 +609,12 @@ class StreamingStore:
     @contextlib.contextmanager
     def _scope(self, key: tuple) -> Iterator[None]:
         pids = self._scope_pages.get(key, [])
+        hits = set()
         for pid in pids:  # demand reads for what prefetch did not bring
             nbytes = self.pages[pid]["nbytes"]
             slot = self._slots.get(pid)
             if slot is not None:
+                hits.add(pid)
                 self.stats.hits += 1
                 self.stats.hit_bytes += nbytes
                 slot.cached = False  # held now; re-admitted (or not) when the scope ends
@@ -636,11 +640,18 @@ class StreamingStore:
             raise
         finally:
             self.stats.io_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         self._held.update(pids)
         self._prefetch_after(self._scope_end.get(key, -1))
+        t1 = time.perf_counter()
         try:
             yield
         finally:
+            if self._passes <= self.timeline_passes:
+                self.timeline.append({"pass": self._passes, "scope": "/".join(map(str, key)), "pages": len(pids),
+                                      "demand_bytes": sum(self.pages[p]["nbytes"] for p in pids if p not in hits),
+                                      "wait_ms": round(1e3 * waited, 3),
+                                      "compute_ms": round(1e3 * (time.perf_counter() - t1), 3)})
             for pid in pids:
                 for name in self.pages[pid]["tensors"]:
                     self._objects.pop(name, None)
