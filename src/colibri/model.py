@@ -119,7 +119,7 @@ def describe(path: str | Path) -> dict[str, str]:
 
 class Model:
     def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
-                 io_threads: int = 2, prefetch_depth: int = 2, ctx_length: int | None = None,
+                 io_threads: int = 2, prefetch_depth: int | None = None, ctx_length: int | None = None,
                  batch_size: int = budget.DEFAULT_BATCH):
         if threads:
             torch.set_num_threads(int(threads))
@@ -258,8 +258,8 @@ class Model:
         self.close()
 
 
-def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int = 2, ctx_length: int | None = None,
-         batch_size: int = budget.DEFAULT_BATCH):
+def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None = None,
+         ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH):
     """(Placement, Reserve, ModelArgs) that `load` with these settings would use, without reading a weight."""
     from colibri.streaming import ExpertUsage, USAGE_FILE, plan as place
 
@@ -281,14 +281,15 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int = 2, ct
 
 
 def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None, io_threads: int = 2,
-         prefetch_depth: int = 2, ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH) -> Model:
+         prefetch_depth: int | None = None, ctx_length: int | None = None,
+         batch_size: int = budget.DEFAULT_BATCH) -> Model:
     """Load a Colibri container, an HF model directory or a .gguf file.
 
     dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
     like "600M", "2G"; containers only) bounds the weights, their staging, the KV cache for `ctx_length` tokens
     and the activations of `batch_size` tokens; pages that do not fit are streamed from disk with O_DIRECT reads
-    by `io_threads` threads, `prefetch_depth` pages ahead. batch_size: tokens per forward pass (a long prompt is
-    prefilled in chunks of it).
+    by `io_threads` threads, `prefetch_depth` pages ahead (None: one layer's pages plus one). batch_size: tokens
+    per forward pass (a long prompt is prefilled in chunks of it).
     """
     return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
                  prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size)
