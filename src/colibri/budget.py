@@ -48,7 +48,8 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
     attn = 2 * H * S * Dh * b + 2 * H * T * S * 4 + T * S + 2 * T * H * Dh * b
     inter = max(args.intermediate_size if not all(args.moe_layers) else 0,
                 (args.moe_intermediate_size or 0) + (args.shared_expert_intermediate_size or 0))
-    ffn = 3 * T * inter * b + (T * args.num_experts * 4 * 3 if args.num_experts else 0)
+    # routed experts' outputs are kept until summed in expert order: T x top_k rows
+    ffn = 3 * T * inter * b + (T * args.num_experts * 4 * 3 + T * args.top_k * d * b if args.num_experts else 0)
     # logits of the last position (generation); `Model.logits()` returns [T, V] on top of the budget
     head = 2 * args.vocab_size * 4 + T * d * b
     return int(SLACK * (residual + max(qkv + attn, ffn, head)))

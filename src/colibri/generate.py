@@ -54,6 +54,8 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids, cache)
     metrics.prefill_s = time.perf_counter() - t0
+    account_io()
+    metrics.prefill_io_wait_s = metrics.io_wait_s
     context = list(prompt_ids)
     t_decode = None
     metrics.finish_reason = "length"

@@ -34,6 +34,7 @@ class GenerationMetrics:
     finish_reason: str = ""
     disk_bytes_read: int = 0  # weight bytes read from disk during this generation (streaming store)
     io_wait_s: float = 0.0  # time the forward pass waited for those reads
+    prefill_io_wait_s: float = 0.0  # the part of it during prefill
     read_s: float = 0.0  # wall time with a read in flight: achieved bandwidth = disk_bytes_read / read_s
     direct_io: bool | None = None  # O_DIRECT (True) or the buffered fallback; None: nothing streamed
     page_hits: int = 0  # streamed pages found resident (prefetched or cached) when needed
@@ -58,6 +59,15 @@ class GenerationMetrics:
         self.direct_io = now["direct_io"]
         self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
                                                                     now["staging_bytes"])
+
+    @property
+    def decode_split(self) -> tuple[float, float]:
+        """(I/O wait, everything else) in seconds per decode step."""
+        steps = self.generated_tokens - 1
+        if steps <= 0 or self.decode_s <= 0:
+            return 0.0, 0.0
+        wait = max(0.0, self.io_wait_s - self.prefill_io_wait_s) / steps
+        return wait, max(0.0, self.decode_s / steps - wait)
 
     @property
     def read_gb_per_s(self) -> float:
@@ -109,7 +119,8 @@ class GenerationMetrics:
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
-            "decode_io_wait_s_per_token": round(self.io_wait_s / max(1, self.generated_tokens), 6),
+            "decode_io_wait_s_per_token": round(self.decode_split[0], 6),
+            "decode_compute_s_per_token": round(self.decode_split[1], 6),
         }
 
     def summary(self) -> str:

@@ -39,9 +39,9 @@ class WeightStore(Protocol):
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
         """Scope of one routed expert's compute in layer i."""
 
-    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
-        """Layer i's router chose these experts (expert -> tokens routed to it); `names` are their tensors,
-        needed next."""
+    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
+        """Layer i's router chose these experts (expert -> tokens routed to it; `names`: expert -> its tensors,
+        needed next). Returns the order to compute them in."""
 
     def close(self) -> None: ...
 
@@ -91,8 +91,8 @@ class RamStore:
     def begin_pass(self, tokens: int) -> None:
         pass
 
-    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
-        pass
+    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
+        return sorted(uses)
 
     def nbytes(self) -> int:
         return sum(nbytes(t) for t in self.tensors.values())

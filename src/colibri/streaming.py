@@ -587,12 +587,19 @@ class StreamingStore:
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
         return self._scope(("expert", i, e))
 
-    def route(self, i: int, uses: dict[int, int], names: Iterable[str]) -> None:
-        """Layer i's router picked experts (expert -> tokens routed to it): count the use, and start reading the
-        missing ones now so they load concurrently."""
+    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
+        """Layer i's router picked experts (expert -> tokens routed to it): count the use, start reading the
+        missing ones now so they load concurrently, and order them resident first (compute overlaps the reads)."""
         if self.usage:
             self.usage.record(i, uses)
-        self.prefetch(names)
+        self.prefetch(n for e in sorted(uses) for n in names[e])
+
+        def ready(e: int) -> bool:
+            pid = self._page_of[names[e][0]]
+            slot = self._slots.get(pid)
+            return self.state[pid] == PageState.PINNED or (slot is not None and slot.future.done())
+
+        return sorted(uses, key=lambda e: (not ready(e), e))
 
     def prefetch(self, names: Iterable[str]) -> None:
         for pid in sorted({self._page_of[n] for n in names}):

@@ -386,14 +386,16 @@ class DecoderModel:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         uses = Counter(top_i.flatten().tolist())
-        routed = sorted(uses)
-        store.route(i, dict(uses), [n for e in routed for n in self.expert_names(i, e)])
-        out = torch.zeros_like(x)
+        names = {e: self.expert_names(i, e) for e in sorted(uses)}
+        routed = store.route(i, dict(uses), names)  # the order to compute them in: resident ones first
+        ys = {}
         for e in routed:
             tok, slot = torch.where(top_i == e)
             with store.expert(i, e):
-                y = self.expert(store, self.expert_names(i, e), x[tok]) * top_w[tok, slot, None]
-            out.index_add_(0, tok, y)
+                ys[e] = (tok, self.expert(store, names[e], x[tok]) * top_w[tok, slot, None])
+        out = torch.zeros_like(x)
+        for e in sorted(ys):  # summed in expert order whatever the compute order: placement never changes results
+            out.index_add_(0, *ys[e])
         if a.shared_expert_intermediate_size:
             s = self.mlp(store, m + "shared_expert.", x)
             out = out + torch.sigmoid(linear(x, store.get(m + "shared_expert_gate.weight"))) * s
