@@ -270,6 +270,8 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
         try_pin(pid, prefetch_depth)
     depth = prefetch_depth if pinned_bytes + costs.need(streamed, prefetch_depth) <= room else 0
+    if not any(pages[i]["kind"] != "expert" and i not in costs.rows for i in streamed):
+        depth = 0  # prefetch reads dense pages ahead; with none streamed its slots would sit idle
     need = costs.need(streamed, depth)
     experts = [i for i in streamed if pages[i]["kind"] == "expert"]
     learned = 0
