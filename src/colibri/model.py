@@ -139,6 +139,7 @@ class Model:
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
         budget.warm_up(self.dtype)
+        budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
         self.reserve = budget.reserve(self.args, self.context_length, self.batch_size, self.dtype)
         if memory_limit is not None:
