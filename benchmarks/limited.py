@@ -6,17 +6,21 @@
 Each configuration runs in a fresh child process inside a fresh child memory cgroup of our own cgroup
 (`/proc/self/cgroup`, controller mounted at /sys/fs/cgroup/memory). `--cgroup-limit` is written to
 `memory.limit_in_bytes`, which charges page cache as well as anonymous memory: it caps the whole process the way a
-small machine would. Without it the cgroup is only used for accounting. `--memory-limit` is the engine's own weight
+small machine would. Without it the cgroup is only used for accounting. `--memory-limit` is the engine's own
 budget (colibri.load's memory_limit); omit it (or write `none`) to keep every weight in RAM. A configuration is
 `CGROUP_LIMIT,MEMORY_LIMIT`, either side `none`. The page cache is dropped before every run (cold start: weights
 come from disk), and the cgroup is removed afterwards, also on error.
 
-The child loads with `colibri.load(path, memory_limit, io_threads, prefetch_depth, threads)` and generates greedily
-(temperature 0, EOS ignored so every run produces exactly --tokens tokens). Per configuration the parent prints one
-summary line (decode tok/s, TTFT, bytes read from disk, peak RSS, the cgroup's max usage and failcnt, OOM kills),
-then one JSON object with everything, and says whether the generated tokens agree across the configurations that
-completed. A child killed by the OOM killer (exit -9) or failing otherwise is reported, not raised. Needs root and
-the cgroup-v1 memory controller; exits with status 2 otherwise.
+The child loads with `colibri.load(path, memory_limit, io_threads, threads[, prefetch_depth, ctx_length])` and
+generates greedily (temperature 0, EOS ignored so every run produces exactly --tokens tokens). Per configuration
+the parent prints one summary line (decode tok/s, TTFT, bytes read from disk, peak RSS, the cgroup's max usage and
+failcnt, OOM kills), then one JSON object with everything, and says whether the generated tokens agree across the
+configurations that completed. A child killed by the OOM killer (exit -9) or failing otherwise is reported, not
+raised. Needs root and the cgroup-v1 memory controller; exits with status 2 otherwise.
+
+On a shared 2-core machine other processes distort the figures: every run records the processes that used over
+20 % of a core meanwhile (and warns); `--wait-idle S` waits for a quiet machine before each run and
+`--retry-busy N` reruns a disturbed configuration up to N times.
 """
 
 from __future__ import annotations
@@ -64,14 +68,15 @@ def child(a: argparse.Namespace) -> None:
 
     rss_import = rss_bytes()
     t1 = time.perf_counter()
-    m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), io_threads=a.io_threads,
-                     prefetch_depth=a.prefetch_depth, threads=a.threads)
+    opts = {"prefetch_depth": a.prefetch_depth, "ctx_length": a.ctx_length}  # passed only when given
+    m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), io_threads=a.io_threads, threads=a.threads,
+                     **{k: v for k, v in opts.items() if v is not None})
     load_s = time.perf_counter() - t1
     rss_load = rss_bytes()
     r = m.generate(a.prompt, max_tokens=a.tokens, temperature=0, ignore_eos=True)
-    out = {"colibri": os.path.dirname(colibri.__file__), "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3), "rss_after_import_bytes": rss_import,
-           "rss_after_load_bytes": rss_load, "rss_end_bytes": rss_bytes(), **r.stats,
-           "token_ids": r.token_ids, "text": r.text}
+    out = {"colibri": os.path.dirname(colibri.__file__), "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3),
+           "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "rss_end_bytes": rss_bytes(),
+           **r.stats, "token_ids": r.token_ids, "text": r.text}
     m.close()
     print(json.dumps(out), flush=True)
 
@@ -93,23 +98,40 @@ def swap_total() -> int:
     return 0
 
 
-def busy_others(child_pid: int) -> list[str]:
-    """Other processes that used over 20 % of a core since they started and are still running (a crude
-    interference check: a concurrent test suite halves the figures on a 2-core machine)."""
-    hz, now = os.sysconf("SC_CLK_TCK"), time.clock_gettime(time.CLOCK_BOOTTIME)
-    out = []
+def cpu_ticks(exclude: set[int]) -> dict[int, int]:
+    """utime + stime (clock ticks) of every process but `exclude`."""
+    out = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) in (os.getpid(), child_pid):
-            continue
-        try:
-            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            cpu, start = (int(f[11]) + int(f[12])) / hz, int(f[19]) / hz
-            if now - start > 5 and cpu / (now - start) > 0.2:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                out.append(f"{d.name} {cmd[:80].strip()}")
-        except (OSError, IndexError, ValueError):
-            pass
+        if d.name.isdigit() and int(d.name) not in exclude:
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(d.name)] = int(f[11]) + int(f[12])
+            except (OSError, IndexError, ValueError):
+                pass
     return out
+
+
+def busy_between(before: dict[int, int], after: dict[int, int], seconds: float) -> dict[int, str]:
+    """Processes that used over 20 % of a core between two cpu_ticks() snapshots: pid -> command line."""
+    hz, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid, t in after.items():
+        if (t - before.get(pid, t)) / hz / seconds > 0.2:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            out[pid] = cmd[:80].strip()
+    return out
+
+
+def wait_idle(limit_s: float) -> float:
+    """Wait (up to limit_s) until no other process keeps a core busy for 2 s; returns the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        a = cpu_ticks({os.getpid()})
+        time.sleep(2)
+        if not busy_between(a, cpu_ticks({os.getpid()}), 2) or time.perf_counter() - t0 >= limit_s:
+            return round(time.perf_counter() - t0, 1)
 
 
 def drop_caches() -> None:
@@ -180,14 +202,17 @@ class MemCG:
 
 
 def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | None, idx: int) -> dict:
-    # Other processes competing for the 2 cores or the disk make the figures meaningless: record the load.
+    # Other processes competing for the 2 cores or the disk make the figures meaningless: record them.
     res: dict = {"cgroup_limit_bytes": cg_limit, "memory_limit_bytes": mem_limit,
                  "loadavg_1m_before": round(os.getloadavg()[0], 2)}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--tokens", str(a.tokens),
-           "--prompt", a.prompt, "--io-threads", str(a.io_threads), "--prefetch-depth", str(a.prefetch_depth),
+           "--prompt", a.prompt, "--io-threads", str(a.io_threads), "--threads", str(a.threads),
            "--memory-limit", str(mem_limit) if mem_limit is not None else "none"]
-    if a.threads is not None:
-        cmd += ["--threads", str(a.threads)]
+    for opt in ("prefetch_depth", "ctx_length"):
+        if getattr(a, opt) is not None:
+            cmd += [f"--{opt.replace('_', '-')}", str(getattr(a, opt))]
+    if a.wait_idle:
+        res["waited_for_idle_s"] = wait_idle(a.wait_idle)
     cg = MemCG(own_memcg(), f"colibri-limited-{os.getpid()}-{idx}", cg_limit)
     try:
         drop_caches()
@@ -198,36 +223,49 @@ def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | Non
                 f.write(str(os.getpid()))
 
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=enter_cgroup)
-        peak = {"rss": 0, "cache": 0}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=enter_cgroup)
+        peak = {"rss": 0, "cache": 0, "shmem": 0}
         out_err: dict = {}
 
         def reader(name, stream):
             out_err[name] = stream.read()
 
-        ts = [threading.Thread(target=reader, args=(n, s), daemon=True) for n, s in (("out", p.stdout), ("err", p.stderr))]
+        ts = [threading.Thread(target=reader, args=(n, s), daemon=True)
+              for n, s in (("out", p.stdout), ("err", p.stderr))]
         for t in ts:
             t.start()
+        busy: dict[int, str] = {}
+        mine = {os.getpid(), p.pid}
+        ticks, t_ticks, n = cpu_ticks(mine), time.perf_counter(), 0
         while p.poll() is None:
+            n += 1
+            if n % 10 == 0:  # every ~2 s: did anything else compete for the cores?
+                now_ticks, now = cpu_ticks(mine), time.perf_counter()
+                busy.update(busy_between(ticks, now_ticks, now - t_ticks))
+                ticks, t_ticks = now_ticks, now
             try:
+                # "rss": private anonymous memory; "cache": page cache plus shmem. Shared anonymous mappings
+                # (Python's mmap.mmap(-1, n)) are shmem: counted under "cache" yet not reclaimable without swap.
                 s = cg.stat()
-                peak["rss"] = max(peak["rss"], s.get("rss", 0))  # anonymous memory; "cache" is page cache
-                peak["cache"] = max(peak["cache"], s.get("cache", 0))
+                for k in peak:
+                    peak[k] = max(peak[k], s.get(k, 0))
             except OSError:
                 pass
             time.sleep(0.2)
         for t in ts:
             t.join()
         res["wall_s"] = round(time.perf_counter() - t0, 2)
-        res["busy_other_processes"] = busy_others(p.pid)
+        res["busy_other_processes"] = [f"{pid} {cmd}" for pid, cmd in busy.items()]
         res["exit_code"] = p.returncode
         res["cgroup_max_usage_bytes"] = int(cg.read("memory.max_usage_in_bytes"))
         res["cgroup_failcnt"] = int(cg.read("memory.failcnt"))
-        # With memsw limited too, charges hit the memsw counter first and it is memsw.failcnt that counts them.
-        res["cgroup_memsw_failcnt"] = int(cg.read("memory.memsw.failcnt")) if cg.has("memory.memsw.failcnt") else None
+        res["cgroup_memsw_failcnt"] = (int(cg.read("memory.memsw.failcnt")) if cg.has("memory.memsw.failcnt")
+                                       else None)
         res["cgroup_oom_kills"] = cg.oom_kills()
         res["cgroup_peak_rss_sampled_bytes"] = peak["rss"]
         res["cgroup_peak_cache_sampled_bytes"] = peak["cache"]
+        res["cgroup_peak_shmem_sampled_bytes"] = peak["shmem"]
         res["oom_killed"] = p.returncode == -signal.SIGKILL or res["cgroup_oom_kills"] > 0
         stdout, stderr = out_err.get("out", ""), out_err.get("err", "")
         if p.returncode == 0:
@@ -251,8 +289,9 @@ def summary(r: dict) -> str:
     if not r["ok"]:
         last = r.get("stderr_tail", "").splitlines()[-1:] or [""]
         return head + f"FAILED: {r['error']}; {cgs}" + (f"; {last[0]}" if last[0] else "")
-    return (head + f"decode {r['decode_tokens_per_s']:.2f} tok/s | TTFT {r['ttft_s']:.2f} s | load {r['load_s']:.1f} s | "
-            f"read {r['disk_bytes_read'] / 2**20:.0f} MiB, I/O wait {r['io_wait_s']:.1f} s | "
+    return (head + f"decode {r['decode_tokens_per_s']:.2f} tok/s | TTFT {r['ttft_s']:.2f} s | "
+            f"load {r['load_s']:.1f} s | read {r['disk_bytes_read'] / 2**20:.0f} MiB, "
+            f"I/O wait {r['io_wait_s']:.1f} s | "
             f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (after import {r['rss_after_import_bytes'] / 2**20:.0f}, "
             f"after load {r['rss_after_load_bytes'] / 2**20:.0f}) | {cgs}")
 
@@ -261,14 +300,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="Colibri container directory")
     ap.add_argument("--cgroup-limit", help="whole-process limit incl. page cache, e.g. 800M (default: none)")
-    ap.add_argument("--memory-limit", help="the engine's weight budget, e.g. 500M (default: none, all in RAM)")
+    ap.add_argument("--memory-limit", help="the engine's own budget (colibri.load's memory_limit), e.g. 500M "
+                    "(default: none, all in RAM)")
     ap.add_argument("--config", action="append", metavar="CGROUP,MEMORY",
                     help="a configuration, e.g. 800M,500M or none,none (repeatable; overrides the two above)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--io-threads", type=int, default=2)
-    ap.add_argument("--prefetch-depth", type=int, default=2)
+    ap.add_argument("--prefetch-depth", type=int, help="streamed pages read ahead (default: the engine's)")
+    ap.add_argument("--ctx-length", type=int, help="context length (default: the engine's)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default 2)")
+    ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                    help="before each run wait up to this long until no other process keeps a core busy")
+    ap.add_argument("--retry-busy", type=int, default=0, metavar="N",
+                    help="rerun a configuration up to N times while other busy processes disturbed it")
     ap.add_argument("--json-out", help="also write the JSON result to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -288,10 +333,17 @@ def main() -> None:
     else:
         configs = [(parse_size(a.cgroup_limit), parse_size(a.memory_limit))]
     print(f"model {a.model}; {a.tokens} tokens greedy; threads {a.threads}, io_threads {a.io_threads}, "
-          f"prefetch_depth {a.prefetch_depth}; page cache dropped before each run", flush=True)
+          f"prefetch_depth {a.prefetch_depth or 'default'}, ctx_length {a.ctx_length or 'default'}; "
+          "page cache dropped before each run", flush=True)
     results = []
     for i, (cg, ml) in enumerate(configs):
-        r = run_config(a, cg, ml, i)
+        for attempt in range(a.retry_busy + 1):
+            r = run_config(a, cg, ml, i)
+            r["attempt"] = attempt + 1
+            if not r.get("busy_other_processes") or attempt == a.retry_busy:
+                break
+            print(summary(r) + f"\n  other busy processes: {'; '.join(r['busy_other_processes'])}; retrying",
+                  flush=True)
         results.append(r)
         print(summary(r), flush=True)
         if r.get("busy_other_processes"):
@@ -301,18 +353,20 @@ def main() -> None:
     done = [r for r in results if r["ok"]]
     same = len({tuple(r["token_ids"]) for r in done}) <= 1
     if len(done) > 1:
-        print(f"generated tokens {'IDENTICAL' if same else 'DIFFER'} across the {len(done)} completed configurations")
+        print(f"generated tokens {'IDENTICAL' if same else 'DIFFER'} across the {len(done)} completed "
+              "configurations")
         if not same:
             ref = done[0]["token_ids"]
             for r in done[1:]:
                 k = next((j for j, (x, y) in enumerate(zip(ref, r["token_ids"])) if x != y),
                          min(len(ref), len(r["token_ids"])))
-                print(f"  cgroup {fmt_size(r['cgroup_limit_bytes'])} memory_limit {fmt_size(r['memory_limit_bytes'])}: "
-                      f"first difference at token {k}")
+                print(f"  cgroup {fmt_size(r['cgroup_limit_bytes'])} memory_limit "
+                      f"{fmt_size(r['memory_limit_bytes'])}: first difference at token {k}")
     if done:
         print("text:", json.dumps(done[0]["text"]))
     report = {"model": a.model, "tokens": a.tokens, "prompt": a.prompt, "threads": a.threads,
-              "io_threads": a.io_threads, "prefetch_depth": a.prefetch_depth, "tokens_identical": same,
+              "io_threads": a.io_threads, "prefetch_depth": a.prefetch_depth, "ctx_length": a.ctx_length,
+              "tokens_identical": same,
               "results": results}
     text = json.dumps(report)
     print(text)
