@@ -1,4 +1,4 @@
-"""The `colibri` command: run, chat, info. Each option is defined once, in OPTIONS."""
+"""The `colibri` command: run, chat, info, convert, verify, plan, bench. Each option is defined once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -18,10 +18,18 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "dtype": (dict(choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's; f32 for GGUF)"),
               None),
     "threads": (dict(type=int, help="CPU threads for compute (default: torch's choice)"), "COLIBRI_THREADS"),
-    "memory_limit": (dict(help="memory budget for weights, e.g. 600M, 2G (Colibri containers): pages that do not"
-                               " fit are streamed from disk"), "COLIBRI_MEMORY_LIMIT"),
+    "memory_limit": (dict(help="memory budget, e.g. 600M, 2G (Colibri containers): it bounds the weights, their"
+                               " staging buffers, the KV cache for the context and the activations; pages that do"
+                               " not fit are streamed from disk. The runtime baseline (Python, torch, tokenizer)"
+                               " is outside it"), "COLIBRI_MEMORY_LIMIT"),
+    "ctx_length": (dict(type=int, help="maximum context in tokens; its KV cache is reserved in the memory limit"
+                                       " (default: the model's; under --memory-limit one whose KV cache fits,"
+                                       " at most 4096)"), None),
+    "batch_size": (dict(type=int, default=512, help="maximum tokens per forward pass: a long prompt is prefilled"
+                                                    " in chunks of it (default 512)"), None),
     "io_threads": (dict(type=int, default=2, help="threads reading streamed weights (default 2)"), None),
-    "prefetch_depth": (dict(type=int, default=2, help="streamed pages read ahead of use (default 2)"), None),
+    "prefetch_depth": (dict(type=int, help="streamed pages read ahead of use (default: one layer's streamed pages"
+                                           " plus one)"), None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=256, help="maximum tokens to generate (default 256)"), None),
@@ -36,6 +44,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "json": (dict(action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming"),
              None),
     "stats": (dict(action="store_true", help="print a stats line after each reply"), None),
+    "tokens": (dict(type=int, default=32, help="tokens to generate, EOS ignored (default 32)"), None),
+    "probe_seconds": (dict(type=float, default=1.0, help="length of the disk bandwidth probe (default 1 s)"), None),
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
     "output": (dict(required=True, help="container directory to create"), None),
@@ -45,14 +55,17 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
 }
-COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "debug"]
+COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
+          "debug"]
+JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
 
 
-def add(parser: argparse.ArgumentParser, *names: str) -> None:
+def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any]) -> None:
+    """Add the named options; `changes` (option name -> argparse kwargs) adjusts one for this subcommand."""
     for name in names:
         kwargs, env = OPTIONS[name]
-        kwargs = dict(kwargs)
+        kwargs = {**kwargs, **changes.get(name, {})}
         if env and os.environ.get(env):
             kwargs["default"] = os.environ[env] if "type" not in kwargs else kwargs["type"](os.environ[env])
             kwargs["required"] = False
@@ -74,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", help="container directory")
     add(ver, "debug")
+    pl = sub.add_parser("plan", help="placement, bytes read per token and predicted decode speed, without loading")
+    add(pl, *COMMON, "probe_seconds", "json", json=JSON_REPORT)
+    be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
+    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "json", json=JSON_REPORT,
+        prompt=dict(required=False, help="prompt text, sent without the chat template (default: a fixed sentence)"))
     return p
 
 
@@ -87,7 +105,8 @@ def model_path(args) -> str:
 def load_model(args):
     from colibri.model import load
     return load(model_path(args), dtype=args.dtype, threads=args.threads, memory_limit=args.memory_limit,
-                io_threads=args.io_threads, prefetch_depth=args.prefetch_depth)
+                io_threads=args.io_threads, prefetch_depth=args.prefetch_depth, ctx_length=args.ctx_length,
+                batch_size=args.batch_size)
 
 
 def sampling(args) -> dict[str, Any]:
@@ -196,10 +215,35 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def streaming_options(args) -> dict[str, Any]:
+    return dict(memory_limit=args.memory_limit, dtype=args.dtype, io_threads=args.io_threads,
+                prefetch_depth=args.prefetch_depth, ctx_length=args.ctx_length, batch_size=args.batch_size,
+                probe_seconds=args.probe_seconds)
+
+
+def cmd_plan(args) -> int:
+    import torch
+
+    from colibri import bench
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = bench.predict(model_path(args), **streaming_options(args))
+    print(json.dumps(bench.public(report)) if args.json else bench.format_plan(report))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from colibri import bench
+    report = bench.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
+                             **streaming_options(args))
+    print(json.dumps(report) if args.json else bench.format_bench(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
-               "verify": cmd_verify}[args.command]
+               "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench}[args.command]
     try:
         return handler(args)
     except ColibriError as e:
