@@ -37,12 +37,13 @@ class GenerationMetrics:
     prefill_io_wait_s: float = 0.0  # the part of it during prefill
     read_s: float = 0.0  # wall time with a read in flight: achieved bandwidth = disk_bytes_read / read_s
     direct_io: bool | None = None  # O_DIRECT (True) or the buffered fallback; None: nothing streamed
-    page_hits: int = 0  # streamed pages found resident (prefetched or cached) when needed
+    page_hits: int = 0  # uses of streamed pages served by an earlier read (cached experts); prefetched = miss
     page_misses: int = 0
     hit_bytes: int = 0
     miss_bytes: int = 0
     expert_hits: int = 0
     expert_misses: int = 0
+    expert_pinned_uses: int = 0
     pinned_bytes: int = 0
     cached_bytes: int = 0
     staging_bytes: int = 0
@@ -51,11 +52,13 @@ class GenerationMetrics:
     def account_io(self, start: dict, now: dict) -> None:
         """Take a streaming store's counters: differences since `start` for the flows, `now` for the levels."""
         diff = {k: now[k] - start[k] for k in ("bytes_read", "io_wait_s", "read_active_s", "hits", "misses",
-                                               "hit_bytes", "miss_bytes", "expert_hits", "expert_misses")}
+                                               "hit_bytes", "miss_bytes", "expert_hits", "expert_misses",
+                                               "expert_pinned_uses")}
         self.disk_bytes_read, self.io_wait_s, self.read_s = diff["bytes_read"], diff["io_wait_s"], diff["read_active_s"]
         self.page_hits, self.page_misses = diff["hits"], diff["misses"]
         self.hit_bytes, self.miss_bytes = diff["hit_bytes"], diff["miss_bytes"]
         self.expert_hits, self.expert_misses = diff["expert_hits"], diff["expert_misses"]
+        self.expert_pinned_uses = diff["expert_pinned_uses"]
         self.direct_io = now["direct_io"]
         self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
                                                                     now["staging_bytes"])
@@ -116,6 +119,9 @@ class GenerationMetrics:
             "hit_rate_bytes": round(self.hit_rate[1], 4),
             "expert_hits": self.expert_hits,
             "expert_misses": self.expert_misses,
+            "expert_pinned_uses": self.expert_pinned_uses,
+            "expert_resident_rate": round((self.expert_hits + self.expert_pinned_uses) / max(
+                1, self.expert_hits + self.expert_pinned_uses + self.expert_misses), 4),
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,

@@ -386,18 +386,20 @@ class _Slot:
     buffer: AlignedBuffer
     future: Future
     cached: bool = False  # an expert kept resident after its scope
+    fresh: bool = True  # read and not yet used
 
 
 @dataclass
 class StreamStats:
     bytes_read: int = 0  # everything read from the data files, pinned pages included
     page_reads: int = 0
-    hits: int = 0  # streamed pages already resident (prefetched or cached) when their scope began
-    misses: int = 0
+    hits: int = 0  # uses of streamed pages served by bytes read for an earlier use (cached experts)
+    misses: int = 0  # uses that needed a read (prefetched or on demand)
     hit_bytes: int = 0
     miss_bytes: int = 0
     expert_hits: int = 0
     expert_misses: int = 0
+    expert_pinned_uses: int = 0  # routed experts that were pinned (neither hit nor miss: never streamed)
     row_bytes_read: int = 0  # lookup rows and head blocks
     verified_pages: int = 0
     io_wait_s: float = 0.0
@@ -595,6 +597,8 @@ class StreamingStore:
         missing ones now so they load concurrently, and order them resident first (compute overlaps the reads)."""
         if self.usage:
             self.usage.record(i, uses)
+        self.stats.expert_pinned_uses += sum(
+            1 for e in uses if self.state[self._page_of[names[e][0]]] == PageState.PINNED)
         self.prefetch(n for e in sorted(uses) for n in names[e])
 
         def ready(e: int) -> bool:
@@ -633,23 +637,30 @@ class StreamingStore:
     @contextlib.contextmanager
     def _scope(self, key: tuple) -> Iterator[None]:
         pids = self._scope_pages.get(key, [])
-        hits = set()
-        for pid in pids:  # demand reads for what prefetch did not bring
-            nbytes = self.pages[pid]["nbytes"]
+        ahead = set()  # already read or being read when the scope began (prefetched, routed or cached)
+        for pid in pids:
             slot = self._slots.get(pid)
             if slot is not None:
-                hits.add(pid)
-                self.stats.hits += 1
-                self.stats.hit_bytes += nbytes
+                ahead.add(pid)
                 slot.cached = False  # held now; re-admitted (or not) when the scope ends
                 self.reader.promote(slot.future)
+            else:  # a demand read for what prefetch did not bring
+                self._make_room(keep=set(pids))
+                self._start(pid, DEMAND)
+                slot = self._slots[pid]
+            # A hit is a use served by bytes read for an earlier use (a cached expert); a page read for this use,
+            # prefetched or not, is a miss.
+            hit = not slot.fresh
+            slot.fresh = False
+            nbytes = self.pages[pid]["nbytes"]
+            if hit:
+                self.stats.hits += 1
+                self.stats.hit_bytes += nbytes
             else:
                 self.stats.misses += 1
                 self.stats.miss_bytes += nbytes
-                self._make_room(keep=set(pids))
-                self._start(pid, DEMAND)
             if key[0] == "expert":
-                if slot is not None:
+                if hit:
                     self.stats.expert_hits += 1
                 else:
                     self.stats.expert_misses += 1
@@ -673,7 +684,7 @@ class StreamingStore:
         finally:
             if self._passes <= self.timeline_passes:
                 self.timeline.append({"pass": self._passes, "scope": "/".join(map(str, key)), "pages": len(pids),
-                                      "demand_bytes": sum(self.pages[p]["nbytes"] for p in pids if p not in hits),
+                                      "demand_bytes": sum(self.pages[p]["nbytes"] for p in pids if p not in ahead),
                                       "wait_ms": round(1e3 * waited, 3),
                                       "compute_ms": round(1e3 * (time.perf_counter() - t1), 3)})
             for pid in pids:
