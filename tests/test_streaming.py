@@ -219,3 +219,13 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     m2 = colibri.load(path, memory_limit=limit, prefetch_depth=0)
     assert m2.store.placement.learned_pins > 0
     assert m2.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == ref
+
+
+
+def test_expert_stats_in_generation(containers):
+    path = containers("qwen3_moe")
+    m = colibri.load(path, memory_limit=limit_for(path, 0.25))
+    stats = m.generate(PROMPT, max_tokens=4, ignore_eos=True).stats
+    assert stats["disk_bytes_read"] > 0 and stats["read_gb_per_s"] > 0 and stats["direct_io"] is True
+    assert stats["expert_hits"] + stats["expert_misses"] + stats["expert_pinned_uses"] > 0
+    assert 0 <= stats["expert_resident_rate"] <= 1 and stats["decode_io_wait_s_per_token"] >= 0

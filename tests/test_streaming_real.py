@@ -4,6 +4,8 @@ most of them, with 1 and 4 io threads and prefetch depth 0 and 4."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import colibri
@@ -58,3 +60,20 @@ def test_qwen_placement_never_changes_tokens(tmp_path, quant):
         pytest.skip("Qwen2.5-Coder-0.5B packages not installed")
     conv.convert(src, tmp_path / quant, conv.ConvertOptions(quant=quant, page_size_mb=16))
     check_placements(tmp_path / quant)
+
+
+def test_cli_verbose_timeline_and_json_stats(smollm2_containers, capsys):
+    from colibri import cli
+
+    path = smollm2_containers["q4"]
+    placement, _, _ = colibri.model.plan(path, None, ctx_length=CTX)
+    limit = placement.minimum + placement.pinned_bytes // 4
+    args = ["run", "--model", str(path), "--memory-limit", str(limit), "--ctx-length", str(CTX),
+            "--raw", "--prompt", PROMPT, "--max-tokens", "3", "--verbose"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert "pass scope" in err and "layer/0" in err and "SSD read" in err and "GB/s" in err
+    assert cli.main(args + ["--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["disk_bytes_read"] > 0 and stats["model"]["minimum_bytes"] > 0 and stats["timeline"]
+    assert stats["model"]["runtime_baseline_rss_bytes"] > 0 and stats["model"]["kv_reserve_bytes"] > 0

@@ -44,6 +44,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "json": (dict(action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming"),
              None),
     "stats": (dict(action="store_true", help="print a stats line after each reply"), None),
+    "verbose": (dict(action="store_true", help="print a per-layer timeline of the first forward passes (streamed"
+                                             " containers: pages, bytes read on demand, wait and compute per scope)"),
+                None),
     "tokens": (dict(type=int, default=32, help="tokens to generate, EOS ignored (default 32)"), None),
     "probe_seconds": (dict(type=float, default=1.0, help="length of the disk bandwidth probe (default 1 s)"), None),
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description="LLM inference that streams weights from an SSD.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate a reply to one prompt")
-    add(run, *COMMON, "prompt", "system", *SAMPLING, "raw", "json")
+    add(run, *COMMON, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, "system", *SAMPLING, "stats")
     info = sub.add_parser("info", help="describe a model without loading its weights")
@@ -113,6 +116,9 @@ def sampling(args) -> dict[str, Any]:
     return {name: getattr(args, name) for name in SAMPLING}
 
 
+VERBOSE_PASSES = 3  # forward passes (the prompt's, then decode steps) shown by --verbose
+
+
 def cmd_run(args) -> int:
     from colibri.metrics import GenerationMetrics
     m = load_model(args)
@@ -122,11 +128,18 @@ def cmd_run(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = m.chat_ids(messages + [{"role": "user", "content": args.prompt}])
     from colibri import generate as gen
+    from colibri.metrics import format_timeline
     params = m.sampling_params(**sampling(args))
+    timeline = args.verbose and hasattr(m.store, "timeline")
+    if timeline:
+        m.store.timeline_passes = VERBOSE_PASSES
     if args.json:
         r = gen.generate(m, ids, params)
+        stats = {**r.stats, "model": m.stats()}
+        if timeline:
+            stats["timeline"] = m.store.timeline
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "prompt_tokens": r.prompt_tokens,
-                          "finish_reason": r.finish_reason, "stats": r.stats}, ensure_ascii=False))
+                          "finish_reason": r.finish_reason, "stats": stats}, ensure_ascii=False))
         return 0
     metrics = GenerationMetrics()
     for chunk in gen.stream(m, ids, params):
@@ -134,6 +147,8 @@ def cmd_run(args) -> int:
         sys.stdout.flush()
         metrics = chunk.metrics
     sys.stdout.write("\n")
+    if timeline:
+        print(format_timeline(m.store.timeline), file=sys.stderr)
     print(metrics.summary(), file=sys.stderr)
     return 0
 

@@ -77,6 +77,12 @@ class GenerationMetrics:
         return self.disk_bytes_read / self.read_s / 1e9 if self.read_s > 0 else 0.0
 
     @property
+    def expert_resident_rate(self) -> float:
+        """Routed expert uses served without a read for them: cache hits plus pinned experts."""
+        uses = self.expert_hits + self.expert_misses + self.expert_pinned_uses
+        return (self.expert_hits + self.expert_pinned_uses) / uses if uses else 0.0
+
+    @property
     def hit_rate(self) -> tuple[float, float]:
         """(by pages, by bytes) of the streamed pages needed: how many were already resident."""
         pages, nbytes = self.page_hits + self.page_misses, self.hit_bytes + self.miss_bytes
@@ -120,8 +126,7 @@ class GenerationMetrics:
             "expert_hits": self.expert_hits,
             "expert_misses": self.expert_misses,
             "expert_pinned_uses": self.expert_pinned_uses,
-            "expert_resident_rate": round((self.expert_hits + self.expert_pinned_uses) / max(
-                1, self.expert_hits + self.expert_pinned_uses + self.expert_misses), 4),
+            "expert_resident_rate": round(self.expert_resident_rate, 4),
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
@@ -134,8 +139,10 @@ class GenerationMetrics:
                 f"TTFT {self.ttft_s:.3f} s | prefill {self.prefill_tokens_per_s:.1f} tok/s | "
                 f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
                 + (f" | SSD read {self.disk_bytes_read / 1e9:.2f} GB at {self.read_gb_per_s:.2f} GB/s"
-                   f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s,"
-                   f" hit rate {100 * self.hit_rate[1]:.0f} %" if self.disk_bytes_read else ""))
+                   f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s"
+                   + (f", experts resident {100 * self.expert_resident_rate:.0f} %"
+                      if self.expert_hits + self.expert_misses + self.expert_pinned_uses else "")
+                   if self.disk_bytes_read else ""))
 
 
 def format_timeline(events: list[dict]) -> str:

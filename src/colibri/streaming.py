@@ -153,7 +153,7 @@ class Placement:
     block_bytes: int  # the head's row-block buffers
     lookup_bytes: int  # transient row buffers of one pass's embedding lookup
     pinned_bytes: int
-    streamed_bytes: int  # whole-read streamed pages: what a dense pass reads
+    streamed_bytes: int  # what a dense pass reads of whole-read pages (a staged tied embedding twice: lookup, head)
     minimum: int  # the smallest budget this container runs in
     learned_pins: int = 0  # experts pinned because usage.json says they are the hottest
     prefetch_depth: int = 0
@@ -298,7 +298,8 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
     return Placement(budget, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
-                     block, lookup, pinned_bytes, sum(pages[i]["nbytes"] for i in normal), minimum, learned, depth)
+                     block, lookup, pinned_bytes, sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal),
+                     minimum, learned, depth)
 
 
 # -------------------------------------------------------------------------------------------------- expert usage
