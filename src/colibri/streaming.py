@@ -17,6 +17,10 @@ Three refinements:
 * Every page's checksum is verified on its first read, on the I/O thread; a mismatch, a failed or short read, or
   a data file changed after load raises StorageError naming the page and file, and leaves the engine usable.
 
+Tiers: a page is ON_DISK, LOADING (a read in flight), RESIDENT (in a staging or cache slot, evictable) or PINNED.
+The plan assigns each page its tier once; a GPU tier would be one more pinned destination with its own budget
+(pages copied there at load, `get` returning device tensors), with the same scopes and the same disk path.
+
 Scopes (the model math opens them; see models/base.py): `layer(i)` for layer i's attention and dense FFN pages,
 `layer(num_layers)` for the head, `expert(i, e)` for one routed expert. A streamed page is held only inside
 its scope: model code keeps no tensor across scopes, so the buffer can be reused afterwards.
