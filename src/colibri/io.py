@@ -482,6 +482,8 @@ def probe_bandwidth(path: str | os.PathLike, seconds: float = 1.0, request_size:
         raise ValueError(f"{path} is smaller than {ALIGN} bytes; nothing to measure")
     window = min(align_up(window), size)
     bufs = [AlignedBuffer(window) for _ in range(2)]
+    for b in bufs:  # fault the pages in first: the engine reads into long-lived buffers, not fresh ones
+        b.tensor().fill_(0)
     with Reader([path], io_threads=threads, request_size=request_size) as reader:
         offsets = itertools.cycle(range(0, size - window + 1, window))
         t0 = time.perf_counter()
