@@ -229,3 +229,19 @@ def test_expert_stats_in_generation(containers):
     assert stats["disk_bytes_read"] > 0 and stats["read_gb_per_s"] > 0 and stats["direct_io"] is True
     assert stats["expert_hits"] + stats["expert_misses"] + stats["expert_pinned_uses"] > 0
     assert 0 <= stats["expert_resident_rate"] <= 1 and stats["decode_io_wait_s_per_token"] >= 0
+
+
+def test_usage_file_from_elsewhere_or_corrupt_is_ignored(containers, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "moe"
+    shutil.copytree(containers("qwen3_moe"), path)
+    m = colibri.load(path)
+    shape = [m.args.num_layers, m.args.num_experts]
+    hot = [[100.0] * shape[1] for _ in range(shape[0])]
+    limit = limit_for(path, 0.5)
+    for text in (json.dumps({"version": 1, "container": "another", "shape": shape, "counts": hot}),
+                 json.dumps({"version": 1, "container": "x", "shape": [1, 1], "counts": [[1]]}), "{not json"):
+        (path / "usage.json").write_text(text)
+        assert colibri.load(path, memory_limit=limit).store.placement.learned_pins == 0
