@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 import colibri
 import real_models

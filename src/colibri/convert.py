@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from colibri import __version__, container, quant
-from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, align, checksum_str, crc32, plan_layout
+from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
 from colibri.model import check_tensors, open_model
 

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-import torch
-
 from colibri.errors import InputError
 from colibri.metrics import GenerationMetrics
 from colibri.sampling import Sampler, SamplingParams
