@@ -18,21 +18,24 @@ from colibri.streaming import PageState
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 
 
-@pytest.fixture(scope="module")
-def containers(tiny_model_dir, tmp_path_factory):
-    """Family -> q4 container with 1 MB pages (every layer its own pages), built once."""
-    root = tmp_path_factory.mktemp("stream")
+def container_factory(tiny_model_dir, root, options: conv.ConvertOptions):
+    """Family -> container converted with `options`, built once."""
     cache = {}
 
     def get(family):
         if family not in cache:
-            out = root / family
-            conv.convert(tiny_model_dir(family), out, conv.ConvertOptions(quant="q4", group_size=32,
-                                                                            page_size_mb=1))
-            cache[family] = out
+            conv.convert(tiny_model_dir(family), root / family, options)
+            cache[family] = root / family
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def containers(tiny_model_dir, tmp_path_factory):
+    """Family -> q4 container with 1 MB pages (every layer its own pages), built once."""
+    return container_factory(tiny_model_dir, tmp_path_factory.mktemp("stream"),
+                             conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1))
 
 
 def total_bytes(m) -> int:
@@ -114,16 +117,8 @@ def test_data_file_truncated_after_load(containers, tmp_path):
 
 @pytest.fixture(scope="module")
 def bf16_containers(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stream-bf16")
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = root / family
-            conv.convert(tiny_model_dir(family), cache[family], conv.ConvertOptions(quant="bf16", page_size_mb=1))
-        return cache[family]
-
-    return get
+    return container_factory(tiny_model_dir, tmp_path_factory.mktemp("stream-bf16"),
+                             conv.ConvertOptions(quant="bf16", page_size_mb=1))
 
 
 @pytest.mark.parametrize("family,kind", [("llama", "q4"), ("llama_tied", "q4"), ("qwen2", "bf16"),

@@ -77,8 +77,6 @@ def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int 
     from colibri.model import plan
 
     path = Path(path)
-    if int(batch_size) < 1:  # as colibri.load says it
-        raise InputError(f"--batch-size must be at least 1 (got {batch_size})")
     placement, res, args = plan(path, memory_limit, dtype=dtype, prefetch_depth=prefetch_depth,
                                 ctx_length=ctx_length, batch_size=batch_size)
     manifest = read_manifest(path)

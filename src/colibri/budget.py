@@ -93,6 +93,8 @@ class Reserve:
 
 
 def reserve(args, ctx: int, batch: int, dtype: torch.dtype) -> Reserve:
+    if int(batch) < 1:
+        raise InputError(f"--batch-size must be at least 1 (got {batch})")
     return Reserve(ctx, batch, kv_bytes(args, ctx, dtype), activation_bytes(args, min(batch, ctx), ctx, dtype))
 
 

@@ -131,8 +131,6 @@ class Model:
         check_tensors(ckpt, shapes, self.path)
         self.tokenizer = self._tokenizer()
         self.batch_size = int(batch_size)
-        if self.batch_size < 1:
-            raise InputError(f"--batch-size must be at least 1 (got {batch_size})")
         limit = None if memory_limit is None else parse_size(memory_limit)
         self.context_length = budget.context_length(self.args, ctx_length, limit, self.dtype)
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)

@@ -446,10 +446,10 @@ class StreamingStore:
         self._order = list(self.placement.streamed)  # forward order: the prefetch sequence
         self._scope_pages: dict[tuple, list[int]] = {}
         self._scope_end: dict[tuple, int] = {}  # last page id of each scope
-        streamed = set(self.placement.streamed)
+        self._streamed = set(self.placement.streamed)
         for p in self.pages:
             for key in scopes_of(p, num_layers, tied):
-                if p["id"] in streamed:
+                if p["id"] in self._streamed:
                     self._scope_pages.setdefault(key, []).append(p["id"])
                 self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
         self._multi = False  # the current pass has several tokens (prefill): it must not evict cached experts
@@ -468,17 +468,21 @@ class StreamingStore:
         """Checksum check for a page's first read (runs on the I/O thread)."""
         if pid in self._verified:
             return None
-        page = self.pages[pid]
 
         def verify(data: memoryview) -> None:
-            if checksum_str(zlib.crc32(data)) != page["checksum"]:
-                raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
-                                   f"{page['offset']} ({page['nbytes']} bytes); the file is corrupt — run "
-                                   f"`colibri verify` and reconvert")
-            self._verified.add(pid)
-            self.stats.verified_pages += 1
+            self._check_page(pid, zlib.crc32(data))
 
         return verify
+
+    def _check_page(self, pid: int, crc: int) -> None:
+        """Compare a page's crc32 with the manifest's: a mismatch raises, a match marks the page verified."""
+        page = self.pages[pid]
+        if checksum_str(crc) != page["checksum"]:
+            raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
+                               f"{page['offset']} ({page['nbytes']} bytes); the file is corrupt — run "
+                               f"`colibri verify` and reconvert")
+        self._verified.add(pid)
+        self.stats.verified_pages += 1
 
     def _load_pinned(self) -> None:
         for pid in self.placement.pinned:
@@ -518,11 +522,7 @@ class StreamingStore:
                     if lo < hi:
                         side.tensor(d + lo - off, hi - lo).copy_(chunk.tensor(lo - c0, hi - lo))
             self.stats.bytes_read += page["nbytes"]
-            if checksum_str(crc) != page["checksum"]:
-                raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
-                                   f"{page['offset']}; the file is corrupt — run `colibri verify` and reconvert")
-            self._verified.add(pid)
-            self.stats.verified_pages += 1
+            self._check_page(pid, crc)
             for (name, part, _, nb), d in zip(ranges, dest):
                 t = self.tensors[name]
                 if part is None:
@@ -615,7 +615,7 @@ class StreamingStore:
 
     def prefetch(self, names: Iterable[str]) -> None:
         for pid in sorted({self._page_of[n] for n in names}):
-            if self.state[pid] == PageState.ON_DISK and pid in self._order and self._free:
+            if self.state[pid] == PageState.ON_DISK and pid in self._streamed and self._free:
                 self._start(pid, DEMAND)
 
     def close(self) -> None:
