@@ -53,9 +53,11 @@ def test_chat_piped_two_turns_with_reset():
     stdin = "My name is Ada. Please remember it.\nWhat is my name?\n/reset\nHi\n/exit\nignored after exit\n"
     p = cli("chat", "--max-tokens", "24", "--stats", stdin=stdin)
     assert p.returncode == 0, p.stderr
-    prompts = [int(m) for m in re.findall(r"(\d+) prompt \+", p.stderr)]
+    found = re.findall(r"(\d+) prompt(?: \((\d+) reused\))? \+", p.stderr)
+    prompts = [int(m[0]) for m in found]
     assert len(prompts) == 3, p.stderr  # three replies: /exit stopped before the last line
     assert prompts[1] > prompts[0] + 10  # turn 2 carries turn 1 in its history
+    assert int(found[1][1]) >= prompts[0]  # ...and reuses its KV: only the new turn is prefilled
     assert prompts[2] < prompts[1]  # /reset dropped the history
     assert "conversation cleared" in p.stderr
     assert "Ada" in p.stdout

@@ -278,7 +278,7 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
         for _ in range(max(1, min(64, math.ceil(COLD_BYTES / max(1, nbytes))))):
             experts = [[weight(n) for n in arch.expert_names(i, e)] for e in range(args.top_k)] if moe else []
             stores.append(_ProbeStore({n: weight(n) for n in names}, dt, arch, experts))
-        cache = KVCache(args.num_layers, args.num_kv_heads, args.head_dim, dt, ctx)
+        cache = KVCache(budget.kv_layout(args, dt), ctx)
         cache.update(i, *(torch.zeros(args.num_kv_heads, position, args.head_dim, dtype=dt),) * 2)
         cache.advance(position)  # decode attends to a short prompt's worth of positions
         x = (torch.randn(1, args.hidden_size, generator=gen) * 0.5).to(dt)

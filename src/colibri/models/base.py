@@ -320,6 +320,7 @@ class DecoderModel:
                 all_logits: bool = True) -> torch.Tensor:
         """tokens: [T] appended after the cache's current length -> logits [T, V] (or [1, V] for the last)."""
         a = self.args
+        cache.reserve(tokens.shape[0])  # room in the KV window (older blocks may go to disk)
         start = cache.length
         positions = torch.arange(start, start + tokens.shape[0])
         store.begin_pass(tokens.shape[0])
@@ -330,7 +331,7 @@ class DecoderModel:
         for i in range(a.num_layers):
             with store.layer(i):
                 x = self.block(store, i, x, cache, positions, rope[a.layer_types[i]])
-        cache.advance(tokens.shape[0])
+        cache.advance(tokens.shape[0], tokens.tolist())
         if not all_logits:
             x = x[-1:]
         with store.layer(a.num_layers):  # the head's scope

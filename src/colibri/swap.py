@@ -1,0 +1,234 @@
+"""The KV swap file: a preallocated file on the SSD where KV blocks go when they do not fit their RAM share.
+
+Layout: a 4096-byte header (magic line, then JSON: format version and total size), then the data area. A user
+opens it with a block shape (layers x per-layer segment bytes); the data area is then split into one region per
+layer, each holding `slots` segments, so one layer's segments of consecutive slots are one contiguous range: the
+read-back of a sequence's old blocks for one layer is a few large reads, not one per block.
+
+Nothing in it must survive: every open starts with all slots free. Before use the header and the file size are
+checked, so a file of another kind or a truncated one is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from colibri.errors import InputError, StorageError
+from colibri.io import ALIGN, DEMAND, AlignedBuffer, Reader, align_up
+
+MAGIC = b"COLIBRI-KV-SWAP\n"
+VERSION = 1
+HEADER = 4096
+DISK_RESERVE = 1 << 30  # free space `create` leaves on the filesystem
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def create(path: str | os.PathLike, size: int, keep_free: int = DISK_RESERVE) -> Path:
+    """Preallocate a swap file of `size` bytes (fallocate), refusing when the filesystem would keep less than
+    `keep_free` bytes free. Written under a temporary name and renamed, so a failure leaves nothing that looks
+    like a swap file."""
+    path = Path(path)
+    size = align_up(int(size))
+    if size < 2 * HEADER:
+        raise InputError(f"swap size {size} bytes is too small; give e.g. --size 2G")
+    if path.exists():
+        raise InputError(f"{path} already exists; remove it first or choose another --path")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent} is not a directory; create it first")
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    if size + keep_free > free:
+        raise InputError(f"not enough disk space for a {_fmt(size)} swap file at {path.parent}: {_fmt(free)} free "
+                         f"and {_fmt(keep_free)} kept in reserve; free space or choose a smaller --size")
+    tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            head = MAGIC + json.dumps({"version": VERSION, "size": size, "id": uuid.uuid4().hex}).encode()
+            os.pwrite(fd, head.ljust(HEADER, b"\0"), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise InputError(f"the disk at {path.parent} ran out of space while allocating {_fmt(size)}; "
+                             "free space or choose a smaller --size") from None
+        raise InputError(f"cannot create swap file {path}: {e.strerror}") from None
+    return path
+
+
+def check(path: str | os.PathLike) -> int:
+    """The data size of a valid swap file; InputError naming what is wrong otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"swap file {path} does not exist; create it with: colibri swap create --path {path} "
+                         "--size SIZE")
+    with open(path, "rb") as f:
+        head = f.read(HEADER)
+    if not head.startswith(MAGIC):
+        raise InputError(f"{path} is not a Colibri swap file (bad header); give a file made by `colibri swap "
+                         "create`")
+    try:
+        meta = json.loads(head[len(MAGIC):].rstrip(b"\0"))
+        version, size = int(meta["version"]), int(meta["size"])
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{path}: the swap header is damaged; recreate it with `colibri swap create`") from None
+    if version != VERSION:
+        raise InputError(f"{path}: swap format version {version} is not supported (this Colibri writes "
+                         f"{VERSION}); recreate it with `colibri swap create`")
+    actual = path.stat().st_size
+    if actual != size:
+        raise InputError(f"{path}: the swap file is {actual} bytes but its header says {size} (truncated or "
+                         "resized); recreate it with `colibri swap create`")
+    return size - HEADER
+
+
+class SwapFile:
+    """An open swap file holding KV blocks of one shape: `layers` segments of `seg_bytes` each per block.
+
+    Slots are reference counted: a block spilled by a sequence and adopted by the prefix cache is not copied.
+    """
+
+    def __init__(self, path: str | os.PathLike, layers: int, seg_bytes: int, io_threads: int = 2,
+                 temporary: bool = False):
+        if seg_bytes % ALIGN:
+            raise ValueError(f"segment size {seg_bytes} is not a multiple of {ALIGN}")
+        self.path, self.temporary = Path(path), temporary
+        data = check(self.path)
+        self.layers, self.seg_bytes = layers, seg_bytes
+        self.slots = data // (layers * seg_bytes)
+        if self.slots < 1:
+            raise InputError(f"{self.path} ({_fmt(data)}) cannot hold one KV block of {_fmt(layers * seg_bytes)}; "
+                             "create a larger swap file")
+        self._refs = [0] * self.slots
+        self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest slot first
+        self._lock = threading.Lock()
+        try:
+            self._wfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            self.direct = True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise StorageError(f"cannot open swap file {self.path}: {e.strerror}") from None
+            self._wfd = os.open(self.path, os.O_RDWR)  # tmpfs: no O_DIRECT
+            self.direct = False
+        self.reader = Reader([self.path], io_threads=io_threads, direct=None)
+        self._bounce: AlignedBuffer | None = None
+        self.bytes_written = 0
+        self.closed = False
+        if temporary:
+            atexit.register(self.close)
+
+    @classmethod
+    def temporary_in(cls, directory: str | os.PathLike, size: int, layers: int, seg_bytes: int,
+                     io_threads: int = 2) -> "SwapFile":
+        """A swap file created for this process in `directory` and deleted when it closes (or at exit)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
+        create(path, HEADER + size, keep_free=DISK_RESERVE)
+        try:
+            return cls(path, layers, seg_bytes, io_threads, temporary=True)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    # -- slots -------------------------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self.slots - len(self._free)
+
+    def alloc(self) -> int | None:
+        with self._lock:
+            if not self._free:
+                return None
+            s = self._free.pop()
+            self._refs[s] = 1
+            return s
+
+    def ref(self, slot: int) -> None:
+        with self._lock:
+            self._refs[slot] += 1
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            self._refs[slot] -= 1
+            if self._refs[slot] == 0:
+                self._free.append(slot)
+                if len(self._free) > 1 and self._free[-2] < slot:
+                    self._free.sort(reverse=True)
+
+    # -- data --------------------------------------------------------------------------------------------
+
+    def offset(self, slot: int, layer: int) -> int:
+        return HEADER + (layer * self.slots + slot) * self.seg_bytes
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        """Write one block (uint8 [layers * seg_bytes]) to `slot`."""
+        n = self.layers * self.seg_bytes
+        if block.numel() != n:
+            raise ValueError(f"a block is {n} bytes, got {block.numel()}")
+        if block.data_ptr() % ALIGN:
+            if self._bounce is None:
+                self._bounce = AlignedBuffer(n)
+            self._bounce.tensor(0, n).copy_(block)
+            block = self._bounce.tensor(0, n)
+        mv = memoryview(block.numpy())
+        for layer in range(self.layers):
+            seg = mv[layer * self.seg_bytes:(layer + 1) * self.seg_bytes]
+            at = self.offset(slot, layer)
+            try:
+                done = 0
+                while done < len(seg):
+                    done += os.pwrite(self._wfd, seg[done:], at + done)
+            except OSError as e:
+                raise StorageError(f"write to KV swap file {self.path} at offset {at} failed: {e.strerror}; "
+                                   "check the disk") from None
+        self.bytes_written += n
+
+    def read_layer(self, slots: list[int], layer: int, buffer: AlignedBuffer, priority: int = DEMAND) -> list[Future]:
+        """Read `layer`'s segment of each slot into `buffer` (segment j at j * seg_bytes); runs of consecutive
+        slots are one read each."""
+        futures, j = [], 0
+        while j < len(slots):
+            r = j + 1
+            while r < len(slots) and slots[r] == slots[r - 1] + 1:
+                r += 1
+            futures.append(self.reader.submit(0, self.offset(slots[j], layer), (r - j) * self.seg_bytes, buffer,
+                                              priority, j * self.seg_bytes, label="KV swap"))
+            j = r
+        return futures
+
+    def read_block(self, slot: int, buffer: AlignedBuffer, priority: int = DEMAND) -> list[Future]:
+        """Read every layer's segment of one slot into `buffer` (layer l at l * seg_bytes)."""
+        return [self.reader.submit(0, self.offset(slot, layer), self.seg_bytes, buffer, priority,
+                                   layer * self.seg_bytes, label="KV swap") for layer in range(self.layers)]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.stats().bytes_read
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.reader.close()
+        os.close(self._wfd)
+        if self.temporary:
+            self.path.unlink(missing_ok=True)
