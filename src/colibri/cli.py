@@ -27,6 +27,19 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                        " at most 4096)"), None),
     "batch_size": (dict(type=int, default=512, help="maximum tokens per forward pass: a long prompt is prefilled"
                                                     " in chunks of it (default 512)"), None),
+    "kv_ram": (dict(help="RAM for the KV cache, e.g. 32M: the live conversation's recent blocks and cached"
+                         " prefixes; a context that needs more keeps older blocks in the swap file (default: the"
+                         " whole context, and under --memory-limit a quarter of it at most)"), None),
+    "kv_quant": (dict(choices=["q8"], help="store K and V as int8 with per-32-value scales (lossy, about half the"
+                                          " memory and swap traffic; its cost is in docs/quality.md)"), None),
+    "swap": (dict(help="KV swap file made by `colibri swap create` (default: a temporary one in"
+                       " ~/.cache/colibri/swap, created when first needed and deleted on exit)"), None),
+    "kv_dir": (dict(help="directory where the conversation (messages and KV cache) is saved after each turn and"
+                         " resumed from (default with --session: ~/.cache/colibri/sessions)"), None),
+    "session": (dict(help="name of a saved conversation to resume and keep saving (default with --kv-dir:"
+                          " 'default')"), None),
+    "path": (dict(required=True, help="swap file to create"), None),
+    "size": (dict(required=True, help="swap file size, e.g. 4G"), None),
     "io_threads": (dict(type=int, default=2, help="threads reading streamed weights (default 2)"), None),
     "prefetch_depth": (dict(type=int, help="streamed pages read ahead of use (default: one layer's streamed pages"
                                            " plus one)"), None),
@@ -60,6 +73,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
 }
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "debug"]
+KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
 
@@ -80,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description="LLM inference that streams weights from an SSD.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate a reply to one prompt")
-    add(run, *COMMON, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
+    add(run, *COMMON, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
-    add(chat, *COMMON, "system", *SAMPLING, "stats")
+    add(chat, *COMMON, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -95,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
     add(be, *COMMON, "tokens", "prompt", "probe_seconds", "json", json=JSON_REPORT,
         prompt=dict(required=False, help="prompt text, sent without the chat template (default: a fixed sentence)"))
+    sw = sub.add_parser("swap", help="manage KV swap files")
+    swsub = sw.add_subparsers(dest="swap_command", required=True)
+    swc = swsub.add_parser("create", help="preallocate a KV swap file (fallocate), keeping 1 GiB of the disk free")
+    add(swc, "path", "size", "debug")
     return p
 
 
@@ -109,7 +127,8 @@ def load_model(args):
     from colibri.model import load
     return load(model_path(args), dtype=args.dtype, threads=args.threads, memory_limit=args.memory_limit,
                 io_threads=args.io_threads, prefetch_depth=args.prefetch_depth, ctx_length=args.ctx_length,
-                batch_size=args.batch_size)
+                batch_size=args.batch_size, kv_ram=getattr(args, "kv_ram", None),
+                kv_quant=getattr(args, "kv_quant", None), swap=getattr(args, "swap", None))
 
 
 def sampling(args) -> dict[str, Any]:
@@ -153,12 +172,29 @@ def cmd_run(args) -> int:
     return 0
 
 
+def session_path(args):
+    """The conversation file of --kv-dir / --session, or None when neither is given."""
+    if not args.kv_dir and not args.session:
+        return None
+    from pathlib import Path
+
+    from colibri.defaults import cache_dir
+    name = args.session or "default"
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise InputError(f"--session {name!r}: use letters, digits, '-', '_' or '.'")
+    return Path(args.kv_dir or cache_dir() / "sessions") / f"{name}.kv"
+
+
 def cmd_chat(args) -> int:
     m = load_model(args)
     if m.tokenizer is None or m.tokenizer.chat_template is None:
         raise InputError(f"{m.path} has no chat template; use `colibri run --raw` instead")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
+    saved = session_path(args)
+    if saved is not None and saved.exists():
+        history = [msg for msg in m.load_session(saved) if msg.get("role") != "system"]
+        print(f"(resumed {saved}: {len(history)} messages, {m.kv.live.length} tokens of KV)", file=sys.stderr)
     interactive = sys.stdin.isatty()
     if interactive:
         print("colibri chat: type a message; /reset clears the conversation, /exit quits.", file=sys.stderr)
@@ -173,6 +209,8 @@ def cmd_chat(args) -> int:
             break
         if text.strip() == "/reset":
             history = []
+            if saved is not None:
+                saved.unlink(missing_ok=True)
             print("(conversation cleared)", file=sys.stderr)
             continue
         if not text.strip():
@@ -187,8 +225,18 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": "".join(reply)})
+        if saved is not None:
+            m.save_session(saved, system + history)
         if args.stats and metrics:
             print(metrics.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_swap(args) -> int:
+    from colibri import swap
+    from colibri.model import parse_size
+    path = swap.create(args.path, parse_size(args.size))
+    print(f"created {path} ({path.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return 0
 
 
@@ -258,7 +306,7 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
-               "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench}[args.command]
+               "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap}[args.command]
     try:
         return handler(args)
     except ColibriError as e:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from colibri.errors import InputError
-from colibri.io import ALIGN, PREFETCH, AlignedBuffer, DEMAND, align_up
+from colibri.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 
 if TYPE_CHECKING:
     from colibri.prefix import KVSpace

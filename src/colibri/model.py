@@ -265,6 +265,22 @@ class Model:
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[gen.StreamChunk]:
         return gen.stream(self, self.chat_ids(messages), self.sampling_params(**sampling))
 
+    # -- conversations on disk ---------------------------------------------------------------------------
+
+    def save_session(self, path: str | Path, messages: list[dict] | None = None) -> Path:
+        """Save the live sequence's KV (the last generation's prompt and reply) and `messages` to `path`."""
+        from colibri import session
+        return session.save(path, self, self.kv.live if self.kv.live is not None and self.kv.live.length else None,
+                            messages)
+
+    def load_session(self, path: str | Path) -> list[dict]:
+        """Make a saved sequence the live one (the next prompt that extends it prefills only its new tokens);
+        returns the saved messages."""
+        from colibri import session
+        cache, messages = session.load(path, self)
+        self.kv.adopt(cache)
+        return messages
+
     def close(self) -> None:
         self.store.close()
         self.kv.close()

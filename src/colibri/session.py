@@ -1,0 +1,128 @@
+"""Saved conversations: a sequence's KV blocks, its token ids and chat messages, tied to one model.
+
+File layout: a magic line, then a JSON header (format version, the identity of the model and of the KV layout,
+token ids, messages, one crc32 per block) padded to 4096 bytes, then the blocks (`KVLayout.block_bytes` each, the
+last one partly used). Saving writes a temporary file, fsyncs it and renames it over the old one, so a crash
+leaves the previous turn's file or the new one, never a mix. Loading refuses a file saved for another model,
+container, compute dtype, KV quantization, block size or format version, and one whose blocks fail their crc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from colibri.errors import InputError
+from colibri.io import align_up
+
+if TYPE_CHECKING:
+    from colibri.kv import KVCache
+    from colibri.model import Model
+
+MAGIC = b"COLIBRI-KV-SESSION\n"
+VERSION = 1
+
+
+def model_identity(model: "Model") -> str:
+    """What the KV values depend on in the weights: a container's fingerprint and page checksums; for a GGUF
+    file or an HF directory, the file names, sizes and a checksum of their first and last MiB."""
+    ckpt = model.checkpoint
+    if hasattr(ckpt, "manifest"):
+        from colibri.streaming import ExpertUsage
+        return "container:" + ExpertUsage.identity_of(ckpt)
+    path = model.path
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir()
+                                                if p.suffix in (".safetensors", ".json", ".gguf"))
+    crc = 0
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            crc = zlib.crc32(f"{f.name}:{size}".encode(), crc)
+            crc = zlib.crc32(fh.read(1 << 20), crc)
+            fh.seek(max(0, size - (1 << 20)))
+            crc = zlib.crc32(fh.read(1 << 20), crc)
+    return f"{'gguf' if path.is_file() else 'hf'}:{crc:08x}"
+
+
+def identity(model: "Model") -> dict:
+    return {"model": model_identity(model), "architecture": model.args.model_type,
+            **model.kv.layout.identity()}
+
+
+def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messages: list[dict] | None = None) -> Path:
+    """Write `cache` (None: an empty conversation) and `messages` to `path` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lay = model.kv.layout
+    length = cache.length if cache is not None else 0
+    nblocks = -(-length // lay.block)
+    blocks = [cache.encode_block(b) for b in range(nblocks)]
+    head = {"version": VERSION, "identity": identity(model), "length": length,
+            "ids": cache.ids[:length] if cache is not None else [], "messages": messages or [],
+            "block_bytes": lay.block_bytes, "crc32": [zlib.crc32(b.numpy()) for b in blocks]}
+    raw = MAGIC + json.dumps(head, ensure_ascii=False).encode()
+    raw = raw.ljust(align_up(len(raw) + 1), b"\0")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            for b in blocks:
+                f.write(b.numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") from None
+    return path
+
+
+def load(path: str | os.PathLike, model: "Model") -> tuple["KVCache", list[dict]]:
+    """The saved sequence as a new cache of `model`, and the saved messages."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(MAGIC):
+        raise InputError(f"{path} is not a Colibri conversation file; remove it or choose another --session")
+    end = data.find(b"\0", len(MAGIC))
+    try:
+        head = json.loads(data[len(MAGIC):end if end >= 0 else len(data)])
+        version = head["version"]
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{path}: the conversation header is damaged; remove the file to start over") from None
+    if version != VERSION:
+        raise InputError(f"{path}: conversation format version {version} is not supported (this Colibri reads "
+                         f"{VERSION}); remove the file to start over")
+    want, got = identity(model), head.get("identity", {})
+    diff = [k for k in want if want[k] != got.get(k)]
+    if diff:
+        what = ", ".join(f"{k} {got.get(k)!r} (this run: {want[k]!r})" for k in diff)
+        raise InputError(f"{path} was saved for another model or setting: {what}; it cannot be used here; "
+                         "choose another --session or remove the file")
+    lay = model.kv.layout
+    start = align_up(data.find(b"\0", len(MAGIC)) + 1) if end >= 0 else len(data)
+    crcs, length, ids = head["crc32"], head["length"], head["ids"]
+    if len(data) != start + len(crcs) * lay.block_bytes or len(ids) != length or len(crcs) != -(-length // lay.block):
+        raise InputError(f"{path} is truncated or damaged (size does not match its header); remove it to start over")
+    cache = model.kv.new_cache()
+    try:
+        for b, crc in enumerate(crcs):
+            raw = data[start + b * lay.block_bytes:start + (b + 1) * lay.block_bytes]
+            if zlib.crc32(raw) != crc:
+                raise InputError(f"{path}: block {b} fails its checksum (damaged file); remove it to start over")
+            block = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            cache.append_block(block, ids[b * lay.block:min(length, (b + 1) * lay.block)])
+    except BaseException:
+        cache.release()
+        raise
+    return cache, head["messages"]
