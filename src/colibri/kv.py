@@ -189,6 +189,7 @@ class KVCache:
                     getattr(self, name + "s")[i] = snew
         self.cap = cap
 
+    @torch.inference_mode()
     def reserve(self, tokens: int) -> None:
         """Make room in the window for a pass of `tokens` positions, spilling the oldest blocks to disk."""
         if self.length + tokens > self.max_length:
@@ -345,6 +346,7 @@ class KVCache:
 
     # -- blocks in and out ---------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def encode_block(self, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The bytes of block b (uint8 [block_bytes]) from the RAM window or, for a block on disk, the swap."""
         lay = self.layout
@@ -394,6 +396,7 @@ class KVCache:
         self.slots.append(slot)
         self.base += lay.block
 
+    @torch.inference_mode()
     def append_block(self, block: torch.Tensor, ids: list[int]) -> None:
         """Append a block's bytes (a cached prefix, a saved session) at the block-aligned end; `ids` are its
         tokens (fewer than a block for a sequence's last one)."""
@@ -403,6 +406,7 @@ class KVCache:
         self._decode_block(block, self.length)
         self.advance(len(ids), ids)
 
+    @torch.inference_mode()
     def truncate(self, length: int) -> None:
         """Drop positions >= length (a reused prefix, rejected speculative tokens)."""
         length = max(0, min(self.length, length))
@@ -425,6 +429,7 @@ class KVCache:
     def reset(self) -> None:
         self.truncate(0)
 
+    @torch.inference_mode()
     def release(self) -> None:
         """Free this cache's swap slots and buffers."""
         self._drain()

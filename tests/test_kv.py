@@ -1,0 +1,230 @@
+"""KV cache: offload to the swap file, q8, prefix reuse and saved sessions never change tokens; bad swap files,
+full disks and sessions of another model are refused with one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import colibri
+from colibri import session, swap
+from colibri.errors import InputError
+
+PROMPT = list(range(5, 75))
+BLOCK = 4  # small blocks: a 12-token window over a 110-token sequence spills and reads back many blocks
+
+
+def load(path, tmp_path, window: int | None = None, **kw):
+    """Tiny model in f32 with 4-token blocks; `window` tokens of KV in RAM (None: all), the rest in a swap file."""
+    m = colibri.load(path, dtype=kw.pop("dtype", "float32"), kv_block=BLOCK, batch_size=kw.pop("batch_size", 8),
+                     swap_dir=tmp_path / "swap", **kw)
+    if window is not None:
+        m.close()
+        m = colibri.load(path, dtype=m.dtype, kv_block=BLOCK, batch_size=m.batch_size, swap_dir=tmp_path / "swap",
+                         kv_ram=window * m.kv_plan.layout.token_bytes, **kw)
+        assert m.kv_plan.window == window
+    return m
+
+
+# llama: dense; gemma3: sliding-window layers (blocks outside the window are not read back); mixtral: MoE
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mixtral"])
+def test_offload_is_exact(tiny_model_dir, tmp_path, family):
+    path = tiny_model_dir(family)
+    ram, off = load(path, tmp_path), load(path, tmp_path, window=12)
+    assert torch.equal(ram.logits(PROMPT), off.logits(PROMPT))  # same values reach attention: bit-identical
+    a = ram.generate(PROMPT, max_tokens=40, ignore_eos=True)
+    b = off.generate(PROMPT, max_tokens=40, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    lay = off.kv_plan.layout
+    assert b.stats["kv_disk_bytes"] >= (len(PROMPT) + 39 - 12 - BLOCK) // BLOCK * lay.block_bytes
+    assert b.stats["kv_written_bytes"] > 0 and b.stats["kv_read_bytes_per_token"] > 0
+    assert a.stats["kv_disk_bytes"] == a.stats["kv_read_bytes"] == 0
+    off.close()
+    assert not list((tmp_path / "swap").glob("*")), "the temporary swap file is deleted on close"
+
+
+def test_sliding_window_layers_read_back_only_their_window(tiny_model_dir, tmp_path):
+    m = load(tiny_model_dir("gemma3"), tmp_path, window=12)
+    r = m.generate(PROMPT, max_tokens=30, ignore_eos=True)
+    lay, args = m.kv_plan.layout, m.args
+    sliding = sum(1 for t in args.layer_types if t == "sliding_attention")
+    assert sliding and args.sliding_window < 64
+    # per decode step a full layer reads every block on disk, a sliding one at most window/block + 1 of them
+    on_disk = (len(PROMPT) + 29 - 12) // BLOCK + 1
+    bound = ((args.num_layers - sliding) * on_disk + sliding * (args.sliding_window // BLOCK + 2)) * lay.seg_bytes
+    assert 0 < r.stats["kv_read_bytes_per_token"] <= bound
+
+
+def test_q8_is_lossy_but_close_and_placement_exact(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("mixtral")
+    ref = load(path, tmp_path).logits(PROMPT)
+    q = load(path, tmp_path, kv_quant="q8")
+    qo = load(path, tmp_path, window=12, kv_quant="q8")
+    lq = q.logits(PROMPT)
+    assert torch.equal(lq, qo.logits(PROMPT))
+    assert not torch.equal(lq, ref)
+    assert (lq - ref).abs().mean() < 0.05 * ref.abs().mean()  # tiny random models: quality is measured on SmolLM2
+    a, lay = q.args, q.kv_plan.layout  # int8 values and one f32 scale per group of a head vector
+    assert lay.token_bytes == a.num_layers * 2 * a.num_kv_heads * (a.head_dim + a.head_dim // lay.group * 4)
+    assert q.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids == \
+        qo.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_prefix_reuse_is_exact(tiny_model_dir, tmp_path, family, window):
+    path = tiny_model_dir(family)
+    m = load(path, tmp_path, window)
+    first = m.generate(PROMPT, max_tokens=30, ignore_eos=True).token_ids
+    longer = PROMPT + first[:25] + [7, 8, 9]
+    r = m.generate(longer, max_tokens=20, ignore_eos=True)
+    assert r.stats["prefix_tokens"] == len(PROMPT) + 25
+    assert r.stats["prefill_tokens_computed"] == 3
+    fresh = load(path, tmp_path, window)
+    assert r.token_ids == fresh.generate(longer, max_tokens=20, ignore_eos=True).token_ids
+
+
+def test_prefix_cache_serves_a_switched_conversation(tiny_model_dir, tmp_path):
+    """Two requests sharing a system prefix, then the first again: the live sequence serves the shared part, and
+    the first request's own blocks come back from the trie (RAM, or the swap file when offloading)."""
+    path = tiny_model_dir("llama")
+    system = list(range(40, 80))
+    a, b = system + list(range(100, 130)), system + list(range(200, 220))
+    probe = load(path, tmp_path)
+    lay = probe.kv_plan.layout
+    room = 256 * lay.token_bytes + 40 * lay.block_bytes  # the context in RAM, and 40 cached blocks
+    for m in (load(path, tmp_path, kv_ram=room), load(path, tmp_path, window=12)):
+        ra = m.generate(a, max_tokens=10, ignore_eos=True)
+        rb = m.generate(b, max_tokens=10, ignore_eos=True)
+        assert rb.stats["prefix_tokens"] == len(system)
+        ra2 = m.generate(a, max_tokens=10, ignore_eos=True)
+        assert ra2.stats["prefix_tokens"] >= (len(a) - 1) // BLOCK * BLOCK
+        assert ra2.token_ids == ra.token_ids
+        assert m.stats()["prefix_cache_blocks"] > 0
+        m.close()
+
+
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_session_save_restore_is_exact(tiny_model_dir, tmp_path, family, window):
+    path = tiny_model_dir(family)
+    m = load(path, tmp_path, window)
+    first = m.generate(PROMPT, max_tokens=21, ignore_eos=True).token_ids
+    cached = len(PROMPT) + 20  # the last sampled token was never fed back
+    f = m.save_session(tmp_path / "s.kv", [{"role": "user", "content": "x"}])
+    nxt = PROMPT + first + [11, 12, 13]
+    uninterrupted = m.generate(nxt, max_tokens=20, ignore_eos=True)
+    m.close()
+    m2 = load(path, tmp_path, window)  # a new process would see the same: nothing is shared but the file
+    assert m2.load_session(f) == [{"role": "user", "content": "x"}]
+    r = m2.generate(nxt, max_tokens=20, ignore_eos=True)
+    assert r.stats["prefix_tokens"] == cached
+    assert r.stats["prefill_tokens_computed"] == len(nxt) - cached
+    assert r.token_ids == uninterrupted.token_ids
+
+
+def test_session_of_another_model_or_setting_is_refused(tiny_model_dir, tmp_path):
+    m = load(tiny_model_dir("llama"), tmp_path)
+    m.generate(PROMPT, max_tokens=5, ignore_eos=True)
+    f = m.save_session(tmp_path / "s.kv")
+    with pytest.raises(InputError, match="saved for another model or setting: model"):
+        load(tiny_model_dir("mistral"), tmp_path).load_session(f)
+    with pytest.raises(InputError, match="kv_quant None"):
+        load(tiny_model_dir("llama"), tmp_path, kv_quant="q8").load_session(f)
+    with pytest.raises(InputError, match="dtype 'float32'"):
+        load(tiny_model_dir("llama"), tmp_path, dtype="bfloat16").load_session(f)
+    raw = f.read_bytes()
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(raw.replace(b'"version": 1', b'"version": 9', 1))
+    with pytest.raises(InputError, match="format version 9"):
+        m.load_session(bad)
+    bad.write_bytes(raw[:-100])
+    with pytest.raises(InputError, match="truncated or damaged"):
+        m.load_session(bad)
+    flipped = bytearray(raw)
+    flipped[-10] ^= 0xFF
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(InputError, match="fails its checksum"):
+        m.load_session(bad)
+    bad.write_bytes(b"hello")
+    with pytest.raises(InputError, match="not a Colibri conversation file"):
+        m.load_session(bad)
+
+
+def test_session_save_is_atomic(tiny_model_dir, tmp_path, monkeypatch):
+    m = load(tiny_model_dir("llama"), tmp_path)
+    m.generate(PROMPT, max_tokens=5, ignore_eos=True)
+    f = m.save_session(tmp_path / "s.kv")
+    before = f.read_bytes()
+    m.generate(PROMPT + [3, 4, 5], max_tokens=5, ignore_eos=True)
+
+    def boom(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(session.os, "fsync", boom)
+    with pytest.raises(InputError, match="cannot save the conversation"):
+        m.save_session(f)
+    assert f.read_bytes() == before  # the previous turn's file is intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_swap_create_refuses_a_full_disk(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(InputError, match="not enough disk space .* free space or choose a smaller --size"):
+        swap.create(tmp_path / "big.swap", free + (1 << 30))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_swap_create_out_of_space_midway_leaves_nothing(tmp_path, monkeypatch):
+    def enospc(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(swap.os, "posix_fallocate", enospc)
+    with pytest.raises(InputError, match="ran out of space"):
+        swap.create(tmp_path / "s.swap", 1 << 20, keep_free=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_swap_files_are_refused(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    good = swap.create(tmp_path / "ok.swap", 4 << 20, keep_free=0)
+    with pytest.raises(InputError, match="already exists"):
+        swap.create(good, 4 << 20, keep_free=0)
+    with pytest.raises(InputError, match="does not exist; create it with: colibri swap create"):
+        colibri.load(path, swap=tmp_path / "missing.swap")
+    other = tmp_path / "other.swap"
+    other.write_bytes(b"\0" * 8192)
+    with pytest.raises(InputError, match="not a Colibri swap file"):
+        colibri.load(path, swap=other)
+    short = tmp_path / "short.swap"
+    short.write_bytes(good.read_bytes()[: 1 << 20])
+    with pytest.raises(InputError, match="truncated or resized"):
+        colibri.load(path, swap=short)
+    head = json.loads(good.read_bytes()[len(swap.MAGIC):4096].rstrip(b"\0"))
+    assert head["size"] == 4 << 20
+
+
+def test_a_full_swap_file_is_a_clear_error_and_the_model_stays_usable(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    probe = load(path, tmp_path)
+    lay = probe.kv_plan.layout
+    small = swap.create(tmp_path / "small.swap", swap.HEADER + 3 * lay.block_bytes, keep_free=0)
+    m = load(path, tmp_path, window=12, swap=small)
+    with pytest.raises(InputError, match=r"swap file .* is full .*\(colibri swap create --size\)"):
+        m.generate(PROMPT, max_tokens=10, ignore_eos=True)
+    short = PROMPT[:20]
+    assert m.generate(short, max_tokens=5, ignore_eos=True).token_ids == \
+        probe.generate(short, max_tokens=5, ignore_eos=True).token_ids
+
+
+def test_kv_ram_too_small_and_context_overflow(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    m = load(path, tmp_path)
+    with pytest.raises(InputError, match="must hold at least 8 .* raise --kv-ram"):
+        load(path, tmp_path, kv_ram=m.kv_plan.layout.token_bytes * 5)
+    small = load(path, tmp_path, ctx_length=32)
+    with pytest.raises(InputError, match="context holds 32"):
+        small.generate(list(range(5, 45)), max_tokens=4)
