@@ -246,6 +246,16 @@ class KVSpace:
         del n.parent.children[n.key]
         return True
 
+    def clear(self) -> None:
+        """Forget the live sequence and every cached prefix (the next prompt is computed from scratch)."""
+        if self.live is not None and not self.live_busy:
+            self.live.release()
+            self.live = None
+        for n in self._nodes():
+            if n.slot is not None:
+                self.swap.free(n.slot)
+        self.root, self._ram = Node((), None), 0
+
     # -- stats and shutdown --------------------------------------------------------------------------------
 
     def counters(self) -> dict:
