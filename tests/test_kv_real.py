@@ -93,7 +93,7 @@ def test_smollm2_long_context_offload_under_a_limit(smollm2, tmp_path):
     conv.convert(smollm2, path, conv.ConvertOptions(quant="q4", page_size_mb=4))
     tok = colibri.load(path).tokenizer
     ids = tok.encode(history_text(6500))[:6000]
-    limit = 200 << 20
+    limit = 256 << 20
 
     def child(lim):
         p = subprocess.run([sys.executable, "-c", CHILD, str(path), lim, json.dumps(ids)], capture_output=True,
