@@ -9,8 +9,9 @@
   reply) on a container streaming under --memory-limit (default: Qwen2.5-Coder-0.5B q4 converted from its PyPI
   GGUF). Per turn: prompt tokens, tokens reused from the KV cache, tokens computed, TTFT and decode tok/s; then the
   same turns with the KV cache cleared before each (every turn a cold prefill of its whole history).
-* long: one --tokens-token prompt in an 8192-token context, all in RAM versus --memory-limit with --kv-ram (the
-  rest of the KV in a swap file, read back with O_DIRECT): each in a fresh child process (peak RSS is its own),
+* long: one --tokens-token prompt in an 8192-token context: all in RAM, with only --kv-ram (weights in RAM, the
+  rest of the KV in a swap file, read back with O_DIRECT), and with --memory-limit too (weights streamed as
+  well): each in a fresh child process (peak RSS is its own),
   with TTFT, prefill and decode speed, KV bytes written and read (per decode token), the wait for those reads,
   and the slowdown against the all-in-RAM run. Default model: SmolLM2-135M q4.
 * ttft: SmolLM2 turn 2 after a ~1,000-token turn 1, against a cold prefill of the same history (median of 3).
@@ -89,7 +90,8 @@ CHILD = r"""
 import json, sys, colibri
 from colibri.metrics import peak_rss_bytes
 path, limit, kv_ram, ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-kw = {} if limit == "none" else dict(memory_limit=limit, kv_ram=kv_ram)
+kw = {} if limit == "none" else dict(memory_limit=limit)
+kw.update({} if kv_ram == "none" else dict(kv_ram=kv_ram))
 m = colibri.load(path, ctx_length=8192, **kw)
 r = m.generate(ids, max_tokens=16, ignore_eos=True)
 print(json.dumps({"tokens": r.token_ids, "stats": r.stats, "baseline": m.baseline_rss_bytes,
@@ -101,8 +103,9 @@ def long(args) -> None:
     path = args.model or container("smollm2-q4", real_models.smollm2_gguf)
     ids = colibri.load(path).tokenizer.encode(text(args.tokens + 600))[: args.tokens]
     runs = {}
-    for name, limit in (("ram", "none"), ("offload", args.memory_limit)):
-        p = subprocess.run([sys.executable, "-c", CHILD, str(path), limit, args.kv_ram, json.dumps(ids)],
+    configs = {"ram": ("none", "none"), "kv": ("none", args.kv_ram), "offload": (args.memory_limit, args.kv_ram)}
+    for name, (limit, kv_ram) in configs.items():
+        p = subprocess.run([sys.executable, "-c", CHILD, str(path), limit, kv_ram, json.dumps(ids)],
                            capture_output=True, text=True)
         if p.returncode:
             sys.exit(p.stderr)
@@ -113,20 +116,23 @@ def long(args) -> None:
                           **{k: s[k] for k in ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s",
                                                "kv_written_bytes", "kv_read_bytes", "kv_read_bytes_per_token",
                                                "kv_read_wait_s", "kv_disk_bytes", "disk_bytes_read")}}), flush=True)
-    a, b = runs["ram"]["stats"], runs["offload"]["stats"]
+    a = runs["ram"]["stats"]
     print(f"\n{args.tokens}-token prompt, ctx 8192, {Path(path).name}")
     print("| run | TTFT | prefill tok/s | decode tok/s | KV written | KV read back | per decode token | read wait | "
           "peak RSS |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in ("ram", "offload"):
+    for name in configs:
         r, s = runs[name], runs[name]["stats"]
-        label = "all in RAM" if name == "ram" else f"--memory-limit {args.memory_limit} --kv-ram {args.kv_ram}"
+        label = {"ram": "all in RAM", "kv": f"--kv-ram {args.kv_ram} (weights in RAM)",
+                 "offload": f"--memory-limit {args.memory_limit} --kv-ram {args.kv_ram}"}[name]
         print(f"| {label} | {s['ttft_s']:.1f} s | {s['prefill_tokens_per_s']:.0f} | {s['decode_tokens_per_s']:.2f} "
               f"| {s['kv_written_bytes'] / 2**20:.0f} MiB | {s['kv_read_bytes'] / 1e9:.2f} GB "
               f"| {s['kv_read_bytes_per_token'] / 2**20:.0f} MiB | {s['kv_read_wait_s']:.2f} s "
               f"| {r['peak'] >> 20} MiB (baseline {r['baseline'] >> 20}) |")
-    print(f"same tokens: {runs['ram']['tokens'] == runs['offload']['tokens']}; slowdown: TTFT "
-          f"{b['ttft_s'] / a['ttft_s']:.2f}x, decode {a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x")
+    for name in ("kv", "offload"):
+        b = runs[name]["stats"]
+        print(f"{name}: same tokens as all in RAM: {runs['ram']['tokens'] == runs[name]['tokens']}; slowdown: TTFT "
+              f"{b['ttft_s'] / a['ttft_s']:.2f}x, decode {a['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x")
 
 
 def ttft(args) -> None:
