@@ -227,6 +227,7 @@ class KVCache:
             parts.append(store[i][:, :n - first])
         return parts
 
+    @torch.inference_mode()
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
         S = length + T positions ([Hkv, S, Dh], compute dtype) for attention."""
