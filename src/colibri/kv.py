@@ -140,13 +140,8 @@ class KVCache:
         self._staging: list[AlignedBuffer] = []
         self._pending: dict[int, tuple[tuple[int, int], list, int]] = {}  # layer -> (blocks, futures, buffer)
         self._wbuf: AlignedBuffer | None = None
-        self._pass_start = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
-
-    @property
-    def offloaded(self) -> bool:
-        return self.base > 0
 
     @property
     def max_pass(self) -> int:
@@ -161,9 +156,6 @@ class KVCache:
         if self._scratch is not None:
             n += sum(t.numel() * t.element_size() for t in self._scratch)
         return n + sum(b.nbytes for b in self._staging) + (self._wbuf.nbytes if self._wbuf else 0)
-
-    def disk_bytes(self) -> int:
-        return len(self.slots) * self.layout.block_bytes
 
     def _ensure_cap(self, need: int) -> None:
         if self.cap >= need:
@@ -200,32 +192,25 @@ class KVCache:
         self._ensure_cap(min(self.window, self.length - self.base + tokens))
         while self.length + tokens - self.base > self.window:
             self._spill()
-        self._pass_start = self.length
 
     def _ring(self, pos: int) -> int:
         return pos % self.window
 
     # -- writing -------------------------------------------------------------------------------------------
 
-    def _put(self, store: list, i: int, src: torch.Tensor, pos: int) -> None:
-        """Write src [Hkv, T, x] at positions pos.. of the ring (split where it wraps)."""
-        o, T = self._ring(pos), src.shape[1]
-        first = min(T, self.window - o)
-        store[i][:, o:o + first] = src[:, :first]
-        if T > first:
-            store[i][:, :T - first] = src[:, first:]
-
-    def _get(self, store: list, i: int, start: int, end: int) -> list[torch.Tensor]:
-        """Views of positions [start, end) of the ring, in order (two pieces where it wraps)."""
-        if end <= start:
-            return []
-        o = self._ring(start)
-        n = end - start
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(ring offset, position, count) covering positions [start, end): two pieces where the ring wraps."""
+        o, n = self._ring(start), end - start
         first = min(n, self.window - o)
-        parts = [store[i][:, o:o + first]]
+        out = [(o, start, first)] if n > 0 else []
         if n > first:
-            parts.append(store[i][:, :n - first])
-        return parts
+            out.append((0, start + first, n - first))
+        return out
+
+    def _put(self, store: list, i: int, src: torch.Tensor, pos: int) -> None:
+        """Write src [Hkv, T, x] at positions pos.. of the ring."""
+        for o, p, n in self._pieces(pos, pos + src.shape[1]):
+            store[i][:, o:o + n] = src[:, p - pos:p - pos + n]
 
     @torch.inference_mode()
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +245,7 @@ class KVCache:
     def _needed_blocks(self, i: int) -> tuple[int, int]:
         """(first, end) block indices on disk that layer i's queries of this pass can see."""
         w = self.layer_windows[i]
-        lo = 0 if w is None else max(0, self._pass_start - w + 1)
+        lo = 0 if w is None else max(0, self.length - w + 1)  # the pass's first query is at `length`
         nb = self.base // self.layout.block
         return min(lo // self.layout.block, nb), nb
 
@@ -331,18 +316,10 @@ class KVCache:
                 raw = self._staging[buf].tensor(0, n * lay.seg_bytes)
                 self._decode_into(sk[:, first * B:nb * B], sv[:, first * B:nb * B], *lay.views(raw, n))
         # the RAM window, in position order
-        pos = self.base
-        for pk, pv, pks, pvs in zip(self._get(self.k, i, self.base, end), self._get(self.v, i, self.base, end),
-                                    *(self._get(s, i, self.base, end) if lay.quant else [None] * 2
-                                      for s in (self.ks, self.vs))):
-            n = pk.shape[1]
-            if lay.quant:
-                sk[:, pos:pos + n] = dequantize(pk, pks, lay.dtype)
-                sv[:, pos:pos + n] = dequantize(pv, pvs, lay.dtype)
-            else:
-                sk[:, pos:pos + n] = pk
-                sv[:, pos:pos + n] = pv
-            pos += n
+        for o, p, n in self._pieces(self.base, end):
+            for dst, vals, scales in ((sk, self.k, self.ks), (sv, self.v, self.vs)):
+                piece = vals[i][:, o:o + n]
+                dst[:, p:p + n] = dequantize(piece, scales[i][:, o:o + n], lay.dtype) if lay.quant else piece
         return sk[:, :end], sv[:, :end]
 
     # -- blocks in and out ---------------------------------------------------------------------------------
@@ -439,6 +416,3 @@ class KVCache:
         self.slots = []
         self.base = self.length = 0
         self.ids = []
-
-    def nbytes(self) -> int:
-        return self.ram_bytes()

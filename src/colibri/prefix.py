@@ -71,6 +71,7 @@ class KVSpace:
         self.live_busy = False
         self.read_wait_s = 0.0
         self._ram = 0  # bytes of trie blocks held in RAM
+        self._count = 0  # trie nodes
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0
 
@@ -192,6 +193,7 @@ class KVSpace:
                 elif not self._store(child, lambda: cache.encode_block(b)):
                     return
                 node.children[key] = child
+                self._count += 1
             child.stamp = next(self._clock)
             node = child
 
@@ -244,6 +246,7 @@ class KVSpace:
         if n.data is not None:
             self._ram -= n.data.numel()
         del n.parent.children[n.key]
+        self._count -= 1
         return True
 
     def clear(self) -> None:
@@ -254,7 +257,7 @@ class KVSpace:
         for n in self._nodes():
             if n.slot is not None:
                 self.swap.free(n.slot)
-        self.root, self._ram = Node((), None), 0
+        self.root, self._ram, self._count = Node((), None), 0, 0
 
     # -- stats and shutdown --------------------------------------------------------------------------------
 
@@ -267,7 +270,7 @@ class KVSpace:
             "kv_read_bytes": sw.bytes_read if sw else 0,
             "kv_written_bytes": sw.bytes_written if sw else 0,
             "kv_read_wait_s": self.read_wait_s,
-            "prefix_cache_blocks": sum(1 for _ in self._nodes()),
+            "prefix_cache_blocks": self._count,
         }
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """Saved conversations: a sequence's KV blocks, its token ids and chat messages, tied to one model.
 
 File layout: a magic line, then a JSON header (format version, the identity of the model and of the KV layout,
-token ids, messages, one crc32 per block) padded to 4096 bytes, then the blocks (`KVLayout.block_bytes` each, the
+token ids, messages, one crc32 per block as 8 hex digits) padded to 4096 bytes, then the blocks (`KVLayout.block_bytes` each, the
 last one partly used). Saving writes a temporary file, fsyncs it and renames it over the old one, so a crash
 leaves the previous turn's file or the new one, never a mix. Loading refuses a file saved for another model,
 container, compute dtype, KV quantization, block size or format version, and one whose blocks fail their crc.
@@ -54,25 +54,34 @@ def identity(model: "Model") -> dict:
             **model.kv.layout.identity()}
 
 
+def _header(head: dict) -> bytes:
+    raw = MAGIC + json.dumps(head, ensure_ascii=False).encode()
+    return raw.ljust(align_up(len(raw) + 1), b"\0")
+
+
 def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messages: list[dict] | None = None) -> Path:
-    """Write `cache` (None: an empty conversation) and `messages` to `path` atomically."""
+    """Write `cache` (None: an empty conversation) and `messages` to `path` atomically, one block at a time (the
+    checksums are fixed-width hex, so the header is written last, in place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lay = model.kv.layout
     length = cache.length if cache is not None else 0
     nblocks = -(-length // lay.block)
-    blocks = [cache.encode_block(b) for b in range(nblocks)]
     head = {"version": VERSION, "identity": identity(model), "length": length,
             "ids": cache.ids[:length] if cache is not None else [], "messages": messages or [],
-            "block_bytes": lay.block_bytes, "crc32": [zlib.crc32(b.numpy()) for b in blocks]}
-    raw = MAGIC + json.dumps(head, ensure_ascii=False).encode()
-    raw = raw.ljust(align_up(len(raw) + 1), b"\0")
+            "block_bytes": lay.block_bytes, "crc32": ["0" * 8] * nblocks}
+    size = len(_header(head))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(raw)
-            for b in blocks:
-                f.write(b.numpy().tobytes())
+            f.seek(size)
+            buf = torch.empty(lay.block_bytes, dtype=torch.uint8)
+            for b in range(nblocks):
+                data = cache.encode_block(b, buf).numpy()
+                head["crc32"][b] = f"{zlib.crc32(data):08x}"
+                f.write(memoryview(data))
+            f.seek(0)
+            f.write(_header(head))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -87,42 +96,57 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
     return path
 
 
+def _read_header(f, path: Path) -> tuple[dict, int]:
+    """The JSON header and the offset where the blocks start."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise InputError(f"{path} is not a Colibri conversation file; remove it or choose another --session")
+    text = b""
+    while b"\0" not in text:
+        chunk = f.read(1 << 16)
+        if not chunk:
+            break
+        text += chunk
+    end = text.find(b"\0")
+    try:
+        head = json.loads(text[:end if end >= 0 else len(text)])
+        head["version"]
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{path}: the conversation header is damaged; remove the file to start over") from None
+    return head, align_up(len(MAGIC) + end + 1) if end >= 0 else os.fstat(f.fileno()).st_size
+
+
 def load(path: str | os.PathLike, model: "Model") -> tuple["KVCache", list[dict]]:
     """The saved sequence as a new cache of `model`, and the saved messages."""
     path = Path(path)
     with open(path, "rb") as f:
-        data = f.read()
-    if not data.startswith(MAGIC):
-        raise InputError(f"{path} is not a Colibri conversation file; remove it or choose another --session")
-    end = data.find(b"\0", len(MAGIC))
-    try:
-        head = json.loads(data[len(MAGIC):end if end >= 0 else len(data)])
+        head, start = _read_header(f, path)
         version = head["version"]
-    except (ValueError, KeyError, TypeError):
-        raise InputError(f"{path}: the conversation header is damaged; remove the file to start over") from None
-    if version != VERSION:
-        raise InputError(f"{path}: conversation format version {version} is not supported (this Colibri reads "
-                         f"{VERSION}); remove the file to start over")
-    want, got = identity(model), head.get("identity", {})
-    diff = [k for k in want if want[k] != got.get(k)]
-    if diff:
-        what = ", ".join(f"{k} {got.get(k)!r} (this run: {want[k]!r})" for k in diff)
-        raise InputError(f"{path} was saved for another model or setting: {what}; it cannot be used here; "
-                         "choose another --session or remove the file")
-    lay = model.kv.layout
-    start = align_up(data.find(b"\0", len(MAGIC)) + 1) if end >= 0 else len(data)
-    crcs, length, ids = head["crc32"], head["length"], head["ids"]
-    if len(data) != start + len(crcs) * lay.block_bytes or len(ids) != length or len(crcs) != -(-length // lay.block):
-        raise InputError(f"{path} is truncated or damaged (size does not match its header); remove it to start over")
-    cache = model.kv.new_cache()
-    try:
-        for b, crc in enumerate(crcs):
-            raw = data[start + b * lay.block_bytes:start + (b + 1) * lay.block_bytes]
-            if zlib.crc32(raw) != crc:
-                raise InputError(f"{path}: block {b} fails its checksum (damaged file); remove it to start over")
-            block = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            cache.append_block(block, ids[b * lay.block:min(length, (b + 1) * lay.block)])
-    except BaseException:
-        cache.release()
-        raise
+        if version != VERSION:
+            raise InputError(f"{path}: conversation format version {version} is not supported (this Colibri "
+                             f"reads {VERSION}); remove the file to start over")
+        want, got = identity(model), head.get("identity", {})
+        diff = [k for k in want if want[k] != got.get(k)]
+        if diff:
+            what = ", ".join(f"{k} {got.get(k)!r} (this run: {want[k]!r})" for k in diff)
+            raise InputError(f"{path} was saved for another model or setting: {what}; it cannot be used here; "
+                             "choose another --session or remove the file")
+        lay = model.kv.layout
+        crcs, length, ids = head["crc32"], head["length"], head["ids"]
+        if (os.fstat(f.fileno()).st_size != start + len(crcs) * lay.block_bytes or len(ids) != length
+                or len(crcs) != -(-length // lay.block)):
+            raise InputError(f"{path} is truncated or damaged (size does not match its header); remove it to "
+                             "start over")
+        cache = model.kv.new_cache()
+        raw = bytearray(lay.block_bytes)
+        block = torch.frombuffer(raw, dtype=torch.uint8)
+        f.seek(start)
+        try:
+            for b, crc in enumerate(crcs):
+                f.readinto(raw)
+                if f"{zlib.crc32(raw):08x}" != crc:
+                    raise InputError(f"{path}: block {b} fails its checksum (damaged file); remove it to start over")
+                cache.append_block(block, ids[b * lay.block:min(length, (b + 1) * lay.block)])
+        except BaseException:
+            cache.release()
+            raise
     return cache, head["messages"]

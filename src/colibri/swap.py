@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import heapq
 import json
 import os
 import threading
@@ -116,7 +117,8 @@ class SwapFile:
             raise InputError(f"{self.path} ({_fmt(data)}) cannot hold one KV block of {_fmt(layers * seg_bytes)}; "
                              "create a larger swap file")
         self._refs = [0] * self.slots
-        self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: lowest slot first
+        self._free = list(range(self.slots))  # a min-heap: the lowest free slot first, so a sequence's blocks
+        # tend to be consecutive and one layer's read-back is a few large reads
         self._lock = threading.Lock()
         try:
             self._wfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
@@ -158,7 +160,7 @@ class SwapFile:
         with self._lock:
             if not self._free:
                 return None
-            s = self._free.pop()
+            s = heapq.heappop(self._free)
             self._refs[s] = 1
             return s
 
@@ -170,9 +172,7 @@ class SwapFile:
         with self._lock:
             self._refs[slot] -= 1
             if self._refs[slot] == 0:
-                self._free.append(slot)
-                if len(self._free) > 1 and self._free[-2] < slot:
-                    self._free.sort(reverse=True)
+                heapq.heappush(self._free, slot)
 
     # -- data --------------------------------------------------------------------------------------------
 
