@@ -12,7 +12,8 @@ import torch
 
 from colibri import io
 from colibri.errors import ColibriError, StorageError
-from colibri.io import ALIGN, DEMAND, PREFETCH, AlignedBuffer, BufferPool, Reader, probe_bandwidth
+from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, BufferPool, Reader, huge_page_bytes,
+                        probe_bandwidth)
 
 MiB = 1 << 20
 FILE_SIZE = 40 * MiB + 1234  # an unaligned tail: the last read ends at EOF inside a 4096 block
@@ -236,3 +237,16 @@ def test_probe_bandwidth(data_file):
     path, _ = data_file
     bw = probe_bandwidth(path, seconds=0.2, window=8 * MiB)
     assert bw > 1e6
+
+
+def test_large_buffers_start_on_a_huge_page_and_small_ones_stay_small():
+    """Buffers of a huge page or more are 2 MiB-aligned (transparent huge pages where the kernel gives them:
+    O_DIRECT into scattered 4 KiB pages read 2-3x slower on the VM); the usable size is exactly what was asked."""
+    big, small = AlignedBuffer(5 * HUGE_PAGE + 4096), AlignedBuffer(8192)
+    assert big.address % HUGE_PAGE == 0 and big.nbytes == 5 * HUGE_PAGE + 4096 == big.tensor().numel()
+    assert small.address % ALIGN == 0 and small.nbytes == 8192 == len(small.memoryview())
+    big.tensor().fill_(7)
+    small.tensor().fill_(1)
+    huge = huge_page_bytes([big, small])
+    assert huge is None or 0 <= huge <= 5 * HUGE_PAGE  # only whole huge pages inside the buffer are advised
+    assert int(big.tensor()[-1]) == 7 and bytes(big.memoryview(big.nbytes - 2)) == b"\x07\x07"

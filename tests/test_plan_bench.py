@@ -135,6 +135,18 @@ def test_pipeline_model_compute_slower_while_reading():
     assert got["s_per_token"] == pytest.approx(12) and got["io_wait_s"] == pytest.approx(0)
 
 
+@pytest.mark.parametrize("head_s, want", [
+    (1, 4.5),  # 0.5 MiB read during the 1 s head at half rate, the other 3.5 MiB after it
+    (4, 6.0),  # 2 MiB during the head, 2 MiB after it
+    (10, 10.0),  # all 4 MiB within the head's 10 s even at half rate: compute-bound
+])
+def test_pipeline_model_disk_slower_while_computing(head_s, want):
+    """The disk reads at half its rate while compute runs (reads slow under a matmul on this VM)."""
+    scopes = [bench.Scope([k], k + 1) for k in range(4)] + [bench.Scope([], 4, compute_s=head_s)]
+    got = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, busy_bandwidth=1 << 19)
+    assert got["s_per_token"] == pytest.approx(want) and got["io_wait_s"] == pytest.approx(want - head_s)
+
+
 def test_plan_without_limit_is_all_resident(containers, capsys):
     path = containers("llama")
     r = plan_json(capsys, "--model", path)

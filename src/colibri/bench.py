@@ -60,8 +60,8 @@ EXPERT_ASSUMPTION = ("experts: uniformly random routing; a routed expert is read
 PIPELINE_SHORT = "reads overlap compute only as far as the store's prefetch reaches"
 PIPELINE_MODEL = ("reads overlap compute only as far as the store's prefetch reaches (depth pages past each scope, "
                   "into free staging slots); routed experts and head row blocks are demand reads; the disk serves "
-                  "2 MiB requests one at a time at the probed bandwidth; compute runs at the probe's measured "
-                  "slowdown while the disk is busy")
+                  "2 MiB requests one at a time at the probed bandwidth (the rate probed under compute while compute "
+                  "runs); compute runs at the probe's measured slowdown while the disk is busy")
 
 
 # ---------------------------------------------------------------------------------------------- placement
@@ -170,10 +170,11 @@ def expert_bytes(placement, pages: list[dict], args) -> dict:
 # ---------------------------------------------------------------------------------------------- probes
 
 
-def disk_probe(path: str | Path, io_threads: int, seconds: float, slices: int = 5) -> dict:
+def disk_probe(path: str | Path, io_threads: int, seconds: float, slices: int = 5,
+               stop: threading.Event | None = None) -> dict:
     """O_DIRECT read bandwidth of one of the model's own data files (not a temporary file), in `slices` equal
-    parts: their mean, and their spread (a virtio disk behind a host cache varies by 2-3x within seconds)."""
-    rates = [probe_bandwidth(path, seconds=seconds / slices, threads=io_threads) for _ in range(slices)]
+    parts (or one part that ends when `stop` is set): their mean, and their spread."""
+    rates = [probe_bandwidth(path, seconds=seconds / slices, threads=io_threads, stop=stop) for _ in range(slices)]
     return {"bytes_per_s": round(statistics.mean(rates)), "min_bytes_per_s": round(min(rates)),
             "max_bytes_per_s": round(max(rates)), "file": str(path), "io_threads": io_threads, "seconds": seconds}
 
@@ -243,13 +244,14 @@ def _timed(fn, passes: int = PROBE_PASSES, seconds: float = PROBE_SECONDS) -> fl
 
 
 def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, position: int = 32,
-                  background: threading.Thread | None = None) -> dict:
+                  background: threading.Thread | None = None, stop: threading.Event | None = None) -> dict:
     """Seconds of compute per decode token (see the module docstring), at torch's current thread count.
 
     Each layer shape is built in enough copies to exceed the CPU caches (COLD_BYTES) and the passes cycle through
     them: in a run every layer's weights come from DRAM. With `background` (a thread reading the model's data
-    file), everything is timed again while it runs: `slowdown` is how much slower compute is while the disk
-    streams (the reads' CPU time and memory traffic)."""
+    file until `stop` is set), everything is timed again while it runs: `slowdown` is how much slower compute is
+    while the disk streams (the reads' CPU time and memory traffic); `stop` is set when that timing ends, so the
+    reads' own rate is their rate under compute."""
     from colibri.model import checkpoint_dtype, open_model, resolve_dtype
     from colibri.sampling import Sampler, SamplingParams
 
@@ -325,6 +327,8 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
         background.start()
         time.sleep(0.05)  # the reader is streaming
         busy = run()
+        if stop is not None:
+            stop.set()
         background.join()
     layers = {k: {"s": idle[k], "attention_s": min(idle[k], idle[k + "_attention"]), "layers": timers[k][1]}
               for k in ("dense", "moe") if k in timers}
@@ -353,20 +357,42 @@ class Scope:
 
 
 class _Disk:
-    """The data file's queue: requests of `request` bytes served one at a time at `bandwidth` bytes/s; when the
-    disk is free it takes the first-priority request already submitted (demand before prefetch, then in order)."""
+    """The data file's queue: requests of `request` bytes served one at a time at `bandwidth` bytes/s, or at
+    `busy_bandwidth` while compute runs (the windows `compute` records); when the disk is free it takes the
+    first-priority request already submitted (demand before prefetch, then in order)."""
 
-    def __init__(self, bandwidth: float, request: int):
+    def __init__(self, bandwidth: float, request: int, busy_bandwidth: float | None = None):
         self.bw, self.request = bandwidth, request
+        self.busy_bw = busy_bandwidth or bandwidth
         self.clock = 0.0
         self.queue: list[tuple[int, int, float, float, list]] = []  # priority, seq, submitted, bytes, read
         self.seq = 0
+        self.windows: list[tuple[float, float]] = []  # compute intervals, in time order
+        self._w = 0  # the first window that may still matter (the clock only moves forward)
+
+    def _end(self, t: float, nbytes: float) -> float:
+        """When `nbytes` started at `t` are read: at the busy rate inside compute windows, else the idle rate."""
+        while True:
+            while self._w < len(self.windows) and self.windows[self._w][1] <= t:
+                self._w += 1
+            if self._w == len(self.windows):
+                return t + nbytes / self.bw
+            a, b = self.windows[self._w]
+            if t < a:
+                if nbytes <= (a - t) * self.bw:
+                    return t + nbytes / self.bw
+                nbytes -= (a - t) * self.bw
+                t = a
+            if nbytes <= (b - t) * self.busy_bw:
+                return t + nbytes / self.busy_bw
+            nbytes -= (b - t) * self.busy_bw
+            t = b
 
     def _serve_one(self) -> None:
         self.clock = max(self.clock, min(q[2] for q in self.queue))
         q = min(q for q in self.queue if q[2] <= self.clock)
         self.queue.remove(q)
-        self.clock += q[3] / self.bw
+        self.clock = self._end(self.clock, q[3])
         q[4][0] -= 1
         q[4][1] = max(q[4][1], self.clock)
 
@@ -374,10 +400,16 @@ class _Disk:
         while self.queue and max(self.clock, min(q[2] for q in self.queue)) < now:
             self._serve_one()  # requests the disk starts before `now` are not overtaken by later ones
 
-    def busy_until(self, now: float) -> float:
-        """When the disk goes idle if nothing more is submitted after `now`."""
+    def compute(self, now: float, c: float, slowdown: float) -> float:
+        """`c` seconds of compute starting at `now`, `slowdown` times slower while the disk reads what is already
+        submitted (at the busy rate); returns when it ends and records the window."""
+        if c <= 0:
+            return now
         self._advance(now)
-        return max(self.clock, now) + sum(q[3] for q in self.queue) / self.bw
+        busy = max(self.clock - now, 0.0) + sum(q[3] for q in self.queue) / self.busy_bw
+        end = now + (c * slowdown if c * slowdown <= busy else busy + c - busy / slowdown)
+        self.windows.append((now, end))
+        return end
 
     def submit(self, nbytes: float, now: float, priority: int) -> list:
         """Queue a read at time `now`; returns its handle [requests left, completion time]."""
@@ -396,17 +428,19 @@ class _Disk:
 
 
 def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slots: int, depth: int,
-             request: int = DEFAULT_REQUEST_SIZE, passes: int = 4, slowdown: float = 1.0) -> dict:
+             request: int = DEFAULT_REQUEST_SIZE, passes: int = 4, slowdown: float = 1.0,
+             busy_bandwidth: float | None = None) -> dict:
     """Seconds per decode pass when reads and compute overlap as the streaming store lets them: a scope waits
     for all its pages, then starts reading up to `depth` pages past its end into free staging slots, computes,
     releases its pages and reads ahead again; routed experts and head row blocks are demand reads issued when
-    the math reaches them. The disk serves one request at a time at the probed bandwidth, and compute runs
-    `slowdown` times slower while the disk is busy (measured by the compute probe). Returns the last of
+    the math reaches them. The disk serves one request at a time at the probed bandwidth (`busy_bandwidth`
+    while compute runs: on this VM reads slow from ~10 to ~7 GB/s under a 2-thread matmul), and compute runs
+    `slowdown` times slower while the disk is busy (both measured by the compute probe). Returns the last of
     `passes` cyclic passes (the steady state) and the time it waited for reads."""
     if not bandwidth:
         t = sum(s.compute_s + s.rest_s + sum(c for _, c in s.blocks) for s in scopes)
         return {"s_per_token": t, "io_wait_s": 0.0}
-    disk = _Disk(bandwidth, request)
+    disk = _Disk(bandwidth, request, busy_bandwidth)
     held: dict[int, list] = {}  # order index -> its read (in flight or done), one staging slot each
     now = wait = 0.0
     n = len(sizes)
@@ -420,8 +454,7 @@ def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slo
 
     def compute(c: float) -> None:
         nonlocal now
-        busy = disk.busy_until(now) - now
-        now += c * slowdown if c * slowdown <= busy else busy + c - busy / slowdown
+        now = disk.compute(now, c, slowdown)
 
     def prefetch(after: int | None) -> None:
         if after is None:
@@ -518,12 +551,13 @@ def pass_scopes(plan: dict, compute: dict) -> tuple[list[Scope], list[int]]:
     return scopes, [pages[i]["nbytes"] for i in order]
 
 
-def simulate(plan: dict, bandwidth: float | None) -> dict:
-    """The pipeline model of a plan (with its compute probe) at `bandwidth` bytes/s."""
+def simulate(plan: dict, bandwidth: float | None, busy_bandwidth: float | None = None) -> dict:
+    """The pipeline model of a plan (with its compute probe) at `bandwidth` bytes/s (`busy_bandwidth` while
+    compute runs; None: the same)."""
     scopes, sizes = pass_scopes(plan, plan["compute"])
     p = plan["_placement"]
     return pipeline(scopes, sizes, bandwidth, p.slots - p.cache_slots, p.prefetch_depth,
-                    slowdown=plan["compute"]["slowdown"])
+                    slowdown=plan["compute"]["slowdown"], busy_bandwidth=busy_bandwidth)
 
 
 def error_pct(measured: float, predicted: float | None) -> float | None:
@@ -545,20 +579,23 @@ def predict(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int
         # second probe while compute is timed again: the slowdown of compute under reads, and the disk's rate
         # under compute (measured 4-6 GB/s against 10 GB/s alone on the host-cached disk, Mixtral shape).
         disk.update(disk_probe(out["data_file"], io_threads, probe_seconds))
-        reads = threading.Thread(target=lambda: busy.update(disk_probe(out["data_file"], io_threads,
-                                                                       probe_seconds)), daemon=True)
-    out["compute"] = compute_probe(path, dtype, out["reserve"]["ctx_length"], background=reads)
+        reads = threading.Thread(target=lambda: busy.update(disk_probe(out["data_file"], io_threads, 60.0, 1,
+                                                                       stop)), daemon=True)
+    stop = threading.Event()
+    out["compute"] = compute_probe(path, dtype, out["reserve"]["ctx_length"], background=reads, stop=stop)
     if busy:
         disk["while_computing_bytes_per_s"] = busy["bytes_per_s"]
     out["disk"] = disk or None
     bandwidth = disk.get("bytes_per_s")
     out.update(bounds(per_token, bandwidth, out["compute"]["s_per_token"]))
-    sim = simulate(out, bandwidth)
+    busy_bw = disk.get("while_computing_bytes_per_s")
+    sim = simulate(out, bandwidth, busy_bw)
     out["pipeline"] = {"s_per_token": sim["s_per_token"], "io_wait_s_per_token": sim["io_wait_s"],
                        "tokens_per_s": 1 / sim["s_per_token"], "model": PIPELINE_MODEL}
     if disk:  # the same model at the slowest and fastest slice of the disk probe
-        out["pipeline"]["tokens_per_s_range"] = [1 / simulate(out, disk[k])["s_per_token"]
-                                                 for k in ("min_bytes_per_s", "max_bytes_per_s")]
+        out["pipeline"]["tokens_per_s_range"] = [
+            1 / simulate(out, disk[k], busy_bw and busy_bw * disk[k] / bandwidth)["s_per_token"]
+            for k in ("min_bytes_per_s", "max_bytes_per_s")]
     out["predicted_tokens_per_s"] = out["pipeline"]["tokens_per_s"]
     return out
 

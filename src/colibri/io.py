@@ -38,6 +38,7 @@ ALIGN = 4096  # O_DIRECT wants offset, length and memory address aligned; 4096 c
 DEFAULT_REQUEST_SIZE = 2 << 20
 DEFAULT_IO_THREADS = 2  # cold reads: 1 thread ~1.1-1.5 GB/s, 2 threads ~2.6-2.9; 4 gave nothing consistent
 DEMAND, PREFETCH = 0, 1  # priorities: lower runs first
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -47,14 +48,31 @@ def align_up(n: int, a: int = ALIGN) -> int:
 class AlignedBuffer:
     """`nbytes` (rounded up to 4096) of page-aligned anonymous memory, with zero-copy torch and memoryview views.
 
+    Buffers of at least one huge page start on a 2 MiB boundary and ask for transparent huge pages
+    (MADV_HUGEPAGE). On this VM (benchmarks/disk.py, "buffers") that decides the read speed: O_DIRECT into 4 KiB
+    pages scattered in physical memory split each 2 MiB request into many segments, and the same cached file read
+    at 3-9 GB/s depending on which buffer it went into, stable per buffer; into huge pages every buffer read at
+    9-10 GB/s. Only whole huge pages inside the buffer are advised, so its resident size stays `nbytes`. Where the
+    kernel has no huge page to give (THP off, memory fragmented) the buffer is ordinary 4 KiB pages.
+
     The mapping is never closed explicitly: torch views keep it alive and it is unmapped when the last one goes.
     """
 
     def __init__(self, nbytes: int):
         self.nbytes = align_up(max(int(nbytes), 1))
-        self._mem = mmap.mmap(-1, self.nbytes)  # anonymous mappings start on a page boundary
-        self._u8 = torch.frombuffer(self._mem, dtype=torch.uint8)
-        self._mv = memoryview(self._mem)
+        huge = self.nbytes >= HUGE_PAGE
+        # private, not MAP_SHARED /dev/zero (which Python's default is): shared memory is not eligible for THP
+        self._mem = mmap.mmap(-1, self.nbytes + (HUGE_PAGE if huge else 0),
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(self._mem, dtype=torch.uint8)
+        start = (-whole.data_ptr()) % HUGE_PAGE if huge else 0
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mem.madvise(mmap.MADV_HUGEPAGE, start, self.nbytes // HUGE_PAGE * HUGE_PAGE)
+            except OSError:  # a kernel without THP: ordinary pages
+                pass
+        self._u8 = whole[start:start + self.nbytes]
+        self._mv = memoryview(self._mem)[start:start + self.nbytes]
 
     @property
     def address(self) -> int:
@@ -77,6 +95,33 @@ class AlignedBuffer:
 
     def __repr__(self) -> str:
         return f"AlignedBuffer(nbytes={self.nbytes}, address={self.address:#x})"
+
+
+def huge_page_bytes(buffers: Sequence[AlignedBuffer]) -> int | None:
+    """Bytes of `buffers` backed by transparent huge pages (AnonHugePages of the mappings holding them, from
+    /proc/self/smaps), or None where smaps is unavailable. Reads smaps once: call it at load, not per token."""
+    spans = sorted((b.address, b.address + b.nbytes) for b in buffers)
+    if not spans:
+        return 0
+    try:
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    lo = hi = None
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            a, _, b = head.partition("-")
+            try:
+                lo, hi = int(a, 16), int(b, 16)
+            except ValueError:
+                lo = hi = None
+        elif line.startswith("AnonHugePages:") and lo is not None:
+            if any(s < hi and lo < e for s, e in spans):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 class BufferPool:
@@ -474,9 +519,10 @@ class Reader:
 
 
 def probe_bandwidth(path: str | os.PathLike, seconds: float = 1.0, request_size: int = DEFAULT_REQUEST_SIZE,
-                    threads: int = DEFAULT_IO_THREADS, window: int = 64 << 20) -> float:
+                    threads: int = DEFAULT_IO_THREADS, window: int = 64 << 20,
+                    stop: threading.Event | None = None) -> float:
     """Read bandwidth of `path` in bytes/s: sequential `window`-sized reads (O_DIRECT where supported, two in
-    flight) for about `seconds`, wrapping around at the end of the file."""
+    flight) for about `seconds` or until `stop` is set, wrapping around at the end of the file."""
     size = os.path.getsize(path) // ALIGN * ALIGN
     if size == 0:
         raise ValueError(f"{path} is smaller than {ALIGN} bytes; nothing to measure")
@@ -490,7 +536,7 @@ def probe_bandwidth(path: str | os.PathLike, seconds: float = 1.0, request_size:
         inflight = [reader.submit(0, next(offsets), window, b) for b in bufs]
         while True:
             done = inflight.pop(0).result()
-            if time.perf_counter() - t0 >= seconds:
+            if time.perf_counter() - t0 >= seconds or (stop is not None and stop.is_set()):
                 break
             inflight.append(reader.submit(0, next(offsets), window, done))
         for f in inflight:
