@@ -1,9 +1,17 @@
 """Colibri: LLM inference that streams weights from an SSD, with exact model math."""
 
 from colibri.errors import ColibriError, InputError, ModelLoadError, UnsupportedModelError
-from colibri.generate import GenerationResult
-from colibri.model import Model, load
 
 __version__ = "0.1.0"
 __all__ = ["load", "Model", "GenerationResult", "ColibriError", "InputError", "ModelLoadError",
            "UnsupportedModelError", "__version__"]
+# imported on first use, so that `import colibri` (and the CLI's start) does not load torch: the CLI chooses
+# OpenMP's wait policy, which torch's OpenMP runtime reads once when it loads
+_LAZY = {"load": "colibri.model", "Model": "colibri.model", "GenerationResult": "colibri.generate"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'colibri' has no attribute {name!r}")

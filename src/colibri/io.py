@@ -45,6 +45,12 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
+def huge_align(n: int) -> int:
+    """`n` rounded up to whole huge pages when it is at least one (then an AlignedBuffer of it is all huge pages),
+    else to 4096: the size to give long-lived buffers whose bytes the memory budget counts."""
+    return align_up(n, HUGE_PAGE) if n >= HUGE_PAGE else align_up(n)
+
+
 class AlignedBuffer:
     """`nbytes` (rounded up to 4096) of page-aligned anonymous memory, with zero-copy torch and memoryview views.
 

@@ -336,24 +336,3 @@ def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = 
     return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
                  prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size, kv_ram=kv_ram,
                  kv_quant=kv_quant, swap=swap, swap_dir=swap_dir, kv_block=kv_block)
-
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
-
-
-def parse_size(value) -> int:
-    """Bytes from an int or a string like "600M", "2G", "1.5GiB" (binary units)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        n = int(value)
-    else:
-        text = str(value).strip().upper().replace(" ", "")
-        num = text.rstrip("KMGTIB")
-        unit = text[len(num):]
-        try:
-            n = int(float(num) * _UNITS[unit])
-        except (ValueError, KeyError):
-            raise InputError(f"memory size {value!r} is not understood; write e.g. 600M, 2G or a byte count") from None
-    if n <= 0:
-        raise InputError(f"memory size must be positive (got {value!r})")
-    return n

@@ -45,7 +45,7 @@ import torch
 
 from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
 from colibri.errors import InputError, StorageError
-from colibri.io import ALIGN, DEMAND, PREFETCH, AlignedBuffer, Reader, align_up, huge_page_bytes
+from colibri.io import ALIGN, DEMAND, PREFETCH, AlignedBuffer, Reader, align_up, huge_align, huge_page_bytes
 from colibri import quant
 
 # Every non-expert page is read once per token whatever its kind, so for a dense model each pinned byte saves
@@ -122,9 +122,10 @@ def scopes_of(page: dict, num_layers: int, tied: bool) -> list[tuple]:
 
 def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool,
                   prefetch_depth: int) -> tuple[int, int]:
-    """(slots, slot bytes) of the staging ring: equal slots the size of the largest streamed page, as many as
-    the largest scope has streamed pages, plus `prefetch_depth` for reads ahead. Equal slots never fragment,
-    so a demand read always finds room once prefetched pages are dropped."""
+    """(slots, slot bytes) of the staging ring: equal slots the size of the largest streamed page (in whole huge
+    pages: reads into 4 KiB pages are slower, io.AlignedBuffer), as many as the largest scope has streamed pages,
+    plus `prefetch_depth` for reads ahead. Equal slots never fragment, so a demand read always finds room once
+    prefetched pages are dropped."""
     count: dict[tuple, int] = {}
     size = 0
     for pid in streamed:
@@ -137,7 +138,7 @@ def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, t
     # An expert's scope opens inside its layer's: both are held at once.
     nested = {key: n + (1 if any(k[0] == "expert" and k[1] == key[1] for k in count) else 0)
               for key, n in count.items() if key[0] == "layer"}
-    return max([*count.values(), *nested.values()]) + prefetch_depth, size
+    return max([*count.values(), *nested.values()]) + prefetch_depth, huge_align(size)  # whole huge pages
 
 
 # -------------------------------------------------------------------------------------------------- planning
@@ -224,7 +225,7 @@ def block_buffer_bytes(t: dict) -> int:
     rows = min(block_rows(t), t["shape"][0])
     base = t["offset"] + t["parts"][main_part(t)]["offset"]
     aligned = base % ALIGN == 0 and (rows * row_bytes(t)) % ALIGN == 0
-    return align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN)
+    return huge_align(align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN))  # whole huge pages (io.py)
 
 
 def auto_depth(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
