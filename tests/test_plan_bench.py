@@ -4,6 +4,9 @@ one-line errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -216,3 +219,27 @@ def test_run_and_chat_pass_ctx_length_and_batch_size(monkeypatch, capsys, comman
                            "--memory-limit", "300M")
     assert code == 2 and "stop here" in err
     assert seen["ctx_length"] == 128 and seen["batch_size"] == 16 and seen["memory_limit"] == "300M"
+
+
+def test_streaming_dense_runs_ask_openmp_workers_to_sleep(containers, monkeypatch, tmp_path):
+    """Dense containers larger than the limit get OMP_WAIT_POLICY=PASSIVE (spinning workers slowed reads by a
+    quarter); MoE, all-resident runs and unreadable paths do not; the choice is made before torch loads."""
+    dense, moe = containers("llama"), containers("mixtral")
+
+    def args(model, limit):
+        return cli.build_parser().parse_args(["run", "--model", str(model), "--prompt", "x"]
+                                             + (["--memory-limit", limit] if limit else []))
+
+    assert cli.streams_dense(args(dense, "64K"))
+    assert not cli.streams_dense(args(dense, None)) and not cli.streams_dense(args(dense, "1G"))
+    assert not cli.streams_dense(args(moe, "64K"))
+    assert not cli.streams_dense(args(tmp_path / "missing", "64K"))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli.quiet_openmp(args(dense, "64K"))  # torch is already loaded here: too late, nothing is changed
+    assert "OMP_WAIT_POLICY" not in os.environ
+    code = ("import os, sys; from colibri import cli; "
+            f"cli.quiet_openmp(cli.build_parser().parse_args(['run', '--model', {str(dense)!r}, '--prompt', 'x', "
+            "'--memory-limit', '64K'])); print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["PASSIVE", "False"]
