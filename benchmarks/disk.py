@@ -9,7 +9,11 @@ cannot), then measures, through `colibri.io.Reader`:
     requests of 256 KiB .. 8 MiB, on 1, 2 and 4 threads;
   * buffered sequential reads for comparison (plain `preadv` with kernel readahead, and the Reader's
     buffered fallback, which drops each range from the page cache after reading it);
-  * 4 KiB random O_DIRECT reads at queue depth 1.
+  * 4 KiB random O_DIRECT reads at queue depth 1;
+  * "buffers": the same 64 MiB reads into 8 different destination buffers, each read twice, once in 4 KiB pages
+    (MADV_NOHUGEPAGE) and once as colibri.io.AlignedBuffer allocates them (2 MiB-aligned, MADV_HUGEPAGE), idle
+    and while a 2-thread bf16 matmul loop runs (as decode compute does). The figures that made AlignedBuffer use
+    huge pages came from these rows (docs/performance.md, "Disk").
 Each cell is the median of --repeat runs, each reading --read-gb from a different part of the file. The test
 file is deleted at the end.
 
@@ -21,13 +25,17 @@ touched lately shows the cold numbers; the first pass over it is the cold one.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import random
 import statistics
+import threading
 import time
 from pathlib import Path
 
-from colibri.io import ALIGN, DEFAULT_IO_THREADS, DEFAULT_REQUEST_SIZE, AlignedBuffer, Reader
+import torch
+
+from colibri.io import ALIGN, DEFAULT_IO_THREADS, DEFAULT_REQUEST_SIZE, AlignedBuffer, Reader, huge_page_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 64 * MiB
@@ -118,6 +126,51 @@ def random_4k(path: Path, size: int, seconds: float) -> tuple[float, float]:
     return n * ALIGN / dt / 1e6, dt / n * 1e6
 
 
+class SmallPageBuffer(AlignedBuffer):
+    """An AlignedBuffer held in 4 KiB pages (MADV_NOHUGEPAGE), as colibri.io allocated buffers before huge pages."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._mem.madvise(mmap.MADV_NOHUGEPAGE)
+        self._u8 = torch.frombuffer(self._mem, dtype=torch.uint8)
+        self._mv = memoryview(self._mem)
+
+
+def per_buffer_gbps(path: Path, size: int, make, busy: bool, n: int = 8) -> tuple[list[float], int | None]:
+    """One 64 MiB read into each of `n` fresh buffers from `make`, twice (the second pass is what is shown), with
+    `busy`: while a 2-thread bf16 matmul loop runs. Returns (GB/s per buffer, bytes in huge pages)."""
+    bufs = [make(PAGE) for _ in range(n)]
+    for b in bufs:
+        b.tensor().fill_(0)
+    stop = threading.Event()
+    w, x = torch.randn(4096, 4096).to(torch.bfloat16), torch.randn(1, 4096).to(torch.bfloat16)
+
+    def work() -> None:
+        while not stop.is_set():
+            torch.nn.functional.linear(x, w)
+
+    th = threading.Thread(target=work) if busy else None
+    if th:
+        th.start()
+    try:
+        with Reader([path], io_threads=DEFAULT_IO_THREADS) as reader:
+            rates = []
+            for rep in range(2):
+                rates = []
+                for i, b in enumerate(bufs):
+                    off = (i * 7 + rep * 3) % (size // PAGE) * PAGE
+                    t0 = time.perf_counter()
+                    reader.submit(0, off, PAGE, b).result()
+                    rates.append(PAGE / (time.perf_counter() - t0) / 1e9)
+    finally:
+        stop.set()
+        if th:
+            th.join()
+    return rates, huge_page_bytes(bufs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", type=Path, default=Path("/work/.bench"), help="directory for the test file")
@@ -171,6 +224,14 @@ def main() -> None:
         mbps, lat = random_4k(path, size, args.random_seconds)
         print(f"\n4 KiB random O_DIRECT reads, QD1: {mbps:.1f} MB/s, {lat:.0f} us mean latency "
               f"({1e6 / lat:.0f} IOPS)")
+
+        print("\ndestination buffers: 64 MiB O_DIRECT reads, one per buffer, GB/s of each of 8 buffers")
+        for name, make in (("4 KiB pages", SmallPageBuffer), ("AlignedBuffer", AlignedBuffer)):
+            for busy in (False, True):
+                rates, huge = per_buffer_gbps(path, size, make, busy)
+                print(f"  {name:<14} {'under compute' if busy else 'idle':<13} "
+                      + " ".join(f"{r:5.1f}" for r in rates)
+                      + f"  (huge pages: {'?' if huge is None else huge // MiB} MiB of {8 * PAGE // MiB})")
 
         best = max(table, key=table.get)
         default = (DEFAULT_REQUEST_SIZE, DEFAULT_IO_THREADS)

@@ -61,6 +61,9 @@ def rss_bytes() -> int:
 # ---------------------------------------------------------------- child: one measurement, one JSON line on stdout
 
 def child(a: argparse.Namespace) -> None:
+    from colibri.cli import quiet_openmp  # torch-free: OpenMP's wait policy as `colibri run` would choose it
+
+    quiet_openmp(argparse.Namespace(model=a.model, memory_limit=a.memory_limit))
     t0 = time.perf_counter()
     import torch  # noqa: F401  (imported first so the baseline is python + torch + colibri)
 
@@ -74,7 +77,8 @@ def child(a: argparse.Namespace) -> None:
     load_s = time.perf_counter() - t1
     rss_load = rss_bytes()
     r = m.generate(a.prompt, max_tokens=a.tokens, temperature=0, ignore_eos=True)
-    out = {"colibri": os.path.dirname(colibri.__file__), "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3),
+    out = {"colibri": os.path.dirname(colibri.__file__), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3),
            "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "rss_end_bytes": rss_bytes(),
            **r.stats, "token_ids": r.token_ids, "text": r.text}
     m.close()
