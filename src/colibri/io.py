@@ -55,11 +55,12 @@ class AlignedBuffer:
     """`nbytes` (rounded up to 4096) of page-aligned anonymous memory, with zero-copy torch and memoryview views.
 
     Buffers of at least one huge page start on a 2 MiB boundary and ask for transparent huge pages
-    (MADV_HUGEPAGE). On this VM (benchmarks/disk.py, "buffers") that decides the read speed: O_DIRECT into 4 KiB
-    pages scattered in physical memory split each 2 MiB request into many segments, and the same cached file read
-    at 3-9 GB/s depending on which buffer it went into, stable per buffer; into huge pages every buffer read at
-    9-10 GB/s. Only whole huge pages inside the buffer are advised, so its resident size stays `nbytes`. Where the
-    kernel has no huge page to give (THP off, memory fragmented) the buffer is ordinary 4 KiB pages.
+    (MADV_HUGEPAGE). On this VM that decides the read speed (benchmarks/disk.py, "destination buffers"): O_DIRECT
+    into 4 KiB pages scattered in physical memory splits each request into many segments, and the same cached
+    file read at 3-9 GB/s depending on which buffer it went into, stable per buffer; into huge pages every buffer
+    read at 10-10.6 GB/s. Only whole huge pages inside the buffer are advised, so its resident size stays
+    `nbytes`. Where the kernel has no huge page to give (THP off, memory fragmented) the buffer is ordinary 4 KiB
+    pages.
 
     The mapping is never closed explicitly: torch views keep it alive and it is unmapped when the last one goes.
     """
