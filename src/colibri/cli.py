@@ -326,7 +326,8 @@ def quiet_openmp(args) -> None:
     between kernels instead of spinning for ~3 ms (libgomp's default), and spinning workers took the CPU time
     the reads need. Measured on the 2-core VM (`colibri bench`): Qwen2.5-Coder-1.5B q4 under 400M 6.7 -> 9.0
     tok/s (reads 7.2 -> 9.6 GB/s), the 7B shape under 1G 1.8 -> 2.1 tok/s. Not for MoE (the Mixtral shape under
-    4G went 0.93 -> 0.78 tok/s) nor all in RAM (Qwen2.5-1.5B 27.8 -> 25.7 tok/s). OpenMP reads it once, when
+    4G went 0.93 -> 0.78 tok/s: workers asleep through a 30 ms expert read wake slowly, an expert FFN took 8 ms
+    instead of 4) nor all in RAM (Qwen2.5-1.5B 27.8 -> 25.7 tok/s). OpenMP reads it once, when
     torch loads: a user's own OMP_WAIT_POLICY wins, and in-process callers keep theirs."""
     if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and streams_dense(args):
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
