@@ -40,7 +40,7 @@ import torch
 from colibri import budget, quant
 from colibri.container import DTYPES, read_manifest
 from colibri.errors import InputError
-from colibri.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH, probe_bandwidth
+from colibri.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH, probe_bandwidth, thp_mode
 from colibri.kv import KVCache
 from colibri.metrics import GenerationMetrics
 from colibri.models.base import rms_norm, rope_cos_sin
@@ -176,7 +176,8 @@ def disk_probe(path: str | Path, io_threads: int, seconds: float, slices: int = 
     parts (or one part that ends when `stop` is set): their mean, and their spread."""
     rates = [probe_bandwidth(path, seconds=seconds / slices, threads=io_threads, stop=stop) for _ in range(slices)]
     return {"bytes_per_s": round(statistics.mean(rates)), "min_bytes_per_s": round(min(rates)),
-            "max_bytes_per_s": round(max(rates)), "file": str(path), "io_threads": io_threads, "seconds": seconds}
+            "max_bytes_per_s": round(max(rates)), "file": str(path), "io_threads": io_threads, "seconds": seconds,
+            "transparent_huge_pages": thp_mode()}
 
 
 def _filled(dtype: torch.dtype, shape, value: float | None = None) -> torch.Tensor:
@@ -647,7 +648,11 @@ def format_plan(r: dict) -> str:
     if d:
         lines.append(f"disk: {d['bytes_per_s'] / 1e9:.2f} GB/s (O_DIRECT probe of {Path(d['file']).name}, "
                      f"{d['io_threads']} io threads, {d['seconds']:g} s; slices {d['min_bytes_per_s'] / 1e9:.2f}-"
-                     f"{d['max_bytes_per_s'] / 1e9:.2f} GB/s)")
+                     f"{d['max_bytes_per_s'] / 1e9:.2f} GB/s"
+                     + (f"; {d['while_computing_bytes_per_s'] / 1e9:.2f} GB/s while computing"
+                        if d.get("while_computing_bytes_per_s") else "")
+                     + (f"; transparent huge pages '{d['transparent_huge_pages']}': buffers in 4 KiB pages, reads may "
+                        "be slower and vary" if d.get("transparent_huge_pages") == "never" else "") + ")")
     c = r["compute"]
     parts = " + ".join(f"{v['layers']} x {1e3 * v['s']:.2f} ms ({k} layer)" for k, v in c["layers"].items())
     lines.append(f"compute: {1e3 * c['s_per_token']:.1f} ms/token = {parts} + head {1e3 * c['head_s']:.2f} ms + "
@@ -801,4 +806,7 @@ def format_bench(r: dict) -> str:
              f"read {_mib(r['load_bytes_read'] + r['prefill_bytes_read'] + r['decode_bytes_read'])}"
              + (f" (decode hit rate {100 * r['decode_hit_rate_bytes']:.0f} %)" if r["decode_bytes_read"] else ""),
              f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (baseline {r['runtime_baseline_rss_bytes'] / 2**20:.0f})"]
+    huge = r["generation"].get("staging_huge_fraction")
+    if huge is not None and huge < 0.9:  # reads into 4 KiB pages can be much slower (io.AlignedBuffer)
+        parts.append(f"only {100 * huge:.0f} % of the staging buffers in huge pages")
     return " | ".join(p for p in parts if p)

@@ -104,6 +104,17 @@ class AlignedBuffer:
         return f"AlignedBuffer(nbytes={self.nbytes}, address={self.address:#x})"
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"; None where unknown): with "never"
+    AlignedBuffer gets 4 KiB pages and reads may be slower and vary by buffer."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else None
+
+
 def huge_page_bytes(buffers: Sequence[AlignedBuffer]) -> int | None:
     """Bytes of `buffers` backed by transparent huge pages (AnonHugePages of the mappings holding them, from
     /proc/self/smaps), or None where smaps is unavailable. Reads smaps once: call it at load, not per token."""

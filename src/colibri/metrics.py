@@ -48,7 +48,7 @@ class GenerationMetrics:
     pinned_bytes: int = 0
     cached_bytes: int = 0
     staging_bytes: int = 0
-    staging_huge_bytes: int | None = None  # of staging_bytes, in transparent huge pages (None: unknown)
+    staging_huge_fraction: float | None = None  # of the staging slots and head blocks, in huge pages (None: unknown)
     kv_ram_bytes: int = 0  # KV held in RAM (live window, scratch, cached prefixes)
     kv_disk_bytes: int = 0  # KV blocks in the swap file
     kv_read_bytes: int = 0  # KV read back from the swap file during this generation
@@ -70,7 +70,7 @@ class GenerationMetrics:
         self.direct_io = now["direct_io"]
         self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
                                                                     now["staging_bytes"])
-        self.staging_huge_bytes = now.get("staging_huge_bytes")
+        self.staging_huge_fraction = now.get("staging_huge_fraction")
 
     def account_kv(self, start: dict, now: dict) -> None:
         self.kv_read_bytes = now["kv_read_bytes"] - start["kv_read_bytes"]
@@ -151,7 +151,7 @@ class GenerationMetrics:
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
-            "staging_huge_bytes": self.staging_huge_bytes,
+            "staging_huge_fraction": self.staging_huge_fraction,
             "kv_ram_bytes": self.kv_ram_bytes,
             "kv_disk_bytes": self.kv_disk_bytes,
             "kv_read_bytes": self.kv_read_bytes,

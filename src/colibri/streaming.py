@@ -45,7 +45,8 @@ import torch
 
 from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
 from colibri.errors import InputError, StorageError
-from colibri.io import ALIGN, DEMAND, PREFETCH, AlignedBuffer, Reader, align_up, huge_align, huge_page_bytes
+from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, align_up, huge_align,
+                        huge_page_bytes)
 from colibri import quant
 
 # Every non-expert page is read once per token whatever its kind, so for a dense model each pinned byte saves
@@ -459,14 +460,17 @@ class StreamingStore:
         self.timeline: list[dict] = []
         pl = self.placement
         self._free: list[AlignedBuffer] = [AlignedBuffer(pl.slot_bytes) for _ in range(pl.slots)]
-        for buf in self._free:  # fault the slots in now (huge pages where the kernel has them), not mid-token
-            buf.tensor().fill_(0)
-        # the part of the staging slots in transparent huge pages: on a VM, O_DIRECT into 4 KiB pages can read
-        # 2-3x slower (io.AlignedBuffer); reported so a slow run can be told apart from a slow disk
-        self.staging_huge_bytes = huge_page_bytes(self._free)
         self._blocks: list[AlignedBuffer] = []
         self._load_pinned()
         self._load_by_rows()
+        staging = self._free + self._blocks
+        for buf in staging:  # fault the buffers in now (huge pages where the kernel has them), not mid-token
+            buf.tensor().fill_(0)
+        # the share of the staging slots and head blocks in transparent huge pages: on a VM, O_DIRECT into 4 KiB
+        # pages read 2-3x slower (io.AlignedBuffer); reported so a slow run can be told apart from a slow disk
+        big = [b for b in staging if b.nbytes >= HUGE_PAGE]  # smaller buffers never get huge pages
+        huge, total = huge_page_bytes(big), sum(b.nbytes for b in big)
+        self.staging_huge_fraction = round(huge / total, 4) if huge is not None and total else None
 
     # -- load time -------------------------------------------------------------------------------------------
 
@@ -641,7 +645,7 @@ class StreamingStore:
         cached = sum(1 for s in self._slots.values() if s.cached)
         return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
                 "pinned_bytes": self.placement.pinned_bytes, "cached_bytes": cached * self.placement.slot_bytes,
-                "staging_bytes": self.placement.staging_bytes, "staging_huge_bytes": self.staging_huge_bytes,
+                "staging_bytes": self.placement.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
                 "reserve_bytes": self.placement.reserve}
 
     # -- streaming -------------------------------------------------------------------------------------------
