@@ -49,13 +49,12 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
     H, Hkv, Dh = args.num_heads, args.num_kv_heads, args.head_dim
     residual = 4 * T * d * b  # x, the normed input, the branch output, the sum
     qkv = 2 * T * (H + 2 * Hkv) * Dh * b  # projections and their roped/transposed copies
-    # sdpa: K/V repeated for grouped-query heads, f32 scores and probabilities of one query chunk, the bool mask
+    # models.base.attend: f32 copies of K and V (none when the cache is f32); the f32 query, its per-chunk grouped
+    # copy and the f32 output; f32 scores and probabilities of one query chunk; the mask and its negation; the
+    # output cast back
     from colibri.models.base import attention_chunk
-    # torch's CPU kernel also works on f32 copies of K and V (bf16 upcast) and a transposed K: measured 52 MB for
-    # H=9, S=6000, Dh=64, one bf16 query (16 bytes per head-key-dim element), 39 MB in f32 (12)
-    rep = 2 * H * S * Dh * b if H > Hkv else 0
-    kernel = H * S * Dh * ((8 if b < 4 else 0) + 4)
-    attn = rep + kernel + 2 * H * min(T, attention_chunk(H, S)) * S * 4 + T * S + 2 * T * H * Dh * b
+    kv32 = 2 * Hkv * S * Dh * 4 if b < 4 else 0
+    attn = kv32 + 3 * T * H * Dh * 4 + 2 * H * min(T, attention_chunk(H, S)) * S * 4 + 2 * T * S + T * H * Dh * b
     inter = max(args.intermediate_size if not all(args.moe_layers) else 0,
                 (args.moe_intermediate_size or 0) + (args.shared_expert_intermediate_size or 0))
     # routed experts' outputs are kept until summed in expert order: T x top_k rows

