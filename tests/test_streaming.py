@@ -84,6 +84,20 @@ def test_budget_below_minimum_is_refused_with_the_minimum(containers):
         colibri.load(containers("mixtral"), memory_limit="lots")
 
 
+def test_tight_budgets_read_ahead_as_far_as_they_fit(containers):
+    """Between the minimum working set and room for the automatic prefetch depth, the planner reads ahead as many
+    pages as its slots allow (it used to fall back to no prefetch at all), and more budget never lowers it."""
+    path = containers("llama")
+    base, _, _ = colibri.model.plan(path, None)
+    depths = []
+    for extra in range(0, base.pinned_bytes + (64 << 10), 4 << 10):  # up to room for every page
+        placement, _, _ = colibri.model.plan(path, base.minimum + extra)
+        if placement.streamed:
+            depths.append(placement.prefetch_depth)
+    assert depths == sorted(depths) and depths[0] == 0
+    assert set(depths) == set(range(max(depths) + 1)) and max(depths) >= 2
+
+
 def test_memory_limit_needs_a_container(tiny_model_dir):
     with pytest.raises(colibri.UnsupportedModelError, match="colibri convert"):
         colibri.load(tiny_model_dir("llama"), memory_limit="1G")

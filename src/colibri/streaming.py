@@ -262,6 +262,10 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     pinned_bytes = 0
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
         prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
+    # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
+    # Qwen2.5-Coder-1.5B q4 under 250M ran at 0.62 of the I/O bound with depth 0 (only 2 slots fit depth 3's 5)
+    while prefetch_depth > 0 and costs.need(streamed, prefetch_depth) > room:
+        prefetch_depth -= 1
 
     def try_pin(pid: int, depth: int) -> bool:
         nonlocal pinned_bytes
