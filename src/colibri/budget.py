@@ -155,14 +155,16 @@ class Reserve:
 
 
 def reserve(args, ctx: int, batch: int, dtype: torch.dtype, kv: KVPlan | None = None,
-            limited: bool = True) -> Reserve:
+            limited: bool = True, quantized: bool = False) -> Reserve:
     """The KV plan's RAM (without a limit, the prefix cache's default share is not a reservation) and the
-    activations of one pass."""
+    activations of one pass, plus the dequantize scratch quantized weights keep (quant.SCRATCH_BYTES)."""
     if int(batch) < 1:
         raise InputError(f"--batch-size must be at least 1 (got {batch})")
+    from colibri.quant import SCRATCH_BYTES
     kv = kv or kv_plan(args, ctx, dtype, None)
     held = kv.ram_bytes - (0 if limited else kv.prefix_ram)
-    return Reserve(ctx, batch, held, activation_bytes(args, min(batch, ctx), ctx, dtype))
+    scratch = SCRATCH_BYTES if quantized else 0
+    return Reserve(ctx, batch, held, activation_bytes(args, min(batch, ctx), ctx, dtype) + scratch)
 
 
 @dataclass
@@ -175,13 +177,13 @@ class Settings:
 
 
 def settings(args, dtype: torch.dtype, memory_limit, ctx_length: int | None, batch: int, kv_ram=None,
-             kv_quant: str | None = None, kv_block: int | None = None) -> Settings:
+             kv_quant: str | None = None, kv_block: int | None = None, quantized: bool = False) -> Settings:
     from colibri.defaults import parse_size
     limit = None if memory_limit is None else parse_size(memory_limit)
     ram = None if kv_ram is None else parse_size(kv_ram)
     ctx = context_length(args, ctx_length, limit, dtype, kv_quant)
     kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None)
-    return Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None))
+    return Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized))
 
 
 def rss_bytes() -> int:
@@ -200,8 +202,9 @@ def warm_up(dtype: torch.dtype) -> None:
 
     x = torch.ones(2, 64, dtype=dtype)
     F.linear(x, torch.ones(64, 64, dtype=dtype))
+    from colibri.models.base import attend
     q = torch.ones(2, 2, 16, dtype=dtype)
-    F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 2, dtype=torch.bool))
+    attend(q, q, q, torch.ones(2, 2, dtype=torch.bool), 0.25, None)
     torch.softmax(x.float(), dim=-1)
 
 

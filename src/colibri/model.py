@@ -60,6 +60,11 @@ def checkpoint_dtype(ckpt) -> torch.dtype:
     return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
 
+def quantized(ckpt) -> bool:
+    """Whether a container holds q4/q8 tensors (their dequantize path keeps a scratch buffer)."""
+    return hasattr(ckpt, "manifest") and any(t["kind"] in ("q4", "q8") for t in ckpt.tensors.values())
+
+
 def open_model(path: Path):
     """(checkpoint, ModelArgs, family math) without reading any weight."""
     ckpt = open_checkpoint(path)
@@ -135,7 +140,7 @@ class Model:
         self.tokenizer = self._tokenizer()
         self.batch_size = int(batch_size)
         conf = budget.settings(self.args, self.dtype, memory_limit, ctx_length, self.batch_size, kv_ram, kv_quant,
-                               kv_block)
+                               kv_block, quantized(ckpt))
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
         if swap is None and swap_dir is None:
             from colibri.defaults import cache_dir
@@ -304,14 +309,15 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None 
         if not hasattr(ckpt, "manifest"):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
         dt = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
-        conf = budget.settings(args, dt, memory_limit, ctx_length, batch_size, kv_ram, kv_quant)
+        conf = budget.settings(args, dt, memory_limit, ctx_length, batch_size, kv_ram, kv_quant,
+                               quantized=quantized(ckpt))
         limit, res = conf.limit, conf.reserve
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
         return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit, prefetch_depth,
-                     res.total, batch_size, usage), res, args
+                     res.total, batch_size, usage, dt), res, args
     finally:
         ckpt.close()
 

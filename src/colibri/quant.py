@@ -37,6 +37,7 @@ import torch
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
+SCRATCH_BYTES = _CHUNK_BYTES * 3 // 2  # what _scratch keeps: the f32 step and its bf16 copy (budget.reserve)
 # bf16 x with at least this many rows dequantizes to bf16 and runs a bf16 GEMM: measured 1.7-2x faster than the
 # weight-only kernels at 256-512 rows, slower below ~100. Fewer rows (decode, speculative verification) keep the
 # kernels, whose results do not depend on the row count.
@@ -222,7 +223,10 @@ class _QuantWeight:
         return cls(QuantKind("q4" if cls is Q4Weight else "q8", group_size, scales.dtype), shape, buffers)
 
     def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """A stored small buffer converted to `dtype` once (the kernels want scales in the activation dtype)."""
+        """A stored small buffer converted to `dtype` once and kept (the decode kernels want scales in the
+        activation dtype every token; budget.derived_bytes counts the copy for resident weights). The f32 paths
+        convert what they need per call instead: keeping f32 copies of every resident weight's scales cost a
+        third of the q4 bytes again, outside the budget."""
         t = self._buffers[name]
         if t.dtype == dtype:
             return t
@@ -262,20 +266,18 @@ class Q4Weight(_QuantWeight):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, sz)
         return self._dequant_matmul(x)
 
-    def _scales_zeros_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sz = self._buffer_as("scales_zeros", torch.float32)
-        return sz[..., 0], sz[..., 1]  # [G, Np] each
+    def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sz = self._buffers["scales_zeros"][:, r0:r1].float()
+        return sz[..., 0], sz[..., 1]  # [G, r1 - r0] each
 
-    def _tile_params_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, zero) of the full tiles as contiguous f32 [tiles, G, 1, 64], built once (strided broadcasts
-        in the dequantize loop cost 5x more than contiguous ones)."""
-        if "tiles" not in self._cache:
-            (_, k), g = self.shape, self.group_size
-            nf = self._buffers["qweight"].shape[0] // _TILE * _TILE
-            sz = self._buffers["scales_zeros"][:, :nf].float().view(k // g, nf // _TILE, _TILE, 2)
-            p = sz.permute(3, 1, 0, 2).unsqueeze(3).contiguous()  # [2, tiles, G, 1, 64]
-            self._cache["tiles"] = (p[0], p[1])
-        return self._cache["tiles"]
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of tiles t0..t1 as contiguous f32 [tiles, G, 1, 64], built per dequantize step (strided
+        broadcasts in the loop cost 5x more than contiguous ones; a copy for the whole weight, kept, cost twice
+        the stored scales for every resident weight)."""
+        (_, k), g = self.shape, self.group_size
+        sz = self._buffers["scales_zeros"][:, t0 * _TILE:t1 * _TILE].float().view(k // g, t1 - t0, _TILE, 2)
+        p = sz.permute(3, 1, 0, 2).unsqueeze(3).contiguous()  # [2, tiles, G, 1, 64]
+        return p[0], p[1]
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T in x's dtype, dequantizing a few 64-row tiles at a time (W.T tiles are [K, 64]); the
@@ -285,18 +287,18 @@ class Q4Weight(_QuantWeight):
         np_, nt, t = qw.shape[0], qw.shape[0] // _TILE, x.shape[0]
         y = torch.empty(t, np_, dtype=x.dtype)
         if nt:
-            s, z = self._tile_params_f32()
             tiles = qw[:nt * _TILE].view(nt, k, 32)
             step = max(1, _CHUNK_BYTES // (k * _TILE * 4))
             yt = y[:, :nt * _TILE].view(t, nt, _TILE)
             for i in range(0, nt, step):
                 c = min(step, nt - i)
+                s, z = self._tile_params_f32(i, i + c)
                 w = _scratch(torch.float32, c, k, _TILE)
                 lo, hi = _signed_nibbles(tiles[i:i + c])
                 w[..., :32].copy_(lo)
                 w[..., 32:].copy_(hi)
                 w4 = w.view(c, k // g, g, _TILE)
-                torch.addcmul(z[i:i + c], w4, s[i:i + c], out=w4)  # (q - 8) * scale + zero, one rounding
+                torch.addcmul(z, w4, s, out=w4)  # (q - 8) * scale + zero, one rounding
                 if x.dtype != torch.float32:
                     w = _scratch(x.dtype, c, k, _TILE).copy_(w)
                 yt[:, i:i + c].copy_(torch.matmul(x, w).transpose(0, 1))
@@ -309,9 +311,9 @@ class Q4Weight(_QuantWeight):
         (_, k), g = self.shape, self.group_size
         qw = self._buffers["qweight"]
         q = _unpack_q4(qw[r0:r1]) if r0 % _TILE == 0 and (r1 - r0) % _TILE == 0 else _unpack_q4(qw)[r0:r1]
-        scale, zero = self._scales_zeros_f32()
+        scale, zero = self._scales_zeros_f32(r0, r1)
         w = q.float().view(r1 - r0, k // g, g)
-        torch.addcmul(zero[:, r0:r1].T.unsqueeze(-1), w, scale[:, r0:r1].T.unsqueeze(-1), out=w)
+        torch.addcmul(zero.T.unsqueeze(-1), w, scale.T.unsqueeze(-1), out=w)
         return w.view(r1 - r0, k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -343,14 +345,14 @@ class Q8Weight(_QuantWeight):
         """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
         n, k = self.shape
         qw = self._buffers["qweight"]
-        s = self._buffer_as("scales", torch.float32)
+        s = self._buffers["scales"]
         g = self.group_size or k
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
         step = max(1, _CHUNK_BYTES // (k * 4))
         for r in range(0, n, step):
             c = min(step, n - r)
             w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
-            w.view(c, k // g, g).mul_(s[r:r + c].view(c, -1, 1))
+            w.view(c, k // g, g).mul_(s[r:r + c].float().view(c, -1, 1))
             if x.dtype != torch.float32:
                 w = _scratch(x.dtype, c, k).copy_(w)
             y[:, r:r + c] = x @ w.T
@@ -358,7 +360,7 @@ class Q8Weight(_QuantWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        s = self._buffer_as("scales", torch.float32)
+        s = self._buffers["scales"].float()
         g = self.group_size or k
         return (self._buffers["qweight"].float().view(n, k // g, g) * s.view(n, -1, 1)).view(n, k).to(dtype)
 
@@ -366,7 +368,7 @@ class Q8Weight(_QuantWeight):
         """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
         n, k = self.shape
         g = self.group_size or k
-        s = self._buffer_as("scales", torch.float32).view(n, -1)[ids]
+        s = self._buffers["scales"].view(n, -1)[ids].float()
         return (self._buffers["qweight"][ids].float().view(len(ids), k // g, g) * s.unsqueeze(-1)).view(len(ids), k)
 
 

@@ -241,16 +241,36 @@ def auto_depth(pages: list[dict], streamed: Iterable[int], num_layers: int, tied
     return max(count.values(), default=1) + 1
 
 
+def resident_extra(page: dict, tensors: dict[str, dict], dtype: torch.dtype | None) -> int:
+    """Bytes a pinned page's weights hold besides the page: the scales the bf16 kernels need converted (kept,
+    since every decode token uses them) and, on CPUs whose int4 kernel wants another layout, the repacked q4."""
+    extra = 0
+    for name in page["tensors"]:
+        t = tensors[name]
+        if t["kind"] not in ("q4", "q8"):
+            continue
+        if dtype == torch.bfloat16:
+            scales = t["parts"]["scales_zeros" if t["kind"] == "q4" else "scales"]
+            if scales["dtype"] != "bfloat16" and (t["kind"] == "q4" or not t.get("group_size")):
+                extra += 2 * math.prod(scales["shape"])
+        if t["kind"] == "q4" and not quant.kernel_layout_is_stored_layout():
+            extra += math.prod(t["parts"]["qweight"]["shape"])  # uint8
+    return extra
+
+
 def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, budget: int | None,
          prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
-         usage: dict[tuple[int, int], float] | None = None) -> Placement:
+         usage: dict[tuple[int, int], float] | None = None, dtype: torch.dtype | None = None) -> Placement:
     """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
-    the staging the remaining pages need still fits, and give what is left to the expert cache."""
+    the staging the remaining pages need still fits, and give what is left to the expert cache. A pinned page
+    costs its bytes plus what its weights derive and keep (`resident_extra` for compute in `dtype`)."""
     ids = list(range(len(pages)))
+    extra = {i: resident_extra(p, tensors, dtype) for i, p in enumerate(pages)}
+    cost = {i: p["nbytes"] + extra[i] for i, p in enumerate(pages)}
     total = sum(p["nbytes"] for p in pages)
     costs = _Costs(pages, tensors, num_layers, tied, batch)
     minimum = reserve + costs.need(ids, 0)
-    if budget is None or budget >= reserve + total:
+    if budget is None or budget >= reserve + sum(cost.values()):
         return Placement(budget, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
     if budget < minimum:
         raise InputError(f"memory limit {fmt_bytes(budget)} is below this model's minimum working set of "
@@ -259,7 +279,7 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
                          " or lower --ctx-length / --batch-size")
     room = budget - reserve
     streamed = set(ids)
-    pinned_bytes = 0
+    pinned_bytes = pinned_cost = 0  # page bytes, and those plus what the pinned weights derive
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
         prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
     # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
@@ -268,11 +288,12 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
         prefetch_depth -= 1
 
     def try_pin(pid: int, depth: int) -> bool:
-        nonlocal pinned_bytes
+        nonlocal pinned_bytes, pinned_cost
         rest = streamed - {pid}
-        if pinned_bytes + pages[pid]["nbytes"] + costs.need(rest, depth) <= room:
+        if pinned_cost + cost[pid] + costs.need(rest, depth) <= room:
             streamed.discard(pid)
             pinned_bytes += pages[pid]["nbytes"]
+            pinned_cost += cost[pid]
             return True
         return False
 
@@ -280,30 +301,31 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     dense = [i for i in ids if pages[i]["kind"] != "expert" and i not in untied_lookup]  # rows are cheap to read
     for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
         try_pin(pid, prefetch_depth)
-    depth = prefetch_depth if pinned_bytes + costs.need(streamed, prefetch_depth) <= room else 0
+    depth = prefetch_depth if pinned_cost + costs.need(streamed, prefetch_depth) <= room else 0
     if not any(pages[i]["kind"] != "expert" and i not in costs.rows for i in streamed):
         depth = 0  # prefetch reads dense pages ahead; with none streamed its slots would sit idle
     need = costs.need(streamed, depth)
     experts = [i for i in streamed if pages[i]["kind"] == "expert"]
     learned = 0
     if experts and usage:
-        share = LEARNED_PIN_SHARE * (room - pinned_bytes - need)
+        share = LEARNED_PIN_SHARE * (room - pinned_cost - need)
         hot = sorted((i for i in experts if usage.get((pages[i]["layer"], pages[i]["expert"]), 0) > 0),
                      key=lambda i: -usage[(pages[i]["layer"], pages[i]["expert"])])
         spent = 0
         for pid in hot:  # pinning an expert never raises the staging need: checked by bytes alone
-            if spent + pages[pid]["nbytes"] > share:
+            if spent + cost[pid] > share:
                 break
             streamed.discard(pid)
             pinned_bytes += pages[pid]["nbytes"]
-            spent += pages[pid]["nbytes"]
+            pinned_cost += cost[pid]
+            spent += cost[pid]
             learned += 1
         need = costs.need(streamed, depth)
     normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i]["file"], pages[i]["offset"]))
     slots, slot_bytes = staging_slots(pages, normal, num_layers, tied, depth)
     cache_slots = 0
     if any(pages[i]["kind"] == "expert" for i in normal) and slot_bytes:
-        cache_slots = max(0, (room - pinned_bytes - need) // slot_bytes)
+        cache_slots = max(0, (room - pinned_cost - need) // slot_bytes)
     by_rows = sorted(i for i in streamed if i in costs.rows)
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
@@ -435,7 +457,7 @@ class StreamingStore:
         self.usage = ExpertUsage(ckpt.path / USAGE_FILE if usage else None, num_layers, args.num_experts,
                                  ExpertUsage.identity_of(ckpt)) if args.num_experts else None
         self.placement = plan(self.pages, self.tensors, num_layers, tied, budget, prefetch_depth, reserve, batch,
-                              self.usage.loaded if self.usage else None)
+                              self.usage.loaded if self.usage else None, dtype)
         self.prefetch_depth = self.placement.prefetch_depth
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
         self.stats = StreamStats()
