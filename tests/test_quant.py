@@ -216,3 +216,29 @@ def test_quantize_in_row_chunks_is_identical(monkeypatch, kind, group_size):
     monkeypatch.setattr(q, "QUANTIZE_CHUNK", 256 * 7)
     chunked = quantize(w, kind, group_size).buffers()
     assert all(torch.equal(whole[k], chunked[k]) for k in whole)
+
+
+@pytest.mark.parametrize("kind,group_size", [("q4", 32), ("q8", 0), ("q8", 32)])
+def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
+    """After f32 and bf16 passes of every size (kernel and dequantize paths), a weight with f32-stored scales
+    keeps at most a bf16 copy of its scales for the decode kernels, which streaming.resident_extra charges to
+    its page; no f32 copies stay behind (they cost the q4 bytes a third again, outside the budget)."""
+    from colibri.streaming import resident_extra
+    w = quantize(_randn(192, 256), kind, group_size)
+    name = "scales_zeros" if kind == "q4" else "scales"
+    bufs = w.buffers()
+    bufs[name] = bufs[name].float()  # as GGUF imports store them
+    w = type(w).from_buffers(w.shape, group_size, bufs)
+    ref = {dt: {rows: w.linear(_randn(rows, 256, seed=rows).to(dt)) for rows in (1, BF16_GEMM_MIN_ROWS)}
+           for dt in (torch.float32, torch.bfloat16)}
+    kept = sum(t.numel() * t.element_size() for v in w._cache.values() for t in (v if isinstance(v, tuple) else (v,)))
+    assert all(t.dtype == torch.bfloat16 for v in w._cache.values() for t in (v if isinstance(v, tuple) else (v,)))
+    parts = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in bufs.items()}
+    entry = {"kind": kind, "group_size": group_size, "parts": parts}
+    extra = resident_extra({"tensors": ["w"]}, {"w": entry}, torch.bfloat16)
+    assert 0 < kept <= extra if kind == "q4" or not group_size else kept == extra == 0
+    assert resident_extra({"tensors": ["w"]}, {"w": entry}, torch.float32) == \
+        (0 if kind != "q4" or kernel_layout_is_stored_layout() else bufs["qweight"].numel())
+    for dt in (torch.float32, torch.bfloat16):  # results unchanged on a second call (no stale cache)
+        for rows in (1, BF16_GEMM_MIN_ROWS):
+            assert torch.equal(w.linear(_randn(rows, 256, seed=rows).to(dt)), ref[dt][rows])
