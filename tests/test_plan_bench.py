@@ -243,3 +243,12 @@ def test_streaming_dense_runs_ask_openmp_workers_to_sleep(containers, monkeypatc
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["PASSIVE", "False"]
+
+
+def test_pipeline_model_wake_up_after_long_waits():
+    """Compute after a wait of wake_gap_s or more first spends wake_s: no prefetch, four 1 s reads, each layer
+    then computes 0.5 s (+0.25 s waking); with the gap above the waits, nothing is added."""
+    scopes = [bench.Scope([k], k + 1, compute_s=0.5) for k in range(4)]
+    slow = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=0.5)
+    fast = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=2.0)
+    assert slow["s_per_token"] == pytest.approx(4 * 1.75) and fast["s_per_token"] == pytest.approx(4 * 1.5)

@@ -61,7 +61,8 @@ PIPELINE_SHORT = "reads overlap compute only as far as the store's prefetch reac
 PIPELINE_MODEL = ("reads overlap compute only as far as the store's prefetch reaches (depth pages past each scope, "
                   "into free staging slots); routed experts and head row blocks are demand reads; the disk serves "
                   "2 MiB requests one at a time at the probed bandwidth (the rate probed under compute while compute "
-                  "runs); compute runs at the probe's measured slowdown while the disk is busy")
+                  "runs); compute runs at the probe's measured slowdown while the disk is busy, and after a wait of "
+                  "10 ms or more first spends the probe's measured wake-up time")
 
 
 # ---------------------------------------------------------------------------------------------- placement
@@ -244,6 +245,20 @@ def _timed(fn, passes: int = PROBE_PASSES, seconds: float = PROBE_SECONDS) -> fl
     return statistics.median(times)
 
 
+WAKE_GAP_S = 0.01  # an idle gap this long lets the compute threads (and, on a VM, their vCPUs) fall asleep
+
+
+def _woken(fn, gap: float = 2 * WAKE_GAP_S, passes: int = 5) -> float:
+    """Median seconds of `fn()` right after `gap` seconds of idling."""
+    times = []
+    for _ in range(passes):
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, position: int = 32,
                   background: threading.Thread | None = None, stop: threading.Event | None = None) -> dict:
     """Seconds of compute per decode token (see the module docstring), at torch's current thread count.
@@ -323,6 +338,11 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
         return sum(t[k] * n for k, (_, n) in timers.items())
 
     idle = run()
+    # the first layer after a long wait for reads runs slower: measured 1.8 ms more for a 7B-shape layer after
+    # 10 ms idle with OMP_WAIT_POLICY=PASSIVE (not after 5 ms; ~0.4 ms with the default spin after 30 ms)
+    kind = "dense" if "dense" in timers else "moe"
+    with torch.inference_mode():
+        wake = max(0.0, _woken(timers[kind][0]) - idle[kind])
     busy = None
     if background is not None:
         background.start()
@@ -335,7 +355,7 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
               for k in ("dense", "moe") if k in timers}
     out = {"s_per_token": per_token(idle), "layers": layers, "head_s": idle["head"] * vocab / rows,
            "sample_s": idle["sample"], "threads": torch.get_num_threads(), "dtype": str(dt).removeprefix("torch."),
-           "position": position, "slowdown": 1.0}
+           "position": position, "slowdown": 1.0, "wake_s": wake, "wake_gap_s": WAKE_GAP_S}
     if busy:
         out["s_per_token_while_reading"] = per_token(busy)
         out["slowdown"] = max(1.0, per_token(busy) / per_token(idle))
@@ -430,14 +450,15 @@ class _Disk:
 
 def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slots: int, depth: int,
              request: int = DEFAULT_REQUEST_SIZE, passes: int = 4, slowdown: float = 1.0,
-             busy_bandwidth: float | None = None) -> dict:
+             busy_bandwidth: float | None = None, wake_s: float = 0.0, wake_gap_s: float = WAKE_GAP_S) -> dict:
     """Seconds per decode pass when reads and compute overlap as the streaming store lets them: a scope waits
     for all its pages, then starts reading up to `depth` pages past its end into free staging slots, computes,
     releases its pages and reads ahead again; routed experts and head row blocks are demand reads issued when
     the math reaches them. The disk serves one request at a time at the probed bandwidth (`busy_bandwidth`
     while compute runs: on this VM reads slow from ~10 to ~7 GB/s under a 2-thread matmul), and compute runs
-    `slowdown` times slower while the disk is busy (both measured by the compute probe). Returns the last of
-    `passes` cyclic passes (the steady state) and the time it waited for reads."""
+    `slowdown` times slower while the disk is busy (both measured by the compute probe); compute that follows a
+    wait of `wake_gap_s` or more first spends `wake_s` waking up. Returns the last of `passes` cyclic passes
+    (the steady state) and the time it waited for reads."""
     if not bandwidth:
         t = sum(s.compute_s + s.rest_s + sum(c for _, c in s.blocks) for s in scopes)
         return {"s_per_token": t, "io_wait_s": 0.0}
@@ -445,16 +466,22 @@ def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slo
     held: dict[int, list] = {}  # order index -> its read (in flight or done), one staging slot each
     now = wait = 0.0
     n = len(sizes)
+    idle = 0.0  # waited since the last compute
 
     def ready(read) -> None:
-        nonlocal now, wait
+        nonlocal now, wait, idle
         t = disk.wait(read)
         if t > now:
             wait += t - now
+            idle += t - now
             now = t
 
     def compute(c: float) -> None:
-        nonlocal now
+        nonlocal now, idle
+        if c > 0:
+            if idle >= wake_gap_s:
+                c += wake_s
+            idle = 0.0
         now = disk.compute(now, c, slowdown)
 
     def prefetch(after: int | None) -> None:
@@ -557,8 +584,10 @@ def simulate(plan: dict, bandwidth: float | None, busy_bandwidth: float | None =
     compute runs; None: the same)."""
     scopes, sizes = pass_scopes(plan, plan["compute"])
     p = plan["_placement"]
-    return pipeline(scopes, sizes, bandwidth, p.slots - p.cache_slots, p.prefetch_depth,
-                    slowdown=plan["compute"]["slowdown"], busy_bandwidth=busy_bandwidth)
+    c = plan["compute"]
+    return pipeline(scopes, sizes, bandwidth, p.slots - p.cache_slots, p.prefetch_depth, slowdown=c["slowdown"],
+                    busy_bandwidth=busy_bandwidth, wake_s=c.get("wake_s", 0.0),
+                    wake_gap_s=c.get("wake_gap_s", WAKE_GAP_S))
 
 
 def error_pct(measured: float, predicted: float | None) -> float | None:
