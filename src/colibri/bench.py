@@ -346,11 +346,13 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     busy = None
     if background is not None:
         background.start()
-        time.sleep(0.05)  # the reader is streaming
-        busy = run()
-        if stop is not None:
-            stop.set()
-        background.join()
+        try:
+            time.sleep(0.05)  # the reader is streaming
+            busy = run()
+        finally:  # also when timing fails: the reader must not outlive it
+            if stop is not None:
+                stop.set()
+            background.join()
     layers = {k: {"s": idle[k], "attention_s": min(idle[k], idle[k + "_attention"]), "layers": timers[k][1]}
               for k in ("dense", "moe") if k in timers}
     out = {"s_per_token": per_token(idle), "layers": layers, "head_s": idle["head"] * vocab / rows,
@@ -604,14 +606,14 @@ def predict(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int
     disk: dict = {}
     busy: dict = {}
     reads = None
+    stop = threading.Event()  # ends the second probe when the timing under reads is done
     if per_token:
-        # The disk alone (what the prediction uses: an I/O-bound decode mostly waits with idle cores), then a
-        # second probe while compute is timed again: the slowdown of compute under reads, and the disk's rate
-        # under compute (measured 4-6 GB/s against 10 GB/s alone on the host-cached disk, Mixtral shape).
+        # The disk alone (its rate while compute is idle), then a second probe that runs exactly while compute is
+        # timed again: the slowdown of compute under reads, and the disk's rate under compute (5.7-7.9 GB/s
+        # against ~10 GB/s alone on the host-cached disk); the pipeline model uses both rates.
         disk.update(disk_probe(out["data_file"], io_threads, probe_seconds))
         reads = threading.Thread(target=lambda: busy.update(disk_probe(out["data_file"], io_threads, 60.0, 1,
                                                                        stop)), daemon=True)
-    stop = threading.Event()
     out["compute"] = compute_probe(path, dtype, out["reserve"]["ctx_length"], background=reads, stop=stop)
     if busy:
         disk["while_computing_bytes_per_s"] = busy["bytes_per_s"]

@@ -279,7 +279,7 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
                          " or lower --ctx-length / --batch-size")
     room = budget - reserve
     streamed = set(ids)
-    pinned_bytes = pinned_cost = 0  # page bytes, and those plus what the pinned weights derive
+    pinned_cost = 0  # pinned pages' bytes plus what their weights derive
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
         prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
     # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
@@ -288,11 +288,10 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
         prefetch_depth -= 1
 
     def try_pin(pid: int, depth: int) -> bool:
-        nonlocal pinned_bytes, pinned_cost
+        nonlocal pinned_cost
         rest = streamed - {pid}
         if pinned_cost + cost[pid] + costs.need(rest, depth) <= room:
             streamed.discard(pid)
-            pinned_bytes += pages[pid]["nbytes"]
             pinned_cost += cost[pid]
             return True
         return False
@@ -316,7 +315,6 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
             if spent + cost[pid] > share:
                 break
             streamed.discard(pid)
-            pinned_bytes += pages[pid]["nbytes"]
             pinned_cost += cost[pid]
             spent += cost[pid]
             learned += 1
@@ -329,9 +327,9 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     by_rows = sorted(i for i in streamed if i in costs.rows)
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
+    per_pass = sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
     return Placement(budget, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
-                     block, lookup, pinned_bytes, sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal),
-                     minimum, learned, depth)
+                     block, lookup, sum(pages[i]["nbytes"] for i in pinned), per_pass, minimum, learned, depth)
 
 
 # -------------------------------------------------------------------------------------------------- expert usage
