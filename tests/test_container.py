@@ -279,7 +279,8 @@ def test_killed_conversion_leaves_nothing_valid_and_resumes(tiny_model_dir, tmp_
     partial = None
     for _ in range(600):
         found = list(tmp_path.glob("c.partial-*"))
-        if found and len(json.loads((found[0] / "progress.json").read_text() or "{}").get("pages", {})) >= 4:
+        progress = found[0] / "progress.json" if found else None  # written after the directory is made
+        if progress and progress.is_file() and len(json.loads(progress.read_text() or "{}").get("pages", {})) >= 4:
             partial = found[0]
             break
         time.sleep(0.1)
