@@ -337,16 +337,25 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
 // ---- dot form: dense rows, q8 ----------------------------------------------------------------------------------
 
+// 32 weights as bf16: stored bf16, or q8 codes widened exactly (|q| <= 127 fits bf16's 8 bits).
+inline __m512bh load_w32(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
+  __m256i b = _mm256_maskz_loadu_epi8(m, p);
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // y[R][C] = x[R rows] . w[C rows] over K, 16-lane partials (32 bf16 per step), the tail masked.
-template <int R, int C>
-void dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k, float* y, int64_t ldy) {
+template <int R, int C, typename W>
+void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, float* y, int64_t ldy) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) c[r][j] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < k; k0 += 32) {
     const __mmask32 m = k - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (k - k0)) - 1);
     __m512bh wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * ldw + k0);
+    for (int j = 0; j < C; ++j) wv[j] = load_w32(w + j * ldw + k0, m);
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + k0);
       for (int j = 0; j < C; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], wv[j], xv);
@@ -374,8 +383,8 @@ void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k
     for (int j = 0; j < C; ++j) y[r * ldy + j] = hsum(c[r][j]);
 }
 
-template <typename E, int R>
-void dot_cols(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k, int64_t cols, float* y,
+template <typename E, typename W, int R>
+void dot_cols(const E* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, int64_t cols, float* y,
               int64_t ldy) {
   int64_t j = 0;
   auto run = [&](auto C) {
@@ -393,10 +402,10 @@ void dot_cols(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k, int64
 }
 
 // y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols, K] for one block of weight rows.
-template <typename E>
-void dot_block(const E* x, int64_t t, const E* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+template <typename E, typename W = E>
+void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
   for_rows(t, [&](int64_t r0, auto R) {
-    dot_cols<E, decltype(R)::value>(x + r0 * k, k, w, k, k, cols, y + r0 * ldy, ldy);
+    dot_cols<E, W, decltype(R)::value>(x + r0 * k, k, w, k, k, cols, y + r0 * ldy, ldy);
   });
 }
 
@@ -462,28 +471,47 @@ void q8_dequant_rows(const int8_t* qw, const void* sc, at::ScalarType st, int64_
   }
 }
 
+// bf16 x, one scale per channel: y = scale * (x . q) over the exact codes (straight from the int8 rows for
+// passes of at most kRows rows, else widened once per block into a buffer: the same values in the same order).
+// Grouped scales (and f32 x): x . (q * scale), the weights dequantized per block (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_linear: x must be f32/bf16");
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   const int64_t g = group_size ? group_size : k;
   TORCH_CHECK(qweight.size(1) == k && k % g == 0);
-  const bool bf = x.scalar_type() == at::kBFloat16;
+  const bool bf = x.scalar_type() == at::kBFloat16, codes = bf && g == k;
   at::Tensor y = at::empty({t, n}, x.options());
   const int64_t nb = std::max<int64_t>(kCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kCols * kCols));
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();
+  const at::ScalarType st = scales.scalar_type();
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * nb);
     std::vector<float> wbuf(nb * k);
+    uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf.data());
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      q8_dequant_rows(qw, sc, scales.scalar_type(), k, g, n0, cols, bf, wbuf.data());
-      if (bf) {
-        dot_block<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t,
-                            reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
+      if (codes) {
+        if (t <= kRows) {
+          dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
+        } else {
+          for (int64_t j = 0; j < cols; ++j)
+            for (int64_t k0 = 0; k0 < k; k0 += 32) {
+              const __mmask32 m = k - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (k - k0)) - 1);
+              _mm512_mask_storeu_epi16(wb + j * k + k0, m, (__m512i)load_w32(qw + (n0 + j) * k + k0, m));
+            }
+          dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
+        }
+        for (int64_t j = 0; j < cols; ++j) {
+          const float s = load1(sc, n0 + j, st);
+          for (int64_t r = 0; r < t; ++r) acc[r * nb + j] *= s;
+        }
       } else {
-        dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
+        q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf, wbuf.data());
+        if (bf) dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
+        else dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
       }
       store_rows(acc.data(), nb, t, cols, y, n0);
     }
