@@ -224,17 +224,23 @@ void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float*
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kTile + 16 * j, c[r][j]);
 }
 
+// Rows in ceil(t / kRows) blocks of balanced sizes (t = 8: 4 + 4, not 6 + 2): a block's row count only sets
+// how many accumulators share each weight load, never the arithmetic of a row.
 template <typename F>
-void for_rows(int64_t t, F&& f) {  // row blocks of kRows, then one block of the remainder
+void for_rows(int64_t t, F&& f) {
+  const int64_t blocks = (t + kRows - 1) / kRows;
   int64_t r0 = 0;
-  for (; r0 + kRows <= t; r0 += kRows) f(r0, std::integral_constant<int, kRows>{});
-  switch (t - r0) {
-    case 1: f(r0, std::integral_constant<int, 1>{}); break;
-    case 2: f(r0, std::integral_constant<int, 2>{}); break;
-    case 3: f(r0, std::integral_constant<int, 3>{}); break;
-    case 4: f(r0, std::integral_constant<int, 4>{}); break;
-    case 5: f(r0, std::integral_constant<int, 5>{}); break;
-    default: break;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t n = t / blocks + (i < t % blocks ? 1 : 0);
+    switch (n) {
+      case 1: f(r0, std::integral_constant<int, 1>{}); break;
+      case 2: f(r0, std::integral_constant<int, 2>{}); break;
+      case 3: f(r0, std::integral_constant<int, 3>{}); break;
+      case 4: f(r0, std::integral_constant<int, 4>{}); break;
+      case 5: f(r0, std::integral_constant<int, 5>{}); break;
+      default: f(r0, std::integral_constant<int, kRows>{}); break;
+    }
+    r0 += n;
   }
 }
 
