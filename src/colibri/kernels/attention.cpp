@@ -42,6 +42,25 @@ inline __m512 load_row(const void* base, bool bf, int64_t i, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// r[i] = sum of the 16 lanes of v[i], i < 16: a fixed shuffle-and-add tree (a key's score depends on its slot
+// in its 16-key block, which is fixed by the query's own position: blocks start at its first visible key).
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z[4m + e] holds the sum of v[m + 4e]
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, z);
+}
+
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 
 struct View {  // a [heads, rows, Dh] tensor with a contiguous last dimension
@@ -87,16 +106,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t n = hi - lo + 1;
       scores.resize(n + 16);
       for (int64_t c = 0; c < chunks; ++c) qr[c] = load_row(qv.row(h, t), qb, 16 * c, tail_mask(D - 16 * c));
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const void* kr = kv.row(hk, lo + j);
-        __m512 d = _mm512_mul_ps(qr[0], load_row(kr, kb, 0, tail_mask(D)));
-        for (int64_t c = 1; c < chunks; ++c) d = _mm512_fmadd_ps(qr[c], load_row(kr, kb, 16 * c, tail_mask(D - 16 * c)), d);
-        float s = _mm512_reduce_add_ps(d) * sc;
-        if (cap > 0) s = std::tanh(s / cap) * cap;
-        scores[j] = s;
-        m = std::max(m, s);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t jb = 0; jb < n; jb += 16) {  // 16 keys at a time
+        const int64_t nb = std::min<int64_t>(16, n - jb);
+        __m512 d[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          if (i >= nb) {
+            d[i] = _mm512_setzero_ps();
+            continue;
+          }
+          const void* kr = kv.row(hk, lo + jb + i);
+          d[i] = _mm512_mul_ps(qr[0], load_row(kr, kb, 0, tail_mask(D)));
+          for (int64_t c = 1; c < chunks; ++c)
+            d[i] = _mm512_fmadd_ps(qr[c], load_row(kr, kb, 16 * c, tail_mask(D - 16 * c)), d[i]);
+        }
+        __m512 sv = _mm512_mul_ps(reduce16(d), _mm512_set1_ps(sc));
+        if (cap > 0) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, sv);
+          for (int i = 0; i < 16; ++i) tmp[i] = std::tanh(tmp[i] / cap) * cap;
+          sv = _mm512_load_ps(tmp);
+        }
+        const __mmask16 mk = tail_mask(nb);
+        _mm512_mask_storeu_ps(scores.data() + jb, mk, sv);
+        mx = _mm512_mask_max_ps(mx, mk, mx, sv);
       }
+      const float m = _mm512_reduce_max_ps(mx);
       const __m512 mv = _mm512_set1_ps(m);
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 mk = tail_mask(n - j);

@@ -352,14 +352,14 @@ inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// y[R][C] = x[R rows] . w[C rows] over K, 16-lane partials (32 bf16 per step), the tail masked.
+// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn (32 bf16 per step), the tail masked.
 template <int R, int C, typename W>
-void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, float* y, int64_t ldy) {
+void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) c[r][j] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < k; k0 += 32) {
-    const __mmask32 m = k - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (k - k0)) - 1);
+    for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
+  for (int64_t k0 = 0; k0 < kn; k0 += 32) {
+    const __mmask32 m = kn - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (kn - k0)) - 1);
     __m512bh wv[C];
     for (int j = 0; j < C; ++j) wv[j] = load_w32(w + j * ldw + k0, m);
     for (int r = 0; r < R; ++r) {
@@ -368,16 +368,16 @@ void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t k
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) y[r * ldy + j] = hsum(c[r][j]);
+    for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
 }
 
 template <int R, int C>
-void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* y, int64_t ldy) {
+void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) c[r][j] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < k; k0 += 16) {
-    const __mmask16 m = k - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - k0)) - 1);
+    for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
+  for (int64_t k0 = 0; k0 < kn; k0 += 16) {
+    const __mmask16 m = kn - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (kn - k0)) - 1);
     __m512 wv[C];
     for (int j = 0; j < C; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k0);
     for (int r = 0; r < R; ++r) {
@@ -386,32 +386,42 @@ void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) y[r * ldy + j] = hsum(c[r][j]);
+    for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
 }
 
-template <typename E, typename W, int R>
-void dot_cols(const E* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, int64_t cols, float* y,
-              int64_t ldy) {
-  int64_t j = 0;
-  auto run = [&](auto C) {
-    constexpr int c = decltype(C)::value;
-    if constexpr (std::is_same_v<E, uint16_t>) dot_bf16<R, c>(x, ldx, w + j * ldw, ldw, k, y + j, ldy);
-    else dot_f32<R, c>(x, ldx, w + j * ldw, ldw, k, y + j, ldy);
-  };
-  for (; j + kCols <= cols; j += kCols) run(std::integral_constant<int, kCols>{});
-  switch (cols - j) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    default: break;
-  }
-}
+constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in L1 (6 x 2-4 KiB)
 
-// y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols, K] for one block of weight rows.
+// y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols, K] for one block of at most 64 weight rows: register
+// blocks of R rows x C weight rows walk K in chunks, their lane partials kept in `acc` between chunks (the same
+// accumulation as one pass over K), then reduced by the fixed shuffle tree of _mm512_reduce_add_ps.
 template <typename E, typename W = E>
 void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+  alignas(64) __m512 acc[16][kRows * kCols];
   for_rows(t, [&](int64_t r0, auto R) {
-    dot_cols<E, W, decltype(R)::value>(x + r0 * k, k, w, k, k, cols, y + r0 * ldy, ldy);
+    constexpr int rr = decltype(R)::value;
+    for (int64_t k0 = 0; k0 < k; k0 += kDotChunk) {
+      const int64_t kn = std::min(kDotChunk, k - k0);
+      for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
+        auto run = [&](auto C) {
+          constexpr int c = decltype(C)::value;
+          if constexpr (std::is_same_v<E, uint16_t>)
+            dot_bf16<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+          else
+            dot_f32<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+        };
+        switch (std::min<int64_t>(kCols, cols - j)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, kCols>{}); break;
+        }
+      }
+    }
+    for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
+      const int64_t c = std::min<int64_t>(kCols, cols - j);
+      for (int r = 0; r < rr; ++r)
+        for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = hsum(acc[gi][r * c + i]);
+    }
   });
 }
 
