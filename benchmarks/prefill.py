@@ -1,0 +1,61 @@
+"""Prefill and decode speed with all weights in RAM: one long prompt in a single pass, then greedy decode steps.
+
+    python benchmarks/prefill.py --model PATH [--prompt-tokens 500] [--decode-tokens 32] [--threads 2] [--repeat 2]
+    python benchmarks/prefill.py --model PATH --threads 1 --cpu-time   # thread CPU time: robust on a shared machine
+
+The prompt is token ids cycled from a fixed text's encoding, so every run (and every code version: the script
+uses only `colibri.load`, `new_cache`, `prefill`, `decode_step`) sees the same tokens. Prints one JSON line
+with the best prefill and decode tok/s over --repeat runs, and the greedy tokens (to compare versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+TEXT = ("def quicksort(items):\n    if len(items) <= 1:\n        return items\n    pivot = items[len(items) // 2]\n"
+        "    left = [x for x in items if x < pivot]\n    return quicksort(left) + [pivot] + quicksort(right)\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt-tokens", type=int, default=500)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock (needs --threads 1)")
+    args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    import torch
+
+    import colibri
+
+    torch.set_num_threads(args.threads)
+    m = colibri.load(args.model, threads=args.threads)
+    base = m.tokenizer.encode(TEXT)
+    ids = (base * (args.prompt_tokens // len(base) + 1))[:args.prompt_tokens]
+    best_pre, best_dec, tokens = 0.0, 0.0, []
+    for _ in range(args.repeat):
+        cache = m.new_cache()
+        t0 = clock()
+        logits = m.prefill(ids, cache)
+        pre = len(ids) / (clock() - t0)
+        tokens = [int(logits.argmax())]
+        t0 = clock()
+        for _ in range(args.decode_tokens - 1):
+            tokens.append(int(m.decode_step(tokens[-1], cache).argmax()))
+        dec = (args.decode_tokens - 1) / (clock() - t0)
+        cache.release()
+        best_pre, best_dec = max(best_pre, pre), max(best_dec, dec)
+    print(json.dumps({"model": args.model, "threads": args.threads, "clock": "thread CPU" if args.cpu_time else "wall",
+                      "prompt_tokens": len(ids),
+                      "pass_tokens": m.pass_tokens, "prefill_tok_s": round(best_pre, 2),
+                      "decode_tok_s": round(best_dec, 2), "tokens": tokens}))
+
+
+if __name__ == "__main__":
+    main()
