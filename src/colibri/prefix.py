@@ -117,7 +117,8 @@ class KVSpace:
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows)
+        # RAM grows from one block: many short sequences share the pool
+        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows, initial=self.layout.block)
         self._caches.add(cache)
         return cache
 

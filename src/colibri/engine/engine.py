@@ -110,36 +110,54 @@ class Engine:
                 except ColibriError as e:
                     self._fail(req, e)
                     continue
-                ids = req.ids[cache.length:cache.length + n]
-                parts.append((ids, cache.length, cache, False))
-                served.append((req, ids))
+                ids = (req.ids[cache.length:] + req.draft)[:n]
+                # logits for the last pending row and each draft once the pending tokens are all in; a chunk in
+                # the middle of a prompt still computes its last row (the head's reads stay those of any pass)
+                rows = n - req.pending + 1 if n >= req.pending else 0
+                parts.append((ids, cache.length, cache, n - max(rows, 1)))
+                served.append((req, ids, rows))
+                req.draft = []
             if not served:
                 return []
             try:
-                logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]: one row each
+                logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests; each caller sees it
-                for req, _ in served:
+                for req, _, _ in served:
                     self._fail(req, e)
                 return []
             self.steps += 1
             io1, kv1 = self._io(), self.space.counters()
-            out = []
-            for row, (req, ids) in enumerate(served):
+            out, row = [], 0
+            for req, ids, rows in served:
                 req.cache.advance(len(ids), ids)
                 m = req.metrics
                 if io0 is not None:
                     m.add_io(io0, io1, 1 / len(served))
                 m.add_kv(kv0, kv1, 1 / len(served))
-                if req.pending:
-                    continue  # the prompt's next chunk comes in a later step
-                if not m.prefill_s:
-                    m.prefill_s = time.perf_counter() - m._t0
-                req.accept(req.sampler(logits[row], req.ids), self.eos_ids, self.context)
-                out.append(req)
+                if rows:
+                    if not m.prefill_s:
+                        m.prefill_s = time.perf_counter() - m._t0
+                    self._sample(req, logits[row:row + rows], ids[len(ids) - rows + 1:])
+                    out.append(req)
+                row += max(rows, 1)
                 if req.finished:
                     self.running.remove(req)
                     self._release(req)
             return out
+
+    def _sample(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> None:
+        """Sample from logits [1 + len(drafts), V] in order: each draft stands while the token sampled at its
+        row equals it (for a deterministic draft this is exactly the standard acceptance rule, so outputs keep
+        the model's distribution); the KV of rejected drafts is dropped."""
+        for j in range(len(drafts) + 1):
+            token = req.sampler(logits[j], req.ids)
+            req.accept(token, self.eos_ids, self.context)
+            if req.finished or j == len(drafts) or token != drafts[j]:
+                break
+            req.accepted += 1
+        req.drafted += len(drafts)
+        if not req.finished and req.cache.length > len(req.ids) - 1:
+            req.cache.truncate(len(req.ids) - 1)
 
     def _io(self) -> dict | None:
         counters = getattr(self.store, "counters", None)  # streaming store; absent when all is in RAM
@@ -186,9 +204,16 @@ class Engine:
             decoding = [r for r in self.running if r.pending == 1]
             prefilling = [r for r in self.running if r.pending > 1]
             for req in decoding + prefilling:
-                n = min(req.pending, budget, req.cache.max_pass)
+                room = min(budget, req.cache.max_pass)
+                n = min(req.pending, room)
                 if n <= 0:
                     break
+                if req.draft:  # drafts ride along only whole, after all pending tokens, within the context
+                    if n + len(req.draft) <= room and len(req.ids) + len(req.draft) < self.context \
+                            and n == req.pending:
+                        n += len(req.draft)
+                    else:
+                        req.draft = []
                 plan.append((req, n))
                 budget -= n
             if self.pool_bytes is None or len(self.running) <= 1:
@@ -241,7 +266,7 @@ class Engine:
                 part = ids[s:s + step]
                 with self.lock:
                     cache.reserve(len(part))
-                    logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, True)]))
+                    logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
                     cache.advance(len(part), part)
                 yield logits.float()
         finally:

@@ -52,6 +52,9 @@ class Request:
         self.cache: "KVCache | None" = None
         self.sampler = Sampler(params)
         self.admitted_at = 0  # the step it was admitted (preemption picks the newest)
+        # speculation: tokens a drafter proposes to follow `ids`; the next step verifies them in its pass
+        self.draft: list[int] = []
+        self.drafted = self.accepted = 0
         self._chunks: deque[StreamChunk] = deque()
         self._decoder = StreamDecoder(tokenizer) if tokenizer else None  # None: ids only, no text
         self._stops = [s for s in (params.stop or []) if s]

@@ -268,17 +268,17 @@ class Batch:
     logit_rows: torch.Tensor
 
     @classmethod
-    def pack(cls, parts: list[tuple[list[int], int, SequenceKV, bool]]) -> "Batch":
-        """From (token ids, first position, KV, all_logits) per sequence: with all_logits every row of the
-        sequence gets logits, else only its last."""
+    def pack(cls, parts: list[tuple[list[int], int, SequenceKV, int]]) -> "Batch":
+        """From (token ids, first position, KV, logits_from) per sequence: rows logits_from.. of the sequence's
+        tokens get logits (0: every row; len(ids) - 1: its last only)."""
         tokens, positions, spans, kvs, rows = [], [], [], [], []
-        for ids, start, kv, all_logits in parts:
+        for ids, start, kv, logits_from in parts:
             s = len(tokens)
             tokens.extend(ids)
             positions.extend(range(start, start + len(ids)))
             spans.append((s, len(tokens)))
             kvs.append(kv)
-            rows.extend(range(s, len(tokens)) if all_logits else [len(tokens) - 1])
+            rows.extend(range(s + logits_from, len(tokens)))
         as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
         return cls(as_long(tokens), as_long(positions), spans, kvs, as_long(rows))
 
