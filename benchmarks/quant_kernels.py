@@ -1,11 +1,19 @@
-"""Time per `linear` call for dense and quantized weights, and the one-time q4 repack cost.
+"""Time per `linear` call by pass size (rows T): the native batch-invariant kernels against torch's, and the
+one-time q4 repack cost.
 
-    python benchmarks/quant_kernels.py [--threads 2] [--repeat 15] [--shapes 4096x4096 576x1536]
+    python benchmarks/quant_kernels.py [--threads 2] [--repeat 9] [--shape 4096x4096] [--rows 1 2 4 ... 512]
+    python benchmarks/quant_kernels.py --threads 1 --cpu-time     # thread CPU time: robust on a shared machine
+    python benchmarks/quant_kernels.py --repack                    # the q4 layout's repack cost at load
 
-Shapes are out x in (N x K). Each configuration cycles through enough copies of the weight to exceed the L3 cache
-(so weights stream from RAM, as they do in the engine) and reports the best of --repeat timings, in ms.
-Columns: f32 = f32 weights and x; bf16 = bf16 weights and x; q4/q8 = bf16 x (torch's int4/int8 kernels below
-colibri.quant.BF16_GEMM_MIN_ROWS rows, dequantize + bf16 GEMM from there); "f32 x" = the exact f32 path.
+Weights are N x K (out x in). Each call sees a different copy of the weight, enough copies to exceed the L3
+cache at small T (so weights stream from RAM, as they do in the engine); the best of --repeat rounds is kept.
+Columns, ms per call, bf16 x throughout:
+  q4 int4mm   torch's `_weight_int4pack_mm_for_cpu` (g64) at every T: the torch fallback (COLIBRI_KERNELS=torch)
+  q4 old      the previous default: int4mm below 128 rows, dequantize tiles + bf16 GEMM from 128 (not invariant)
+  q4 new      colibri.kernels' native q4 kernel (the default)
+  q8 int8mm   torch's `_weight_int8pack_mm` (per channel); q8 new: the native kernel
+  bf16 torch  F.linear on a dense bf16 weight (oneDNN; not row-invariant); bf16 new: the native dense kernel
+  x1 = q4 new at T / q4 new at T = 1;  /bf16 = q4 new / bf16 torch.
 """
 
 from __future__ import annotations
@@ -16,35 +24,78 @@ import time
 import torch
 import torch.nn.functional as F
 
+from colibri import kernels
 from colibri.quant import _pack_q4, _unpack_q4, kernel_layout_is_stored_layout, quantize, repack_for_kernel
 
-SHAPES = ["4096x4096", "11008x4096", "4096x11008", "576x1536"]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ROTATE_BYTES = 96 << 20  # > 32 MiB L3 of the target machines
+OLD_GEMM_MIN_ROWS = 128  # the previous route's switch to dequantize + GEMM
 
 
-def best_ms(fn, repeat: int) -> float:
+def best_ms(fn, repeat: int, cpu: bool) -> float:
+    clock = time.thread_time if cpu else time.perf_counter
     fn()
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best * 1e3
 
 
-def time_linear(make, nbytes: int, x: torch.Tensor, repeat: int) -> float:
-    """Best time of one `linear(x, w)` call, cycling over copies of w so the set does not fit in cache."""
-    copies = [make() for _ in range(max(1, min(256, -(-ROTATE_BYTES // nbytes))))]
-    i = 0
+def time_calls(make, nbytes: int, rows: int, call, repeat: int, cpu: bool) -> float:
+    """Best per-call time of `call(w)`, cycling over copies of w so the set does not fit in cache (fewer copies
+    at large T, where the arithmetic dominates and a round of calls would take seconds)."""
+    n = max(1, min(-(-ROTATE_BYTES // nbytes), 256 // rows))
+    copies = [make() for _ in range(n)]
+    return best_ms(lambda: [call(w) for w in copies], repeat, cpu) / n
 
-    def call():
-        nonlocal i
-        w = copies[i % len(copies)]
-        i += 1
-        return F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
 
-    # each timed call sees a different copy: time len(copies) calls, keep the best per-call average
-    return best_ms(lambda: [call() for _ in copies], repeat) / len(copies)
+def clone_q(q):
+    return lambda: type(q).from_buffers(q.shape, q.group_size, {k: v.clone() for k, v in q.buffers().items()})
+
+
+def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool) -> None:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    wb = w.bfloat16()
+    q4, q8 = quantize(w, "q4", 64), quantize(w, "q8", 0)
+    nat = kernels.ops()
+
+    def q4_int4mm(q, x):
+        b = q.buffers()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q._packed, 64, b["scales_zeros"])
+
+    def q4_old(q, x):
+        return q4_int4mm(q, x) if x.shape[0] < OLD_GEMM_MIN_ROWS else q._dequant_matmul(x)
+
+    def q4_new(q, x):
+        b = q.buffers()
+        return nat.q4_linear(x, b["qweight"], b["scales_zeros"], 64)
+
+    def q8_int8mm(q, x):
+        b = q.buffers()
+        return torch.ops.aten._weight_int8pack_mm(x, b["qweight"], b["scales"])
+
+    def q8_new(q, x):
+        b = q.buffers()
+        return nat.q8_linear(x, b["qweight"], b["scales"], 0)
+
+    cols = {"q4 int4mm": (q4, q4_int4mm), "q4 old": (q4, q4_old), "q4 new": (q4, q4_new),
+            "q8 int8mm": (q8, q8_int8mm), "q8 new": (q8, q8_new),
+            "bf16 torch": (wb, lambda w_, x: F.linear(x, w_)), "bf16 new": (wb, lambda w_, x: nat.dense_linear(x, w_))}
+    print(f"\n{n} x {k}, ms per call ({'thread CPU time' if cpu else 'wall'}, best of {repeat})")
+    print(f"{'T':>4} " + " ".join(f"{c:>10}" for c in cols) + f" {'x1':>6} {'/bf16':>6}")
+    t1 = None
+    for t in rows:
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).bfloat16()
+        row = {}
+        for name, (wt, fn) in cols.items():
+            make = wt.clone if isinstance(wt, torch.Tensor) else clone_q(wt)
+            nbytes = wt.nbytes if isinstance(wt, torch.Tensor) else wt.nbytes
+            row[name] = time_calls(make, nbytes, t, lambda w_: fn(w_, x), repeat, cpu)
+        t1 = t1 or row["q4 new"]
+        print(f"{t:>4} " + " ".join(f"{row[c]:>10.3f}" for c in cols)
+              + f" {row['q4 new'] / t1:>6.2f} {row['q4 new'] / row['bf16 torch']:>6.2f}", flush=True)
 
 
 def plain_to_tiled(p: torch.Tensor) -> torch.Tensor:
@@ -52,60 +103,42 @@ def plain_to_tiled(p: torch.Tensor) -> torch.Tensor:
     return _pack_q4(torch.stack([p & 0x0F, p >> 4], dim=-1).view(p.shape[0], -1))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--shapes", nargs="+", default=SHAPES)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{args.threads} threads, stored q4 layout is the kernel's: {kernel_layout_is_stored_layout()}")
-
-    cols = ["f32", "bf16", "q4g32", "q4g64", "q4g128", "q8", "q8g32", "q4g32 f32x", "q8 f32x"]
-    print(f"\nms per linear call (best of {args.repeat})")
-    print(f"{'N x K':>11} {'T':>3} " + " ".join(f"{c:>10}" for c in cols))
-    repack_rows = []
-    for spec in args.shapes:
-        n, k = (int(v) for v in spec.split("x"))
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
-        wb = w.bfloat16()
-        quant = {"q4g32": quantize(w, "q4", 32), "q4g64": quantize(w, "q4", 64),
-                 "q4g128": quantize(w, "q4", 128), "q8": quantize(w, "q8", 0), "q8g32": quantize(w, "q8", 32)}
-
-        def clone_q(q):
-            return lambda: type(q).from_buffers(q.shape, q.group_size, {k_: v.clone() for k_, v in q.buffers().items()})
-
-        for t in (1, 64, 256):
-            x = torch.randn(t, k)
-            xb = x.bfloat16()
-            row = {
-                "f32": time_linear(w.clone, w.nbytes, x, args.repeat),
-                "bf16": time_linear(wb.clone, wb.nbytes, xb, args.repeat),
-                **{name: time_linear(clone_q(q), q.nbytes, xb, args.repeat) for name, q in quant.items()},
-                "q4g32 f32x": time_linear(clone_q(quant["q4g32"]), quant["q4g32"].nbytes, x, args.repeat),
-                "q8 f32x": time_linear(clone_q(quant["q8"]), quant["q8"].nbytes, x, args.repeat),
-            }
-            print(f"{spec:>11} {t:>3} " + " ".join(f"{row[c]:>10.3f}" for c in cols), flush=True)
-
-        # Repack: what a non-AVX-512 machine pays at load (stored bytes -> its kernel layout via torch's packer;
-        # on this machine that is a no-op, so time the same work explicitly), and what storing plain row-major
-        # nibbles would cost on every machine (uint8 [N, K] -> tiled bytes).
-        qw = quant["q4g64"].buffers()["qweight"]
-        mb = qw.nbytes / 1e6
-        generic = best_ms(lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            _unpack_q4(qw).to(torch.int32) + 8, 1), max(3, args.repeat // 3))
-        here = best_ms(lambda: repack_for_kernel(qw), args.repeat)
-        plain_bytes = qw.clone()  # stands in for row-major [N, K/2] bytes, two nibbles per byte along K
-        plain = best_ms(lambda: plain_to_tiled(plain_bytes), max(3, args.repeat // 3))
-        repack_rows.append((spec, mb, here, generic, plain))
-
+def repack_table(shapes: list[str], repeat: int) -> None:
+    """What a machine whose torch packs int4 differently pays at load (the torch fallback's int4 kernel wants its
+    own layout there), and what storing plain row-major nibbles would cost on every machine."""
     print("\nq4 repack at load (qweight bytes; GB/s = qweight bytes / time)")
     print(f"{'N x K':>11} {'MB':>7} {'this machine ms':>16} {'other-ISA ms':>13} {'GB/s':>6} "
           f"{'plain->tiled ms':>16} {'GB/s':>6}")
-    for spec, mb, here, generic, plain in repack_rows:
+    for spec in shapes:
+        n, k = (int(v) for v in spec.split("x"))
+        qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), "q4", 64).buffers()["qweight"]
+        mb = qw.nbytes / 1e6
+        generic = best_ms(lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            _unpack_q4(qw).to(torch.int32) + 8, 1), max(3, repeat // 3), False)
+        here = best_ms(lambda: repack_for_kernel(qw), repeat, False)
+        plain = best_ms(lambda: plain_to_tiled(qw.clone()), max(3, repeat // 3), False)
         print(f"{spec:>11} {mb:>7.1f} {here:>16.4f} {generic:>13.1f} {mb / generic:>6.2f} "
               f"{plain:>16.1f} {mb / plain:>6.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--shape", default="4096x4096")
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    ap.add_argument("--cpu-time", action="store_true", help="thread CPU time (use with --threads 1)")
+    ap.add_argument("--repack", action="store_true", help="also time the q4 repack for these shapes")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernels.native():
+        raise SystemExit("the native kernels are unavailable here (see the notice above)")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.threads} threads, stored q4 layout is torch's: {kernel_layout_is_stored_layout()}")
+    n, k = (int(v) for v in args.shape.split("x"))
+    kernel_table(n, k, args.rows, args.repeat, args.cpu_time)
+    if args.repack:
+        repack_table([args.shape, "576x1536"], args.repeat)
 
 
 if __name__ == "__main__":

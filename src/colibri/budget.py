@@ -203,7 +203,7 @@ def warm_up(dtype: torch.dtype) -> None:
     F.linear(x, torch.ones(64, 64, dtype=dtype))
     from colibri.models.base import attend
     q = torch.ones(2, 2, 16, dtype=dtype)
-    attend(q, q, q, torch.ones(2, 2, dtype=torch.bool), 0.25, None)
+    attend(q, q, q, torch.arange(2), None, 0.25, None)
     torch.softmax(x.float(), dim=-1)
 
 

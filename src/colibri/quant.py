@@ -17,12 +17,15 @@ q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0
 q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
 
-Compute (choices measured by benchmarks/quant_kernels.py):
-  bf16 x, fewer than BF16_GEMM_MIN_ROWS rows: torch's int4 / int8 weight-only kernels (scales rounded to bf16,
-    f32 accumulation, output rounded once to bf16). Grouped q8 has no kernel and takes the next route.
-  otherwise: a few MiB of rows at a time are dequantized in f32 (exactly the `dequantize()` values), rounded to
-    x's dtype and multiplied with a GEMM. f32 x thus stays exact; torch's f32 variants of the kernels are
-    scalar code, slower than this at every row count.
+Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
+never depends on the other rows in the pass.
+  native (colibri.kernels, AVX-512): q4 with bf16 x: per group, x . (q - 8) by bf16 dot products of the exact
+    codes, then scale * that + zero * sum(x) in f32, output rounded once to bf16; q8 with bf16 x: weights
+    q * scale rounded to bf16, f32 accumulation. f32 x: the `dequantize()` weights exactly, f32 accumulation.
+  torch fallback (COLIBRI_KERNELS=torch, or no AVX-512): bf16 x: torch's int4 / int8 weight-only kernels at
+    every row count (their rows do not interact); grouped q8 and f32 x: a few MiB of rows at a time are
+    dequantized in f32 (exactly the `dequantize()` values), rounded to x's dtype and multiplied with a GEMM run
+    on fixed 16-row blocks (`kernels.blocked`).
 """
 
 from __future__ import annotations
@@ -34,14 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from colibri import kernels
+
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
 SCRATCH_BYTES = _CHUNK_BYTES * 3 // 2  # what _scratch keeps: the f32 step and its bf16 copy (budget.reserve)
-# bf16 x with at least this many rows dequantizes to bf16 and runs a bf16 GEMM: measured 1.7-2x faster than the
-# weight-only kernels at 256-512 rows, slower below ~100. Fewer rows (decode, speculative verification) keep the
-# kernels, whose results do not depend on the row count.
-BF16_GEMM_MIN_ROWS = 128
 _local = threading.local()
 
 
@@ -261,10 +262,13 @@ class Q4Weight(_QuantWeight):
         self._packed = repack_for_kernel(self._buffers["qweight"])
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.shape[0] < BF16_GEMM_MIN_ROWS:
+        if kernels.native():
+            b = self._buffers
+            return kernels.ops().q4_linear(x, b["qweight"], b["scales_zeros"], self.group_size)
+        if x.dtype == torch.bfloat16:
             sz = self._buffer_as("scales_zeros", torch.bfloat16)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, sz)
-        return self._dequant_matmul(x)
+        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         sz = self._buffers["scales_zeros"][:, r0:r1].float()
@@ -336,10 +340,12 @@ class Q8Weight(_QuantWeight):
     """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group_size == 0 and x.dtype == torch.bfloat16 and x.shape[0] < BF16_GEMM_MIN_ROWS:
+        if kernels.native():
+            return kernels.ops().q8_linear(x, self._buffers["qweight"], self._buffers["scales"], self.group_size)
+        if self.group_size == 0 and x.dtype == torch.bfloat16:
             s = self._buffer_as("scales", torch.bfloat16)
             return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)
-        return self._dequant_matmul(x)
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri.errors import UnsupportedModelError
+from colibri import ops
 from colibri.ops import linear
 
 if TYPE_CHECKING:
@@ -132,12 +133,17 @@ def base_args(cfg: dict, **overrides: Any) -> ModelArgs:
 
 # ---------------------------------------------------------------------------------------------- building blocks
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# through ops.pointwise: an element's activation must not depend on the size of the pass (batch invariance)
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": lambda x: ops.pointwise(F.silu, x),
+    "swish": lambda x: ops.pointwise(F.silu, x),
+    "gelu": lambda x: ops.pointwise(F.gelu, x),
+    "gelu_pytorch_tanh": lambda x: ops.pointwise(_gelu_tanh, x),
+    "gelu_new": lambda x: ops.pointwise(_gelu_tanh, x),
 }
 
 
@@ -151,7 +157,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) 
     """RMSNorm in f32. Llama casts back before scaling by w; gemma scales by (1 + w) in f32, then casts."""
     dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * ops.pointwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + eps)
     if gemma:
         return (h * (1.0 + w.float())).to(dtype)
     return w * h.to(dtype)
@@ -211,35 +217,11 @@ def attention_chunk(heads: int, keys: int) -> int:
     return max(1, ATTN_SCORES_BYTES // (heads * keys * 8))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           softcap: float | None) -> torch.Tensor:
-    """Attention, q: [H, T, Dh], k/v: [Hkv, S, Dh], mask [T, S] (True: visible) -> [H, T, Dh] in q's dtype.
-
-    Two matmuls per chunk of queries, in f32: the query heads of a group share their K/V (no repeated copies),
-    scores are scaled, soft-capped (Gemma-2), masked and softmaxed in f32, and the weighted sum is f32 before the
-    final cast. The same math runs for every pass size and placement. Measured against torch's
-    scaled_dot_product_attention with repeated K/V and a boolean mask (the previous path), 2 threads: one bf16
-    decode query over 2,048 keys (12 heads, 2 KV heads, head dim 128) 0.2 ms against 1.0 ms, over 8,192 keys
-    0.65 against 9.6; a 512-query prefill chunk over 2,048 keys 42 against 54 ms; results within 1e-3 (bf16)
-    and 1e-6 (f32) of it. torch's kernel also made f32 copies of the repeated K and V (budget.activation_bytes)."""
-    H, T, Dh = q.shape
-    Hkv, S = k.shape[0], k.shape[1]
-    G = H // Hkv
-    kt = k.float().transpose(1, 2)  # [Hkv, Dh, S]; a view when the cache is f32
-    vf = v.float()
-    qg = q.float().view(Hkv, G, T, Dh)  # head h = j * G + g uses KV head j
-    out = torch.empty(Hkv, G, T, Dh)
-    step = attention_chunk(H, S)
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        n = b - a
-        scores = torch.matmul(qg[:, :, a:b].reshape(Hkv, G * n, Dh), kt).mul_(scale)  # [Hkv, G*n, S]
-        if softcap is not None:
-            scores = scores.div_(softcap).tanh_().mul_(softcap)
-        scores = scores.view(Hkv, G, n, S).masked_fill_(~mask[a:b], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:, :, a:b] = torch.matmul(probs.view(Hkv, G * n, S), vf).view(Hkv, G, n, Dh)
-    return out.view(H, T, Dh).to(q.dtype)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
+           scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention, q: [H, T, Dh] at `positions` [T], k/v: [Hkv, S, Dh] (key j at position j) -> [H, T, Dh] in q's
+    dtype; a query at p sees keys p - window < j <= p. Batch-invariant: see `colibri.ops.attend`."""
+    return ops.attend(q, k, v, positions, window, scale, softcap)
 
 
 # ---------------------------------------------------------------------------------------------- a pass's input
@@ -428,8 +410,7 @@ class DecoderModel:
         o = torch.empty_like(q)  # [H, T, Dh]
         for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
             keys, values = kv.update(i, k[:, s:e], v[:, s:e])  # [Hkv, S, Dh]: its positions so far and these
-            mask = attention_mask(batch.positions[s:e], keys.shape[1], window)
-            o[:, s:e] = attend(q[:, s:e], keys, values, mask, self.scale, a.attn_softcap)
+            o[:, s:e] = attend(q[:, s:e], keys, values, batch.positions[s:e], window, self.scale, a.attn_softcap)
         o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 
@@ -465,5 +446,5 @@ class DecoderModel:
             out.index_add_(0, *ys[e])
         if a.shared_expert_intermediate_size:
             s = self.mlp(store, m + "shared_expert.", x)
-            out = out + torch.sigmoid(linear(x, store.get(m + "shared_expert_gate.weight"))) * s
+            out = out + ops.pointwise(torch.sigmoid, linear(x, store.get(m + "shared_expert_gate.weight"))) * s
         return out
