@@ -87,9 +87,11 @@ class Engine:
         return len(self.waiting) + len(self.running)
 
     def counters(self) -> dict:
+        """Levels and totals for a metrics endpoint: sequences by state, steps, preemptions, KV pool use."""
         return {"running_sequences": len(self.running), "waiting_sequences": len(self.waiting),
                 "preempted_sequences": sum(1 for r in self.waiting if r.state == PREEMPTED),
-                "engine_steps": self.steps, "preemptions": self.preemptions}
+                "engine_steps": self.steps, "preemptions": self.preemptions,
+                "kv_pool_used_bytes": self.space.ram_bytes()}
 
     # -- the step --------------------------------------------------------------------------------------------
 
