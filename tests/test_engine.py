@@ -275,7 +275,7 @@ def test_engine_config_defaults_and_errors(tiny_model_dir):
     cfg = EngineConfig()
     assert cfg.batch_size == 512 and cfg.max_sequences == 16 and cfg.kv_block == 64
     assert SamplingParams().max_tokens == cli.OPTIONS["max_tokens"][0]["default"] == 256
-    with pytest.raises(InputError, match="--max-sequences must be a whole number >= 1"):
+    with pytest.raises(InputError, match="--max-sequences must be at least 1"):
         EngineConfig(max_sequences=0)
     with pytest.raises(InputError, match="unknown option"):
         colibri.load(tiny_model_dir("llama"), batch=3)

@@ -52,13 +52,13 @@ class EngineConfig:
         for name in ("batch_size", "max_sequences", "io_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {v!r})")
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {v!r})")
         for name in ("threads", "ctx_length"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise InputError(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {v!r})")
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {v!r})")
         if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0):
-            raise InputError(f"--prefetch-depth must be a whole number >= 0 (got {self.prefetch_depth!r})")
+            raise InputError(f"--prefetch-depth must be at least 0 (got {self.prefetch_depth!r})")
 
     @classmethod
     def from_kwargs(cls, model=None, **kwargs: Any) -> "EngineConfig":

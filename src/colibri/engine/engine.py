@@ -281,14 +281,13 @@ class Engine:
         req = self.add_request(prompt_ids, params)
         try:
             while True:
-                chunks = req.take()
-                yield from chunks
-                if req.finished and not chunks:
+                done = req.finished  # read first: a request's last chunk is queued before it is marked finished
+                yield from req.take()
+                if done:
                     break
-                if not req.finished:
-                    with self.lock:
-                        if not req.finished and not req._chunks:
-                            self.step()
+                with self.lock:
+                    if not req.finished and not req._chunks:
+                        self.step()
             if req.error is not None:
                 raise req.error
         finally:

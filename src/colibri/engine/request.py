@@ -74,8 +74,9 @@ class Request:
         return self._text[:self._emitted]
 
     def take(self) -> list[StreamChunk]:
-        out = list(self._chunks)
-        self._chunks.clear()
+        out = []
+        while self._chunks:  # popleft: safe while another thread's step appends
+            out.append(self._chunks.popleft())
         return out
 
     def result(self) -> GenerationResult:
