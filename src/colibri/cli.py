@@ -32,9 +32,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "max_sequences": (dict(type=int, default=defaults.DEFAULT_MAX_SEQUENCES,
                            help="sequences decoded together in one forward pass (default "
                                 f"{defaults.DEFAULT_MAX_SEQUENCES})"), None),
-    "kv_ram": (dict(help="RAM for the KV cache, e.g. 32M: the live conversation's recent blocks and cached"
-                         " prefixes; a context that needs more keeps older blocks in the swap file (default: the"
-                         " whole context, and under --memory-limit a quarter of it at most)"), None),
+    "kv_ram": (dict(help="RAM for the KV pool, e.g. 32M: every sequence's recent blocks and cached prefixes; a"
+                         " context that needs more keeps older blocks in the swap file, and sequences that do not"
+                         " fit wait there whole (default: the whole context, and under --memory-limit a quarter"
+                         " of it at most)"), None),
     "kv_quant": (dict(choices=["q8"], help="store K and V as int8 with per-32-value scales (lossy, about half the"
                                           " memory and swap traffic; its cost is in docs/quality.md)"), None),
     "swap": (dict(help="KV swap file made by `colibri swap create` (default: a temporary one in"
