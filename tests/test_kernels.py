@@ -125,10 +125,7 @@ def test_prefill_logits_equal_token_by_token_decode(mode, tiny_model_dir, fam, d
     ids = [(7 * i + 3) % 384 for i in range(40)]  # past 32 rows: ATen's vectorized loops take over
     with load(tiny_model_dir(fam), dtype=dtype) as m:
         whole = m.logits(ids)
-        cache = m.new_cache()
-        steps = torch.stack([m.decode_step(t, cache) for t in ids])
-        cache.release()
-        m.batch_size = 5
-        chunked = m.logits(ids)
+        steps = torch.cat(list(m.engine.score(ids, chunk=1)))
+        chunked = torch.cat(list(m.engine.score(ids, chunk=5)))
     assert torch.equal(whole, steps)
     assert torch.equal(whole, chunked)

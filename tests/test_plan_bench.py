@@ -210,8 +210,8 @@ def test_plan_needs_a_container(tiny_model_dir, capsys):
 def test_run_and_chat_pass_ctx_length_and_batch_size(monkeypatch, capsys, command):
     seen = {}
 
-    def fake_load(path, **kwargs):
-        seen.update(kwargs)
+    def fake_load(config, **kwargs):  # the CLI passes one EngineConfig
+        seen.update(vars(config))
         raise colibri.InputError("stop here")
 
     monkeypatch.setattr(colibri.model, "load", fake_load)

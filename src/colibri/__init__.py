@@ -3,11 +3,12 @@
 from colibri.errors import ColibriError, InputError, ModelLoadError, UnsupportedModelError
 
 __version__ = "0.1.0"
-__all__ = ["load", "Model", "GenerationResult", "ColibriError", "InputError", "ModelLoadError",
+__all__ = ["load", "Model", "GenerationResult", "EngineConfig", "Engine", "SamplingParams", "ColibriError", "InputError", "ModelLoadError",
            "UnsupportedModelError", "__version__"]
 # imported on first use, so that `import colibri` (and the CLI's start) does not load torch: the CLI chooses
 # OpenMP's wait policy, which torch's OpenMP runtime reads once when it loads
-_LAZY = {"load": "colibri.model", "Model": "colibri.model", "GenerationResult": "colibri.generate"}
+_LAZY = {"load": "colibri.model", "Model": "colibri.model", "GenerationResult": "colibri.generate",
+         "EngineConfig": "colibri.config", "Engine": "colibri.engine", "SamplingParams": "colibri.sampling"}
 
 
 def __getattr__(name: str):

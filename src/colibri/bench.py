@@ -43,7 +43,7 @@ from colibri.errors import InputError
 from colibri.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH, probe_bandwidth, thp_mode
 from colibri.kv import KVCache
 from colibri.metrics import GenerationMetrics
-from colibri.models.base import rms_norm, rope_cos_sin
+from colibri.models.base import Batch, rms_norm, rope_cos_sin
 from colibri.ops import linear
 from colibri.store import RamStore
 from colibri.streaming import block_rows, fmt_bytes, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
@@ -308,10 +308,11 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
                 cache.truncate(position)
             pos = torch.arange(cache.length, cache.length + 1)
             rope = rope_cos_sin(arch.inv_freq[args.layer_types[i]], pos, dt)
+            one = Batch(torch.zeros(1, dtype=torch.long), pos, [(0, 1)], [cache], torch.zeros(1, dtype=torch.long))
             if attention_only:  # the part before a MoE layer's router (its experts are read after it)
-                arch.attention(store, i, arch.norm(x, store, prefix + "input_layernorm.weight"), cache, pos, rope)
+                arch.attention(store, i, arch.norm(x, store, prefix + "input_layernorm.weight"), one, rope)
             else:
-                arch.block(store, i, x, cache, pos, rope)
+                arch.block(store, i, x, one, rope)
                 cache.advance(1)
 
         kind = "moe" if moe else "dense"

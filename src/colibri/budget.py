@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from colibri.config import DEFAULT_BATCH, EngineConfig  # noqa: F401 - DEFAULT_BATCH re-exported
 from colibri.errors import InputError
 
-DEFAULT_BATCH = 512  # prompt tokens per forward pass
 LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front...
 KV_SHARE = 0.25  # ...and halved (down to MIN_CTX) while that KV cache would take more of the limit than this
 MIN_CTX = 256
@@ -176,14 +176,13 @@ class Settings:
     reserve: Reserve
 
 
-def settings(args, dtype: torch.dtype, memory_limit, ctx_length: int | None, batch: int, kv_ram=None,
-             kv_quant: str | None = None, kv_block: int | None = None, quantized: bool = False) -> Settings:
-    from colibri.defaults import parse_size
-    limit = None if memory_limit is None else parse_size(memory_limit)
-    ram = None if kv_ram is None else parse_size(kv_ram)
-    ctx = context_length(args, ctx_length, limit, dtype, kv_quant)
-    kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None)
-    return Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized))
+def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = False) -> Settings:
+    """Resolve a config's memory settings for a model: limit, context, KV plan and reserve."""
+    limit, ram = config.limit_bytes, config.kv_ram_bytes
+    ctx = context_length(args, config.ctx_length, limit, dtype, config.kv_quant)
+    kv = kv_plan(args, ctx, dtype, limit, ram, config.kv_quant, config.kv_block,
+                 explicit_ctx=config.ctx_length is not None)
+    return Settings(limit, ctx, kv, reserve(args, ctx, config.batch_size, dtype, kv, limit is not None, quantized))
 
 
 def rss_bytes() -> int:

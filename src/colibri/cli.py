@@ -9,6 +9,7 @@ import sys
 import traceback
 from typing import Any
 
+from colibri import config as defaults
 from colibri.errors import ColibriError, InputError
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
@@ -25,11 +26,16 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "ctx_length": (dict(type=int, help="maximum context in tokens; its KV cache is reserved in the memory limit"
                                        " (default: the model's; under --memory-limit one whose KV cache fits,"
                                        " at most 4096)"), None),
-    "batch_size": (dict(type=int, default=512, help="maximum tokens per forward pass: a long prompt is prefilled"
-                                                    " in chunks of it (default 512)"), None),
-    "kv_ram": (dict(help="RAM for the KV cache, e.g. 32M: the live conversation's recent blocks and cached"
-                         " prefixes; a context that needs more keeps older blocks in the swap file (default: the"
-                         " whole context, and under --memory-limit a quarter of it at most)"), None),
+    "batch_size": (dict(type=int, default=defaults.DEFAULT_BATCH,
+                        help="maximum tokens per forward pass, all sequences together: a long prompt is prefilled"
+                             f" in chunks of it (default {defaults.DEFAULT_BATCH})"), None),
+    "max_sequences": (dict(type=int, default=defaults.DEFAULT_MAX_SEQUENCES,
+                           help="sequences decoded together in one forward pass (default "
+                                f"{defaults.DEFAULT_MAX_SEQUENCES})"), None),
+    "kv_ram": (dict(help="RAM for the KV pool, e.g. 32M: every sequence's recent blocks and cached prefixes; a"
+                         " context that needs more keeps older blocks in the swap file, and sequences that do not"
+                         " fit wait there whole (default: the whole context, and under --memory-limit a quarter"
+                         " of it at most)"), None),
     "kv_quant": (dict(choices=["q8"], help="store K and V as int8 with per-32-value scales (lossy, about half the"
                                           " memory and swap traffic; its cost is in docs/quality.md)"), None),
     "swap": (dict(help="KV swap file made by `colibri swap create` (default: a temporary one in"
@@ -40,12 +46,14 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                           " 'default')"), None),
     "path": (dict(required=True, help="swap file to create"), None),
     "size": (dict(required=True, help="swap file size, e.g. 4G"), None),
-    "io_threads": (dict(type=int, default=2, help="threads reading streamed weights (default 2)"), None),
+    "io_threads": (dict(type=int, default=defaults.DEFAULT_IO_THREADS,
+                        help=f"threads reading streamed weights (default {defaults.DEFAULT_IO_THREADS})"), None),
     "prefetch_depth": (dict(type=int, help="streamed pages read ahead of use (default: one layer's streamed pages"
                                            " plus one)"), None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
-    "max_tokens": (dict(type=int, default=256, help="maximum tokens to generate (default 256)"), None),
+    "max_tokens": (dict(type=int, default=defaults.DEFAULT_MAX_TOKENS,
+                        help=f"maximum tokens to generate (default {defaults.DEFAULT_MAX_TOKENS})"), None),
     "temperature": (dict(type=float, default=0.0, help="sampling temperature; 0 = greedy (default)"), None),
     "top_p": (dict(type=float, default=1.0, help="nucleus sampling mass (default 1.0)"), None),
     "top_k": (dict(type=int, default=0, help="sample among the k most likely tokens; 0 = off"), None),
@@ -73,6 +81,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
 }
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "debug"]
+ENGINE = ["max_sequences"]
 KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
@@ -94,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description="LLM inference that streams weights from an SSD.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate a reply to one prompt")
-    add(run, *COMMON, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
+    add(run, *COMMON, *ENGINE, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
-    add(chat, *COMMON, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
+    add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -123,12 +132,14 @@ def model_path(args) -> str:
     return str(default_model_path())
 
 
+def engine_config(args) -> defaults.EngineConfig:
+    """The EngineConfig of a subcommand's options (the model path resolved)."""
+    return defaults.EngineConfig.from_args(args).replace(model=model_path(args))
+
+
 def load_model(args):
     from colibri.model import load
-    return load(model_path(args), dtype=args.dtype, threads=args.threads, memory_limit=args.memory_limit,
-                io_threads=args.io_threads, prefetch_depth=args.prefetch_depth, ctx_length=args.ctx_length,
-                batch_size=args.batch_size, kv_ram=getattr(args, "kv_ram", None),
-                kv_quant=getattr(args, "kv_quant", None), swap=getattr(args, "swap", None))
+    return load(engine_config(args))
 
 
 def sampling(args) -> dict[str, Any]:

@@ -19,18 +19,11 @@ def perplexity(model, ids: list[int], chunk: int = 512) -> tuple[float, float]:
         raise InputError("perplexity needs at least two tokens")
     if len(ids) > model.context_length:
         raise InputError(f"{len(ids)} tokens exceed the context of {model.context_length}")
-    cache = model.new_cache()
     chunk = min(chunk, model.pass_tokens)
     total, count = 0.0, 0
-    try:
-        for s in range(0, len(ids) - 1, chunk):
-            window = ids[s:s + chunk]
-            logits = model.arch.forward(model.store, torch.tensor(window), cache, all_logits=True).float()
-            target = torch.tensor(ids[s + 1:s + 1 + len(window)])
-            logits = logits[: len(target)]
-            total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-            count += len(target)
-    finally:
-        cache.release()
+    for s, logits in zip(range(0, len(ids) - 1, chunk), model.engine.score(ids[:-1], chunk)):
+        target = torch.tensor(ids[s + 1:s + 1 + logits.shape[0]])
+        total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        count += len(target)
     nll = total / count
     return math.exp(nll), nll

@@ -140,6 +140,7 @@ class KVCache:
         self._staging: list[AlignedBuffer] = []
         self._pending: dict[int, tuple[tuple[int, int], list, int]] = {}  # layer -> (blocks, futures, buffer)
         self._wbuf: AlignedBuffer | None = None
+        self._out: tuple[int, list[int]] | None = None  # swapped out: (base before, slots of its RAM blocks)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
 
@@ -157,13 +158,38 @@ class KVCache:
             n += sum(t.numel() * t.element_size() for t in self._scratch)
         return n + sum(b.nbytes for b in self._staging) + (self._wbuf.nbytes if self._wbuf else 0)
 
+    def _cap_for(self, need: int, cap: int | None = None) -> int:
+        """The ring capacity after growing from `cap` (None: the current one) to hold `need` positions: doubling
+        from the initial size, at most the window."""
+        cap = self.cap if cap is None else cap
+        if cap >= need:
+            return cap
+        cap = max(self._initial, cap)
+        while cap < need:
+            cap *= 2
+        return min(max(cap, need), self.window)
+
+    def ram_after(self, tokens: int) -> int:
+        """RAM this cache will hold once room for `tokens` more positions is reserved (a swapped-out cache
+        being read back first)."""
+        lay = self.layout
+        if self._out is None:
+            base, cap, extra = self.base, self.cap, self.ram_bytes() - self.cap * lay.token_bytes
+        else:
+            base, extra = self._out[0], 0
+            cap = self._cap_for(self.window if base else min(self.window, align_up(self.length, lay.block)), 0)
+        held = self.length + tokens - base
+        cap = self._cap_for(min(self.window, held), cap)
+        if held > self.window and self._scratch is None:
+            # spilling starts: attention then assembles each layer's K/V in a scratch for the whole context
+            extra += 2 * lay.num_kv_heads * align_up(self.max_length, lay.block) * lay.head_dim * \
+                torch.empty((), dtype=lay.dtype).element_size()
+        return cap * lay.token_bytes + extra
+
     def _ensure_cap(self, need: int) -> None:
         if self.cap >= need:
             return
-        cap = max(self._initial, self.cap)
-        while cap < need:
-            cap *= 2
-        cap = min(max(cap, need), self.window)
+        cap = self._cap_for(need)
         lay = self.layout
         h, d = lay.num_kv_heads, lay.head_dim
         for i in range(lay.num_layers):
@@ -404,6 +430,57 @@ class KVCache:
         self.length = length
         del self.ids[length:]
 
+    # -- preemption: the whole sequence out to the swap file and back, nothing recomputed -------------------
+
+    @property
+    def swapped(self) -> bool:
+        return self._out is not None
+
+    @torch.inference_mode()
+    def swap_out(self) -> None:
+        """Write the blocks held in RAM to the swap file and free every RAM buffer (blocks already on disk stay
+        where they are). The swap file must have room; InputError otherwise, with the cache unchanged."""
+        if self._out is not None:
+            return
+        self._drain()
+        lay = self.layout
+        first, end = self.base // lay.block, -(-self.length // lay.block)
+        slots: list[int] = []
+        try:
+            for b in range(first, end):
+                if self._wbuf is None:
+                    self._wbuf = AlignedBuffer(lay.block_bytes)
+                data = self.encode_block(b, self._wbuf.tensor(0, lay.block_bytes))
+                slot = self.space.alloc_slot()
+                slots.append(slot)
+                self.space.swap.write(slot, data)
+        except BaseException:
+            for slot in slots:
+                self.space.free_slot(slot)
+            raise
+        self._out = (self.base, slots)
+        L = lay.num_layers
+        self.k, self.v, self.ks, self.vs = [None] * L, [None] * L, [None] * L, [None] * L
+        self.cap = 0
+        self._scratch, self._staging, self._wbuf = None, [], None
+
+    @torch.inference_mode()
+    def swap_in(self) -> None:
+        """Read the blocks `swap_out` wrote back into a fresh RAM window and free their slots."""
+        if self._out is None:
+            return
+        base, slots = self._out
+        lay = self.layout
+        self._ensure_cap(self.window if base else min(self.window, align_up(self.length, lay.block)))
+        buf = AlignedBuffer(lay.block_bytes)
+        for j, slot in enumerate(slots):
+            for f in self.space.swap.read_block(slot, buf):
+                f.result()
+            self._decode_block(buf.tensor(0, lay.block_bytes), base + j * lay.block)
+        for slot in slots:
+            self.space.free_slot(slot)
+        self._out = None
+
     def reset(self) -> None:
         self.truncate(0)
 
@@ -411,8 +488,8 @@ class KVCache:
     def release(self) -> None:
         """Free this cache's swap slots and buffers."""
         self._drain()
-        for s in self.slots:
+        for s in self.slots + (self._out[1] if self._out else []):
             self.space.free_slot(s)
-        self.slots = []
+        self.slots, self._out = [], None
         self.base = self.length = 0
         self.ids = []

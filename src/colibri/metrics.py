@@ -23,6 +23,13 @@ def peak_rss_bytes() -> int:
     return int(r if sys.platform == "darwin" else r * 1024)
 
 
+# store counter -> GenerationMetrics field, for the flows (bytes, seconds, counts) a step adds
+IO_FLOWS = {"bytes_read": "disk_bytes_read", "io_wait_s": "io_wait_s", "read_active_s": "read_s",
+            "hits": "page_hits", "misses": "page_misses", "hit_bytes": "hit_bytes", "miss_bytes": "miss_bytes",
+            "expert_hits": "expert_hits", "expert_misses": "expert_misses",
+            "expert_pinned_uses": "expert_pinned_uses"}
+
+
 @dataclass
 class GenerationMetrics:
     prompt_tokens: int = 0
@@ -71,6 +78,25 @@ class GenerationMetrics:
         self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
                                                                     now["staging_bytes"])
         self.staging_huge_fraction = now.get("staging_huge_fraction")
+
+    def add_io(self, start: dict, now: dict, share: float = 1.0) -> None:
+        """Add `share` of the store's flows between two counter snapshots (one engine step, split among the
+        sequences it served) and take the levels from `now`."""
+        for src, dst in IO_FLOWS.items():
+            d = (now[src] - start[src]) * share
+            old = getattr(self, dst)
+            setattr(self, dst, old + (d if isinstance(old, float) else round(d)))
+        self.direct_io = now["direct_io"]
+        self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
+                                                                    now["staging_bytes"])
+        self.staging_huge_fraction = now.get("staging_huge_fraction")
+
+    def add_kv(self, start: dict, now: dict, share: float = 1.0) -> None:
+        """The same for the KV space's counters."""
+        self.kv_read_bytes += round((now["kv_read_bytes"] - start["kv_read_bytes"]) * share)
+        self.kv_written_bytes += round((now["kv_written_bytes"] - start["kv_written_bytes"]) * share)
+        self.kv_read_wait_s += (now["kv_read_wait_s"] - start["kv_read_wait_s"]) * share
+        self.kv_ram_bytes, self.kv_disk_bytes = now["kv_ram_bytes"], now["kv_disk_bytes"]
 
     def account_kv(self, start: dict, now: dict) -> None:
         self.kv_read_bytes = now["kv_read_bytes"] - start["kv_read_bytes"]

@@ -11,6 +11,8 @@ import torch
 
 from colibri import budget
 from colibri import generate as gen
+from colibri.config import EngineConfig
+from colibri.engine import Engine
 from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
 from colibri.kv import KVCache
 from colibri.prefix import KVSpace
@@ -125,47 +127,53 @@ def describe(path: str | Path) -> dict[str, str]:
 
 
 class Model:
-    def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
-                 io_threads: int = 2, prefetch_depth: int | None = None, ctx_length: int | None = None,
-                 batch_size: int = budget.DEFAULT_BATCH, kv_ram=None, kv_quant: str | None = None, swap=None,
-                 swap_dir=None, kv_block: int | None = None):
-        if threads:
-            torch.set_num_threads(int(threads))
-        self.path = Path(path)
+    """One loaded checkpoint: its weight store, KV space and the engine that runs every request on them."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(int(config.threads))
+        self.path = config.model_path()
         self.checkpoint, self.args, self.arch = open_model(self.path)
         ckpt = self.checkpoint
-        self.dtype = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
+        self.dtype = resolve_dtype(config.dtype) or checkpoint_dtype(ckpt)
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
         self.tokenizer = self._tokenizer()
-        self.batch_size = int(batch_size)
-        conf = budget.settings(self.args, self.dtype, memory_limit, ctx_length, self.batch_size, kv_ram, kv_quant,
-                               kv_block, quantized(ckpt))
+        self.batch_size = config.batch_size
+        self.max_sequences = config.max_sequences
+        conf = budget.settings(self.args, self.dtype, config, quantized(ckpt))
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
+        # the KV pool's RAM, shared by every sequence and the cached prefixes: bounded under a memory limit or
+        # an explicit --kv-ram, else it grows as sequences need
+        self.kv_pool_bytes = conf.kv.ram_bytes if conf.limit is not None or config.kv_ram is not None else None
+        swap, swap_dir = config.swap, config.swap_dir
         if swap is None and swap_dir is None:
             from colibri.defaults import cache_dir
             swap_dir = cache_dir() / "swap"
         a = self.args
         self.kv = KVSpace(conf.kv.layout, self.context_length, conf.kv.window, conf.kv.prefix_ram, swap, swap_dir,
-                          [a.sliding_window if t == SLIDING else None for t in a.layer_types], io_threads)
+                          [a.sliding_window if t == SLIDING else None for t in a.layer_types], config.io_threads,
+                          sequences=config.max_sequences)
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
         budget.warm_up(self.dtype)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
-        if memory_limit is not None:
+        if conf.limit is not None:
             if not hasattr(ckpt, "manifest"):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
             budget.tame_allocator()
             self.store = StreamingStore(ckpt, self.args, conf.limit, self.dtype,
-                                        io_threads=io_threads, prefetch_depth=prefetch_depth,
+                                        io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
+        self.engine = Engine(self)
 
     @property
     def pass_tokens(self) -> int:
@@ -193,40 +201,17 @@ class Model:
     def stats(self) -> dict:
         """Placement and cumulative I/O counters of the weight store, with the runtime baseline."""
         out = {"runtime_baseline_rss_bytes": self.baseline_rss_bytes, **self.reserve.as_dict(),
-               **self.kv_plan.as_dict(), **self.kv.counters()}
+               **self.kv_plan.as_dict(), "kv_pool_bytes": self.kv_pool_bytes, **self.kv.counters(),
+               **self.engine.counters()}
         if hasattr(self.store, "placement"):
             out.update(self.store.placement.as_dict())
             out.update(self.store.counters())
         return out
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Run `ids` through the model in chunks after the cache's contents; logits [V] of the last position."""
-        out, step = None, self.pass_tokens
-        for s in range(0, len(ids), step):
-            chunk = torch.tensor(ids[s:s + step], dtype=torch.long)
-            out = self.arch.forward(self.store, chunk, cache, all_logits=False)
-        return out[-1].float()
-
-    @torch.inference_mode()
-    def decode_step(self, token: int, cache: KVCache) -> torch.Tensor:
-        return self.arch.forward(self.store, torch.tensor([token]), cache, all_logits=False)[-1].float()
-
-    @torch.inference_mode()
     def logits(self, token_ids) -> torch.Tensor:
         """float32 [len(token_ids), vocab]: one fresh full forward, no cached state kept."""
-        ids = self.prompt_ids(token_ids)
-        if len(ids) > self.context_length:
-            raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
-        cache = self.new_cache()
-        parts, step = [], self.pass_tokens
-        try:
-            for s in range(0, len(ids), step):
-                chunk = torch.tensor(ids[s:s + step], dtype=torch.long)
-                parts.append(self.arch.forward(self.store, chunk, cache, all_logits=True).float())
-        finally:
-            cache.release()
-        return torch.cat(parts)
+        return torch.cat(list(self.engine.score(self.prompt_ids(token_ids))))
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -275,18 +260,21 @@ class Model:
     def save_session(self, path: str | Path, messages: list[dict] | None = None) -> Path:
         """Save the live sequence's KV (the last generation's prompt and reply) and `messages` to `path`."""
         from colibri import session
-        return session.save(path, self, self.kv.live if self.kv.live is not None and self.kv.live.length else None,
-                            messages)
+        with self.engine.lock:
+            live = self.kv.live
+            return session.save(path, self, live if live is not None and live.length else None, messages)
 
     def load_session(self, path: str | Path) -> list[dict]:
         """Make a saved sequence the live one (the next prompt that extends it prefills only its new tokens);
         returns the saved messages."""
         from colibri import session
-        cache, messages = session.load(path, self)
-        self.kv.adopt(cache)
+        with self.engine.lock:
+            cache, messages = session.load(path, self)
+            self.kv.adopt(cache)
         return messages
 
     def close(self) -> None:
+        self.engine.close()
         self.store.close()
         self.kv.close()
         self.checkpoint.close()
@@ -298,47 +286,45 @@ class Model:
         self.close()
 
 
-def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None = None,
-         ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH, kv_ram=None,
-         kv_quant: str | None = None):
-    """(Placement, Reserve, ModelArgs) that `load` with these settings would use, without reading a weight."""
+def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
+    """(Placement, Reserve, ModelArgs) that `load` with this config would use, without reading a weight.
+    `plan(path, memory_limit, **options)` builds the config from keywords."""
     from colibri.streaming import ExpertUsage, USAGE_FILE, plan as place
 
-    ckpt, args, _ = open_model(Path(path))
+    if not isinstance(config, EngineConfig):
+        config = EngineConfig.from_kwargs(config, memory_limit=memory_limit, **kwargs)
+    path = config.model_path()
+    ckpt, args, _ = open_model(path)
     try:
         if not hasattr(ckpt, "manifest"):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
-        dt = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
-        conf = budget.settings(args, dt, memory_limit, ctx_length, batch_size, kv_ram, kv_quant,
-                               quantized=quantized(ckpt))
+        dt = resolve_dtype(config.dtype) or checkpoint_dtype(ckpt)
+        conf = budget.settings(args, dt, config, quantized=quantized(ckpt))
         limit, res = conf.limit, conf.reserve
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
-        return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit, prefetch_depth,
-                     res.total, batch_size, usage, dt), res, args
+        return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit,
+                     config.prefetch_depth, res.total, config.batch_size, usage, dt), res, args
     finally:
         ckpt.close()
 
 
-def load(path: str | Path, memory_limit=None, dtype=None, threads: int | None = None, io_threads: int = 2,
-         prefetch_depth: int | None = None, ctx_length: int | None = None,
-         batch_size: int = budget.DEFAULT_BATCH, kv_ram=None, kv_quant: str | None = None, swap=None,
-         swap_dir=None, kv_block: int | None = None) -> Model:
-    """Load a Colibri container, an HF model directory or a .gguf file.
+def load(path: str | Path | EngineConfig | None = None, **kwargs) -> Model:
+    """Load a Colibri container, an HF model directory or a .gguf file: `load(EngineConfig(...))`, or
+    `load(path, **options)` with the options of `EngineConfig` as keywords (colibri.config documents them).
 
     dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
-    like "600M", "2G"; containers only) bounds the weights, their staging, the KV cache for `ctx_length` tokens
-    and the activations of `batch_size` tokens; pages that do not fit are streamed from disk with O_DIRECT reads
-    by `io_threads` threads, `prefetch_depth` pages ahead (None: one layer's pages plus one). batch_size: tokens
-    per forward pass (a long prompt is prefilled in chunks of it).
+    like "600M", "2G"; containers only) bounds the weights, their staging, the KV pool and the activations of
+    `batch_size` tokens; pages that do not fit are streamed from disk with O_DIRECT reads by `io_threads`
+    threads, `prefetch_depth` pages ahead. batch_size: tokens per forward pass, all sequences together (a long
+    prompt is prefilled in chunks of it); max_sequences: sequences decoded together.
 
-    KV cache: kv_ram (bytes or a size) is the RAM for the live sequence's KV and for cached prefixes; a context
+    KV: kv_ram (bytes or a size) is the RAM for the KV pool (every sequence and the cached prefixes); a context
     whose KV does not fit keeps a window of recent blocks in RAM and the rest in the swap file: `swap` (a file
-    made by `colibri swap create`) or a temporary one in `swap_dir` (default ~/.cache/colibri/swap). kv_quant="q8"
-    stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default 64).
+    made by `colibri swap create`) or a temporary one in `swap_dir` (default ~/.cache/colibri/swap).
+    kv_quant="q8" stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default 64).
     """
-    return Model(path, memory_limit=memory_limit, dtype=dtype, threads=threads, io_threads=io_threads,
-                 prefetch_depth=prefetch_depth, ctx_length=ctx_length, batch_size=batch_size, kv_ram=kv_ram,
-                 kv_quant=kv_quant, swap=swap, swap_dir=swap_dir, kv_block=kv_block)
+    config = path if isinstance(path, EngineConfig) else EngineConfig.from_kwargs(path, **kwargs)
+    return Model(config)

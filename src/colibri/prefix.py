@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -55,8 +56,10 @@ class KVSpace:
 
     def __init__(self, layout: KVLayout, ctx: int, window: int | None, prefix_ram: int,
                  swap_path: str | os.PathLike | None = None, swap_dir: str | os.PathLike | None = None,
-                 layer_windows: list[int | None] | None = None, io_threads: int = 2):
+                 layer_windows: list[int | None] | None = None, io_threads: int = 2, sequences: int = 1):
         self.layout, self.ctx, self.window = layout, ctx, window
+        self.sequences = max(1, int(sequences))  # sequences that may hold KV at once (sizes a temporary swap)
+        self._caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
         self.prefix_ram = max(0, int(prefix_ram))
         self.swap_path = None if swap_path is None else Path(swap_path)
         if self.swap_path is not None:
@@ -86,7 +89,8 @@ class KVSpace:
             else:
                 if self.swap_dir is None:
                     raise InputError("the KV cache outgrew its RAM share and no swap directory is set; give --swap")
-                blocks = 2 * -(-self.ctx // lay.block)  # the context's blocks, and as many for the prefix cache
+                # each sequence's context (all of it, when preempted), and as much again for the prefix cache
+                blocks = (self.sequences + 1) * -(-self.ctx // lay.block)
                 self._swap = SwapFile.temporary_in(self.swap_dir, blocks * lay.block_bytes, lay.num_layers,
                                                    lay.seg_bytes, self.io_threads)
         return self._swap
@@ -113,7 +117,26 @@ class KVSpace:
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.layout, self.ctx, self.window, self, self.layer_windows)
+        # RAM grows from one block: many short sequences share the pool
+        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows, initial=self.layout.block)
+        self._caches.add(cache)
+        return cache
+
+    def ram_bytes(self) -> int:
+        """RAM held by every sequence's cache and by the prefix cache's RAM blocks."""
+        return sum(c.ram_bytes() for c in list(self._caches)) + self._ram
+
+    def drop_live(self) -> int:
+        """Free the idle live sequence's RAM (its full blocks go to the prefix cache first); bytes freed."""
+        live = self.live
+        if live is None or self.live_busy:
+            return 0
+        freed = live.ram_bytes()
+        self.commit(live)
+        live.release()
+        self._caches.discard(live)
+        self.live = None
+        return freed
 
     def acquire(self, ids: list[int]) -> tuple[KVCache, int]:
         """A cache holding the longest known prefix of `ids` (at most len(ids) - 1 tokens: the last one is
@@ -146,13 +169,16 @@ class KVSpace:
             return
         self.commit(cache)
         cache.release()
+        self._caches.discard(cache)
 
     def adopt(self, cache: KVCache) -> None:
         """Make `cache` (a restored session) the live sequence, committing the previous one."""
         if self.live is not None and self.live is not cache:
             self.commit(self.live)
             self.live.release()
+            self._caches.discard(self.live)
         self.live, self.live_busy = cache, False
+        self._caches.add(cache)
 
     # -- the prefix trie -----------------------------------------------------------------------------------
 
@@ -253,6 +279,7 @@ class KVSpace:
         """Forget the live sequence and every cached prefix (the next prompt is computed from scratch)."""
         if self.live is not None and not self.live_busy:
             self.live.release()
+            self._caches.discard(self.live)
             self.live = None
         for n in self._nodes():
             if n.slot is not None:
@@ -262,10 +289,9 @@ class KVSpace:
     # -- stats and shutdown --------------------------------------------------------------------------------
 
     def counters(self) -> dict:
-        live = self.live
         sw = self._swap
         return {
-            "kv_ram_bytes": (live.ram_bytes() if live else 0) + self._ram_bytes(),
+            "kv_ram_bytes": self.ram_bytes(),
             "kv_disk_bytes": sw.used * self.layout.block_bytes if sw else 0,
             "kv_read_bytes": sw.bytes_read if sw else 0,
             "kv_written_bytes": sw.bytes_written if sw else 0,

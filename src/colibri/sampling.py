@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from colibri.config import DEFAULT_MAX_TOKENS
 from colibri.errors import InputError
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0

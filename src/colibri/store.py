@@ -29,8 +29,9 @@ class WeightStore(Protocol):
     def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
         """A head table as consecutive row blocks (one block: the whole table), inside the head's scope."""
 
-    def begin_pass(self, tokens: int) -> None:
-        """A forward pass over `tokens` tokens starts."""
+    def begin_pass(self, tokens: int, longest: int | None = None) -> None:
+        """A forward pass over `tokens` tokens starts; `longest`: the most tokens one sequence has in it (a batch
+        of single-token decode steps is still decode; None: `tokens`)."""
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
         """Scope of layer i's compute (i == num_layers: the head): a streaming store makes its pages resident
@@ -88,7 +89,7 @@ class RamStore:
     def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
         yield self.get(name)
 
-    def begin_pass(self, tokens: int) -> None:
+    def begin_pass(self, tokens: int, longest: int | None = None) -> None:
         pass
 
     def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:

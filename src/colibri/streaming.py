@@ -478,7 +478,7 @@ class StreamingStore:
                 if p["id"] in self._streamed:
                     self._scope_pages.setdefault(key, []).append(p["id"])
                 self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
-        self._multi = False  # the current pass has several tokens (prefill): it must not evict cached experts
+        self._multi = False  # the current pass prefills several tokens of a sequence: it must not evict cached experts
         self._passes = 0
         self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
         self.timeline: list[dict] = []
@@ -580,8 +580,10 @@ class StreamingStore:
 
     # -- the WeightStore surface ---------------------------------------------------------------------------
 
-    def begin_pass(self, tokens: int) -> None:
-        """A forward pass over `tokens` tokens starts: check the data files are the ones loaded."""
+    def begin_pass(self, tokens: int, longest: int | None = None) -> None:
+        """A forward pass over `tokens` tokens starts: check the data files are the ones loaded. `longest`: the
+        most tokens of one sequence in it (a prefill chunk, unlike a batch of decode steps, must not evict cached
+        experts)."""
         for path, ident in zip(self.ckpt.files, self._file_ids):
             try:
                 now = self._file_id(path)
@@ -590,7 +592,7 @@ class StreamingStore:
             if now != ident:
                 raise StorageError(f"data file {path} changed on disk after the model was loaded (replaced, "
                                    "truncated or rewritten); reload the model")
-        self._multi = tokens > 1
+        self._multi = (tokens if longest is None else longest) > 1
         self._passes += 1
         if self.usage:
             self.usage.tick(tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,6 @@ from colibri import ops
 from colibri.ops import linear
 
 if TYPE_CHECKING:
-    from colibri.kv import KVCache
     from colibri.store import WeightStore
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -225,6 +224,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
     return ops.attend(q, k, v, positions, window, scale, softcap)
 
 
+# ---------------------------------------------------------------------------------------------- a pass's input
+
+
+class SequenceKV(Protocol):
+    """What attention needs from one sequence's KV: room for this pass's positions, reserved by the caller."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [Hkv, T, Dh] after the sequence's committed positions; return K and V of every position so
+        far, these included ([Hkv, S, Dh], compute dtype)."""
+
+
+@dataclass
+class Batch:
+    """One forward pass: the packed tokens of several sequences.
+
+    tokens / positions: [T] long, each token's id and its position in its own sequence; spans: per sequence, its
+    rows [start, end) of the packed tokens (consecutive positions, after its committed ones); kv: per sequence,
+    its KV; logit_rows: [R] long, the packed rows whose logits the pass returns."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    spans: list[tuple[int, int]]
+    kv: list[SequenceKV]
+    logit_rows: torch.Tensor
+
+    @classmethod
+    def pack(cls, parts: list[tuple[list[int], int, SequenceKV, int]]) -> "Batch":
+        """From (token ids, first position, KV, logits_from) per sequence: rows logits_from.. of the sequence's
+        tokens get logits (0: every row; len(ids) - 1: its last only)."""
+        tokens, positions, spans, kvs, rows = [], [], [], [], []
+        for ids, start, kv, logits_from in parts:
+            s = len(tokens)
+            tokens.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            spans.append((s, len(tokens)))
+            kvs.append(kv)
+            rows.extend(range(s + logits_from, len(tokens)))
+        as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        return cls(as_long(tokens), as_long(positions), spans, kvs, as_long(rows))
+
+
 # ---------------------------------------------------------------------------------------------- the decoder
 
 
@@ -304,24 +344,24 @@ class DecoderModel:
     def norm(self, x: torch.Tensor, store: "WeightStore", name: str) -> torch.Tensor:
         return rms_norm(x, store.get(name), self.args.rms_norm_eps, self.args.gemma_norm)
 
-    def forward(self, store: "WeightStore", tokens: torch.Tensor, cache: "KVCache",
-                all_logits: bool = True) -> torch.Tensor:
-        """tokens: [T] appended after the cache's current length -> logits [T, V] (or [1, V] for the last)."""
+    def forward(self, store: "WeightStore", batch: "Batch") -> torch.Tensor:
+        """One pass over the packed tokens of several sequences -> logits [R, V] of `batch.logit_rows`.
+
+        Embedding, norms, projections, the FFN and MoE routing run over all T packed tokens at once, so each
+        weight is fetched once per pass whatever the number of sequences (for MoE, the union of the experts the
+        tokens route to); attention runs per sequence over its own keys. Each sequence's KV must have room for
+        its span reserved by the caller, who also commits the positions afterwards: the math keeps no state."""
         a = self.args
-        cache.reserve(tokens.shape[0])  # room in the KV window (older blocks may go to disk)
-        start = cache.length
-        positions = torch.arange(start, start + tokens.shape[0])
-        store.begin_pass(tokens.shape[0])
+        tokens, positions = batch.tokens, batch.positions
+        store.begin_pass(tokens.shape[0], longest=max(b - s for s, b in batch.spans))
         x = store.rows("model.embed_tokens.weight", tokens)  # [T, D]
         if a.embed_scale is not None:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
-        rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in self.inv_freq.items()}
+        rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in self.inv_freq.items()}  # [T, Dh] each
         for i in range(a.num_layers):
             with store.layer(i):
-                x = self.block(store, i, x, cache, positions, rope[a.layer_types[i]])
-        cache.advance(tokens.shape[0], tokens.tolist())
-        if not all_logits:
-            x = x[-1:]
+                x = self.block(store, i, x, batch, rope[a.layer_types[i]])
+        x = x[batch.logit_rows]  # [R, D]
         with store.layer(a.num_layers):  # the head's scope
             x = self.norm(x, store, "model.norm.weight")
             parts = [linear(x, w) for w in store.row_blocks(self.lm_head_name())]  # vocab blocks when streamed
@@ -330,9 +370,9 @@ class DecoderModel:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
 
-    def block(self, store, i, x, cache, positions, rope) -> torch.Tensor:
+    def block(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a, p = self.args, self.layer_prefix(i)
-        h = self.attention(store, i, self.norm(x, store, p + "input_layernorm.weight"), cache, positions, rope)
+        h = self.attention(store, i, self.norm(x, store, p + "input_layernorm.weight"), batch, rope)
         if a.sandwich_norm:
             h = self.norm(h, store, p + "post_attention_layernorm.weight")
             x = x + h
@@ -344,7 +384,7 @@ class DecoderModel:
         h = self.moe(store, i, h) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
         return x + h
 
-    def attention(self, store, i, x, cache, positions, rope) -> torch.Tensor:
+    def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a = self.args
         att = self.layer_prefix(i) + "self_attn."
         bias = (lambda n: store.get(att + n + "_proj.bias")) if a.attention_bias else (lambda n: None)
@@ -367,8 +407,10 @@ class DecoderModel:
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        keys, values = cache.update(i, k, v)  # [Hkv, S, Dh]
-        o = attend(q, keys, values, positions, window, self.scale, a.attn_softcap)  # [H, T, Dh]
+        o = torch.empty_like(q)  # [H, T, Dh]
+        for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
+            keys, values = kv.update(i, k[:, s:e], v[:, s:e])  # [Hkv, S, Dh]: its positions so far and these
+            o[:, s:e] = attend(q[:, s:e], keys, values, batch.positions[s:e], window, self.scale, a.attn_softcap)
         o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 

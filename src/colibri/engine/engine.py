@@ -1,0 +1,308 @@
+"""The engine: many sequences, one weight sweep per step (continuous batching).
+
+Each `step()` runs one forward pass over the packed tokens of every running sequence: one token for each
+decoding sequence, then chunks of the prompts still being prefilled, up to `batch_size` tokens in all. Requests
+join (`add_request`) and leave (finished, `abort`) at any step. The engine owns the sequences' KV: it reserves
+room for a pass, commits the positions after it, and keeps the KV pool (every sequence's RAM and the cached
+prefixes) within its budget: a sequence that outgrows the pool makes the newest running one leave RAM for the
+swap file whole (preempted, resumed later with nothing recomputed). The model math sees only the packed batch.
+
+One lock serializes steps, so threads may each add a request and step until theirs finishes: every step
+serves all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk
+from colibri.errors import ColibriError, InputError
+from colibri.models.base import Batch
+from colibri.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from colibri.kv import KVCache
+
+
+class Engine:
+    """Continuous batching over one model's math, weight store and KV space.
+
+    model: anything with `arch` (the family's math), `store` (a WeightStore), `kv` (a KVSpace), `tokenizer`
+    (or None), `eos_ids`, `context_length`, `pass_tokens` (tokens per pass), `max_sequences` and `kv_pool_bytes`
+    (the KV pool's RAM budget; None: unbounded). The engine reads them; it never calls back into the model."""
+
+    def __init__(self, model):
+        self.arch, self.store, self.space = model.arch, model.store, model.kv
+        self.tokenizer, self.eos_ids = model.tokenizer, set(model.eos_ids)
+        self.context = model.context_length
+        self.batch_tokens = model.pass_tokens
+        self.max_sequences = model.max_sequences
+        self.pool_bytes = model.kv_pool_bytes
+        self.waiting: deque[Request] = deque()  # preempted ones first, then new ones in arrival order
+        self.running: list[Request] = []
+        self.steps = 0
+        self.preemptions = 0
+        self._ids = 0
+        self.lock = threading.RLock()
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> Request:
+        """Queue a request (it joins the next step with room). A prompt the context cannot hold is refused here,
+        with an InputError; nothing else is affected."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise InputError("empty prompt: give at least one token of input")
+        if len(ids) >= self.context:
+            raise InputError(f"prompt is {len(ids)} tokens but the context holds {self.context}; shorten the "
+                             "prompt")
+        with self.lock:
+            self._ids += 1
+            req = Request(self._ids, ids, sampling or SamplingParams(), self.tokenizer)
+            if req.params.max_tokens == 0:
+                req.finish("length")
+            else:
+                self.waiting.append(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Stop a request now; its KV is released within this call."""
+        with self.lock:
+            if req.finished:
+                return
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            self._release(req)
+            req.finish("abort")
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def counters(self) -> dict:
+        """Levels and totals for a metrics endpoint: sequences by state, steps, preemptions, KV pool use."""
+        return {"running_sequences": len(self.running), "waiting_sequences": len(self.waiting),
+                "preempted_sequences": sum(1 for r in self.waiting if r.state == PREEMPTED),
+                "engine_steps": self.steps, "preemptions": self.preemptions,
+                "kv_pool_used_bytes": self.space.ram_bytes()}
+
+    # -- the step --------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One forward pass over every running sequence; returns the requests that produced output in it."""
+        with self.lock:
+            self._admit()
+            plan = self._schedule()
+            if not plan:
+                return []
+            io0, kv0 = self._io(), self.space.counters()
+            parts, served = [], []
+            for req, n in plan:
+                cache = req.cache
+                try:
+                    cache.reserve(n)  # older blocks may go to the swap file
+                except ColibriError as e:
+                    self._fail(req, e)
+                    continue
+                ids = (req.ids[cache.length:] + req.draft)[:n]
+                # logits for the last pending row and each draft once the pending tokens are all in; a chunk in
+                # the middle of a prompt still computes its last row (the head's reads stay those of any pass)
+                rows = n - req.pending + 1 if n >= req.pending else 0
+                parts.append((ids, cache.length, cache, n - max(rows, 1)))
+                served.append((req, ids, rows))
+                req.draft = []
+            if not served:
+                return []
+            try:
+                logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]
+            except Exception as e:  # noqa: BLE001 - a failed pass fails its requests; each caller sees it
+                for req, _, _ in served:
+                    self._fail(req, e)
+                return []
+            self.steps += 1
+            io1, kv1 = self._io(), self.space.counters()
+            out, row = [], 0
+            for req, ids, rows in served:
+                req.cache.advance(len(ids), ids)
+                m = req.metrics
+                if io0 is not None:
+                    m.add_io(io0, io1, 1 / len(served))
+                m.add_kv(kv0, kv1, 1 / len(served))
+                if rows:
+                    if not m.prefill_s:
+                        m.prefill_s = time.perf_counter() - m._t0
+                    self._sample(req, logits[row:row + rows], ids[len(ids) - rows + 1:])
+                    out.append(req)
+                row += max(rows, 1)
+                if req.finished:
+                    self.running.remove(req)
+                    self._release(req)
+            return out
+
+    def _sample(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> None:
+        """Sample from logits [1 + len(drafts), V] in order: each draft stands while the token sampled at its
+        row equals it (for a deterministic draft this is exactly the standard acceptance rule, so outputs keep
+        the model's distribution); the KV of rejected drafts is dropped."""
+        for j in range(len(drafts) + 1):
+            token = req.sampler(logits[j], req.ids)
+            req.accept(token, self.eos_ids, self.context)
+            if req.finished or j == len(drafts) or token != drafts[j]:
+                break
+            req.accepted += 1
+        req.drafted += len(drafts)
+        if not req.finished and req.cache.length > len(req.ids) - 1:
+            req.cache.truncate(len(req.ids) - 1)
+
+    def _io(self) -> dict | None:
+        counters = getattr(self.store, "counters", None)  # streaming store; absent when all is in RAM
+        return counters() if counters else None
+
+    def _admit(self) -> None:
+        """Move waiting requests into the running set while there is room: sequences and KV pool."""
+        while self.waiting and len(self.running) < self.max_sequences:
+            req = self.waiting[0]
+            if req.state == PREEMPTED:
+                if self.running and not self._fits(req.cache.ram_after(1)):
+                    return
+                req.cache.swap_in()
+            else:
+                cache, reused = self.space.acquire(req.prompt_ids)
+                grow = cache.ram_after(min(len(req.ids) - reused, self._chunk(cache))) - cache.ram_bytes()
+                if self.running and not self._fits(grow):
+                    self.space.release(cache)
+                    return
+                req.cache = cache
+                req.metrics.prefix_tokens = reused
+                req.metrics.prefill_computed = len(req.ids) - reused
+            self.waiting.popleft()
+            req.state = RUNNING
+            req.admitted_at = self.steps
+            self.running.append(req)
+
+    def _chunk(self, cache: "KVCache") -> int:
+        return min(self.batch_tokens, cache.max_pass)
+
+    def _fits(self, extra: int) -> bool:
+        if self.pool_bytes is None:
+            return True
+        if self.space.ram_bytes() + extra <= self.pool_bytes:
+            return True
+        self.space.drop_live()  # the last conversation's idle KV goes first (its blocks to the prefix cache)
+        return self.space.ram_bytes() + extra <= self.pool_bytes
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, tokens) for this pass: every decoding sequence, then prompt chunks, within batch_tokens;
+        preempting the newest sequences while their growth would overflow the KV pool."""
+        while True:
+            budget, plan = self.batch_tokens, []
+            decoding = [r for r in self.running if r.pending == 1]
+            prefilling = [r for r in self.running if r.pending > 1]
+            for req in decoding + prefilling:
+                room = min(budget, req.cache.max_pass)
+                n = min(req.pending, room)
+                if n <= 0:
+                    break
+                if req.draft:  # drafts ride along only whole, after all pending tokens, within the context
+                    if n + len(req.draft) <= room and len(req.ids) + len(req.draft) < self.context \
+                            and n == req.pending:
+                        n += len(req.draft)
+                    else:
+                        req.draft = []
+                plan.append((req, n))
+                budget -= n
+            if self.pool_bytes is None or len(self.running) <= 1:
+                return plan
+            grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
+            if self._fits(grow):
+                return plan
+            self._preempt(max(self.running, key=lambda r: (r.admitted_at, r.id)))
+
+    def _preempt(self, req: Request) -> None:
+        """The whole sequence leaves RAM for the swap file; it resumes, first in line, when there is room."""
+        try:
+            req.cache.swap_out()
+        except ColibriError as e:
+            self.running.remove(req)
+            self._release(req)
+            req.fail(InputError(f"the KV pool ({self.pool_bytes} bytes) is full and this sequence could not be "
+                                f"moved to the swap file: {e}"))
+            return
+        self.running.remove(req)
+        req.state = PREEMPTED
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.cache is not None:
+            cache, req.cache = req.cache, None
+            if cache.swapped:  # nothing of it in RAM to keep: its slots are freed
+                cache.release()
+            self.space.release(cache)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.fail(error)
+
+    # -- whole sequences, outside the step loop --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], chunk: int | None = None) -> Iterator[torch.Tensor]:
+        """Logits of every position of `ids` (float32 [n, V] per chunk of at most `chunk` tokens), in a fresh
+        cache of its own that is released afterwards; steps of other requests may run between chunks."""
+        if len(ids) > self.context:
+            raise InputError(f"input is {len(ids)} tokens but the context holds {self.context}")
+        cache = self.space.new_cache()
+        try:
+            step = min(chunk or self.batch_tokens, self._chunk(cache))
+            for s in range(0, len(ids), step):
+                part = ids[s:s + step]
+                with self.lock:
+                    cache.reserve(len(part))
+                    logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
+                    cache.advance(len(part), part)
+                yield logits.float()
+        finally:
+            with self.lock:
+                cache.release()
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        """One request's chunks as they come, stepping the engine (and every other request in it) meanwhile;
+        closing the iterator early aborts the request. A refused or failed request raises its error."""
+        req = self.add_request(prompt_ids, params)
+        try:
+            while True:
+                done = req.finished  # read first: a request's last chunk is queued before it is marked finished
+                yield from req.take()
+                if done:
+                    break
+                with self.lock:
+                    if not req.finished and not req._chunks:
+                        self.step()
+            if req.error is not None:
+                raise req.error
+        finally:
+            if not req.finished:
+                self.abort(req)
+
+    def run(self, requests: list[Request]) -> None:
+        """Step until every one of `requests` has finished."""
+        while any(not r.finished for r in requests):
+            self.step()
+
+    def close(self) -> None:
+        with self.lock:
+            for req in list(self.waiting) + list(self.running):
+                self.abort(req)
+
+
+__all__ = ["Engine", "Request", "StreamChunk", "WAITING", "RUNNING", "PREEMPTED", "FINISHED"]
