@@ -38,7 +38,8 @@ def step_tokens(model: "Model", prompt_ids: list[int], params: SamplingParams,
         raise InputError("empty prompt: give at least one token of input")
     ctx = model.context_length
     if len(prompt_ids) >= ctx:
-        raise InputError(f"prompt is {len(prompt_ids)} tokens but the context holds {ctx}; shorten the prompt")
+        raise InputError(f"prompt is {len(prompt_ids)} tokens but the context holds {ctx} with the reply; "
+                         "shorten the prompt or raise --ctx-length")
     metrics.prompt_tokens = len(prompt_ids)
     sampler = Sampler(params)
     space = model.kv

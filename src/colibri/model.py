@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -124,13 +125,48 @@ def describe(path: str | Path) -> dict[str, str]:
     return info
 
 
+class OneAtATime:
+    """Serializes the generations of one Model across threads: its weight store's layer scopes and its KV space
+    serve one forward pass at a time, so a second thread waits for the first to finish. Re-entrant for the thread
+    already generating (a generate() called while iterating a stream() runs, on a cache of its own); released by
+    whichever thread ends the run (a stream closed by the garbage collector elsewhere)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with self._cv:
+            while self._owner not in (None, me):
+                self._cv.wait()
+            self._owner, self._depth = me, self._depth + 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cv.notify_all()
+
+    def stream(self, chunks: Iterator) -> Iterator:
+        """`chunks` consumed under the lock, taken at the first chunk and released when the stream ends."""
+        with self:
+            yield from chunks
+
+
 class Model:
     def __init__(self, path: str | Path, memory_limit=None, dtype=None, threads: int | None = None,
                  io_threads: int = 2, prefetch_depth: int | None = None, ctx_length: int | None = None,
                  batch_size: int = budget.DEFAULT_BATCH, kv_ram=None, kv_quant: str | None = None, swap=None,
                  swap_dir=None, kv_block: int | None = None):
-        if threads:
-            torch.set_num_threads(int(threads))
+        if threads is not None:
+            if not isinstance(threads, int) or threads < 1:
+                raise InputError(f"threads must be a positive integer (got {threads!r})")
+            torch.set_num_threads(threads)
+        self.closed = False
+        self._turn = OneAtATime()
         self.path = Path(path)
         self.checkpoint, self.args, self.arch = open_model(self.path)
         ckpt = self.checkpoint
@@ -218,6 +254,10 @@ class Model:
         ids = self.prompt_ids(token_ids)
         if len(ids) > self.context_length:
             raise InputError(f"input is {len(ids)} tokens but the context holds {self.context_length}")
+        with self._turn:
+            return self._logits(ids)
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
         cache = self.new_cache()
         parts, step = [], self.pass_tokens
         try:
@@ -230,7 +270,14 @@ class Model:
 
     # -- generation ------------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError(f"the model {self.path} is closed; load it again (colibri.load) to use it")
+
     def prompt_ids(self, prompt) -> list[int]:
+        self._check_open()
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise InputError("the prompt is bytes; give text (e.g. prompt.decode('utf-8')) or a list of token ids")
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("empty prompt: give some text")
@@ -254,39 +301,49 @@ class Model:
             raise InputError(f"unknown sampling option: {e}") from None
 
     def stream(self, prompt, **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
+        return self._turn.stream(gen.stream(self, self.prompt_ids(prompt), self.sampling_params(**sampling)))
 
     def generate(self, prompt, **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
+        ids, params = self.prompt_ids(prompt), self.sampling_params(**sampling)
+        with self._turn:
+            return gen.generate(self, ids, params)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
+        self._check_open()
         if self.tokenizer is None:
             raise InputError(f"{self.path} has no tokenizer; chat needs one")
         return self.tokenizer.encode_chat(messages)
 
     def chat(self, messages: list[dict], **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self.chat_ids(messages), self.sampling_params(**sampling))
+        ids, params = self.chat_ids(messages), self.sampling_params(**sampling)
+        with self._turn:
+            return gen.generate(self, ids, params)
 
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self.chat_ids(messages), self.sampling_params(**sampling))
+        return self._turn.stream(gen.stream(self, self.chat_ids(messages), self.sampling_params(**sampling)))
 
     # -- conversations on disk ---------------------------------------------------------------------------
 
     def save_session(self, path: str | Path, messages: list[dict] | None = None) -> Path:
         """Save the live sequence's KV (the last generation's prompt and reply) and `messages` to `path`."""
         from colibri import session
-        return session.save(path, self, self.kv.live if self.kv.live is not None and self.kv.live.length else None,
-                            messages)
+        self._check_open()
+        with self._turn:
+            return session.save(path, self, self.kv.live if self.kv.live is not None and self.kv.live.length
+                                else None, messages)
 
     def load_session(self, path: str | Path) -> list[dict]:
         """Make a saved sequence the live one (the next prompt that extends it prefills only its new tokens);
         returns the saved messages."""
         from colibri import session
-        cache, messages = session.load(path, self)
-        self.kv.adopt(cache)
+        self._check_open()
+        with self._turn:
+            cache, messages = session.load(path, self)
+            self.kv.adopt(cache)
         return messages
 
     def close(self) -> None:
+        self.closed = True
         self.store.close()
         self.kv.close()
         self.checkpoint.close()
