@@ -66,6 +66,15 @@ def quantized(ckpt) -> bool:
     return hasattr(ckpt, "manifest") and any(t["kind"] in ("q4", "q8") for t in ckpt.tensors.values())
 
 
+def weights_floor(ckpt, args, memory_limit, batch: int) -> int | None:
+    """The staging a container's weights need at the least under a limit (None: no limit, or not a container:
+    nothing streams)."""
+    if memory_limit is None or not hasattr(ckpt, "manifest"):
+        return None
+    from colibri.streaming import minimum_staging
+    return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
+
+
 def open_model(path: Path):
     """(checkpoint, ModelArgs, family math) without reading any weight."""
     ckpt = open_checkpoint(path)
@@ -176,7 +185,7 @@ class Model:
         self.tokenizer = self._tokenizer()
         self.batch_size = int(batch_size)
         conf = budget.settings(self.args, self.dtype, memory_limit, ctx_length, self.batch_size, kv_ram, kv_quant,
-                               kv_block, quantized(ckpt))
+                               kv_block, quantized(ckpt), weights_floor(ckpt, self.args, memory_limit, self.batch_size))
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
         if swap is None and swap_dir is None:
             from colibri.defaults import cache_dir
@@ -367,7 +376,7 @@ def plan(path: str | Path, memory_limit, dtype=None, prefetch_depth: int | None 
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
         dt = resolve_dtype(dtype) or checkpoint_dtype(ckpt)
         conf = budget.settings(args, dt, memory_limit, ctx_length, batch_size, kv_ram, kv_quant,
-                               quantized=quantized(ckpt))
+                               quantized=quantized(ckpt), floor=weights_floor(ckpt, args, memory_limit, batch_size))
         limit, res = conf.limit, conf.reserve
         usage = None
         if args.num_experts:
