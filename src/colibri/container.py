@@ -328,12 +328,17 @@ class ContainerCheckpoint:
         tok = m.get("tokenizer") or {}
         self.special = dict(tok.get("special") or {})
         self.chat_template = None
-        if tok.get("chat_template_file"):
-            self.chat_template = (self.path / tok["chat_template_file"]).read_text(encoding="utf-8")
         self.tokenizer = None
-        if tok.get("file"):
-            from tokenizers import Tokenizer
-            self.tokenizer = Tokenizer.from_file(str(self.path / tok["file"]))
+        try:
+            if tok.get("chat_template_file"):
+                self.chat_template = (self.path / tok["chat_template_file"]).read_text(encoding="utf-8")
+            if tok.get("file"):
+                from tokenizers import Tokenizer
+                self.tokenizer = Tokenizer.from_file(str(self.path / tok["file"]))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type for a damaged file
+            raise ModelLoadError(f"{self.path}: the tokenizer or chat template file is missing or damaged "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); reconvert "
+                                 "the model") from None
         self._fds: dict[int, int] = {}
 
     def tensor_names(self) -> list[str]:
