@@ -109,12 +109,23 @@ class KVPlan:
                 "kv_working_bytes": self.working, "kv_quant": self.layout.quant, "kv_block_tokens": self.layout.block}
 
 
+def kv_working_bytes(args, lay, full: int, dtype: torch.dtype) -> int:
+    """RAM an offloaded context needs besides its window: one layer's K and V for the whole context (compute
+    dtype), two read buffers of its blocks, a write buffer."""
+    return (2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
+            + 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes)
+
+
 def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int | None = None,
-            quant: str | None = None, block: int | None = None, explicit_ctx: bool = True) -> KVPlan:
+            quant: str | None = None, block: int | None = None, explicit_ctx: bool = True,
+            spare: int | None = None) -> KVPlan:
     """Split the KV share. `kv_ram` (bytes) set: the live window and the prefix cache share it. Unset: without a
     memory limit the whole context stays in RAM and as much again may cache prefixes; under a limit the
     context's KV stays in RAM (the default context was chosen to fit), unless a context asked for explicitly
-    would take more than KV_SHARE of the limit: then that share is the RAM window and older blocks go to disk."""
+    does not fit KV_SHARE of the limit or the `spare` bytes (the limit less the activations and the weights'
+    minimum working set): then the largest window that fits both is kept in RAM and older blocks go to disk.
+    Bounding the window by `spare` makes acceptance upward-closed: a larger limit never gets a window that no
+    longer fits beside the rest."""
     lay = kv_layout(args, dtype, quant, block)
     full = -(-ctx // lay.block) * lay.block
     ctx_bytes = full * lay.token_bytes
@@ -122,19 +133,18 @@ def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int |
         if limit is None:
             return KVPlan(lay, ctx, None, ctx_bytes, 0)
         share = int(KV_SHARE * limit)
-        if ctx_bytes <= share or not explicit_ctx or share // lay.token_bytes < 2 * lay.block:
+        room = share if spare is None else min(share, spare - kv_working_bytes(args, lay, full, dtype))
+        fits_whole = ctx_bytes <= share and (spare is None or ctx_bytes <= spare)
+        if fits_whole or not explicit_ctx or room // lay.token_bytes < 2 * lay.block:
             return KVPlan(lay, ctx, None, 0, 0)  # a limit too small for it is refused with the minimum
-        kv_ram = share
+        kv_ram = room
     window = kv_ram // lay.token_bytes // lay.block * lay.block
     if window >= full:
         return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, 0)
     if window < 2 * lay.block:
         raise InputError(f"a KV RAM share of {kv_ram} bytes holds {kv_ram // lay.token_bytes} tokens; it must hold "
                          f"at least {2 * lay.block} ({2 * lay.block * lay.token_bytes} bytes): raise --kv-ram")
-    # one layer's K and V for the whole context (compute dtype), two read buffers of its blocks, a write buffer
-    working = (2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
-               + 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes)
-    return KVPlan(lay, ctx, window, 0, working)
+    return KVPlan(lay, ctx, window, 0, kv_working_bytes(args, lay, full, dtype))
 
 
 @dataclass
@@ -176,13 +186,77 @@ class Settings:
     reserve: Reserve
 
 
-def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = False) -> Settings:
-    """Resolve a config's memory settings for a model: limit, context, KV plan and reserve."""
+def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = False,
+             floor: int | None = None) -> Settings:
+    """Resolve a config's memory settings for a model: limit, context, KV plan and reserve. `floor`: the weights'
+    minimum working set under a limit (streaming.minimum_staging); given, a limit is accepted iff reserve + floor
+    fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
+    found with the same test."""
     limit, ram = config.limit_bytes, config.kv_ram_bytes
-    ctx = context_length(args, config.ctx_length, limit, dtype, config.kv_quant)
-    kv = kv_plan(args, ctx, dtype, limit, ram, config.kv_quant, config.kv_block,
-                 explicit_ctx=config.ctx_length is not None)
-    return Settings(limit, ctx, kv, reserve(args, ctx, config.batch_size, dtype, kv, limit is not None, quantized))
+    options = (args, dtype, config.ctx_length, config.batch_size, ram, config.kv_quant, config.kv_block, quantized,
+               floor)
+    conf = _resolve(limit, *options)
+    if limit is not None and floor is not None and not _accepted(conf, floor):
+        least = minimum_limit(options, limit)
+        raise InputError(f"memory limit {_fmt(limit)} is below this model's minimum working set of {_fmt(least)} "
+                         f"(with the KV cache and activations for a {_resolve(least, *options).ctx}-token context);"
+                         " raise --memory-limit or lower --ctx-length / --batch-size")
+    return conf
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _accepted(conf: Settings, floor: int) -> bool:
+    return conf.limit >= conf.reserve.total + floor
+
+
+def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized,
+             floor) -> Settings:
+    """The settings a limit gets. The automatic context (none asked for, under a limit) is the largest of
+    LIMITED_CTX, halved down to MIN_CTX, whose KV cache is at most KV_SHARE of the limit and whose reserve fits
+    beside `floor`; the smallest when none does (then refused)."""
+    if ctx_length is not None or limit is None:
+        ladder = [context_length(args, ctx_length, limit, dtype, kv_quant)]
+    else:
+        ladder = [min(args.max_position_embeddings, LIMITED_CTX)]
+        while ladder[-1] > MIN_CTX:
+            ladder.append(ladder[-1] // 2)
+    for i, ctx in enumerate(ladder):
+        act = reserve(args, ctx, batch, dtype, None, limit is not None, quantized).activation_bytes
+        spare = None if limit is None or floor is None else limit - floor - act
+        kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None,
+                     spare=spare)
+        conf = Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized))
+        last = i == len(ladder) - 1
+        if last or (kv_bytes(args, ctx, dtype, kv_quant) <= KV_SHARE * limit
+                    and (floor is None or _accepted(conf, floor))):
+            return conf
+    raise AssertionError("unreachable: the ladder's last context is returned")
+
+
+def minimum_limit(options: tuple, upper: int) -> int:
+    """The smallest limit `_resolve` accepts (bisection: acceptance is upward-closed by construction; the
+    property test sweeps it). `upper` need not be accepted: the search doubles it until it is."""
+    floor = options[-1]
+
+    def ok(limit: int) -> bool:
+        try:
+            return _accepted(_resolve(limit, *options), floor)
+        except InputError:  # e.g. a KV window of under two blocks: not accepted at this limit
+            return False
+
+    hi = max(int(upper), 1)
+    while not ok(hi):
+        if hi > 1 << 50:
+            raise InputError("no memory limit fits these settings; lower --ctx-length / --batch-size / --kv-ram")
+        hi *= 2
+    lo = 0  # not accepted
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
 
 
 def rss_bytes() -> int:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Any
 
 from colibri import config as defaults
-from colibri.errors import ColibriError, InputError
+from colibri.errors import ColibriError, InputError, Terminated
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
 OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
@@ -79,6 +81,39 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
 }
+# Bounds of numeric options, checked as argparse parses them (so a bad value is a usage error naming the option):
+# option -> (smallest, largest) accepted; None: unbounded on that side.
+BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "threads": (1, None), "io_threads": (1, 64), "prefetch_depth": (0, None), "ctx_length": (1, None),
+    "batch_size": (1, None), "max_sequences": (1, 4096), "max_tokens": (0, None), "temperature": (0, None),
+    "top_p": (0, 1), "top_k": (0, None),
+    "min_p": (0, 1), "repetition_penalty": (0, None), "seed": (-2**63, 2**64 - 1), "tokens": (1, None),
+    "probe_seconds": (0, 3600), "group_size": (1, None), "page_size": (1, 4096),
+}
+
+
+def bounded(name: str, kind: type):
+    """An argparse type: `kind` (int or float) within BOUNDS[name]; finite for floats."""
+    lo, hi = BOUNDS[name]
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if kind is float and value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            span = (f"between {lo} and {hi}" if lo is not None and hi is not None else
+                    f"at least {lo}" if lo is not None else f"at most {hi}")
+            raise argparse.ArgumentTypeError(f"must be {span} (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "debug"]
 ENGINE = ["max_sequences"]
@@ -92,8 +127,10 @@ def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any])
     for name in names:
         kwargs, env = OPTIONS[name]
         kwargs = {**kwargs, **changes.get(name, {})}
+        if name in BOUNDS and kwargs.get("type") in (int, float):
+            kwargs["type"] = bounded(name, kwargs["type"])
         if env and os.environ.get(env):
-            kwargs["default"] = os.environ[env] if "type" not in kwargs else kwargs["type"](os.environ[env])
+            kwargs["default"] = os.environ[env]  # a string default goes through `type` like an argument
             kwargs["required"] = False
             kwargs["help"] += f" [env {env}]"
         parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
@@ -197,12 +234,20 @@ def session_path(args):
 
 
 def cmd_chat(args) -> int:
+    from colibri.session import SessionLock
+    saved = session_path(args)
+    if saved is None:
+        return chat_loop(args, None)
+    with SessionLock(saved):  # one chat per conversation: a second is refused before it loads anything
+        return chat_loop(args, saved)
+
+
+def chat_loop(args, saved) -> int:
     m = load_model(args)
     if m.tokenizer is None or m.tokenizer.chat_template is None:
         raise InputError(f"{m.path} has no chat template; use `colibri run --raw` instead")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
-    saved = session_path(args)
     if saved is not None and saved.exists():
         history = [msg for msg in m.load_session(saved) if msg.get("role") != "system"]
         print(f"(resumed {saved}: {len(history)} messages, {m.kv.live.length} tokens of KV)", file=sys.stderr)
@@ -344,13 +389,23 @@ def quiet_openmp(args) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap}[args.command]
+    # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return handler(args)
+    except Terminated:
+        print("\nterminated (SIGTERM); temporary files removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ColibriError as e:
         if args.debug:
             traceback.print_exc()
@@ -366,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: internal error ({type(e).__name__}: {e}); rerun with --debug and report it", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

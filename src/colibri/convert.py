@@ -138,6 +138,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
     ckpt, args, arch = open_model(src)
+    if hasattr(ckpt, "manifest"):
+        ckpt.close()
+        raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
+                         "made from")
     shapes = arch.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = hasattr(ckpt, "raw_tensor")
@@ -146,7 +150,8 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     try:
         return write_container(dst, ckpt.config, shapes, args.tie_word_embeddings, opts,
                                lambda entry: encode(entry, ckpt), source_fingerprint(src, opts), source,
-                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages)
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
+                               fresh=force)
     finally:
         ckpt.close()
 
@@ -155,23 +160,33 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    pause_after_pages: int | None = None) -> ConvertReport:
-    """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces."""
+                    pause_after_pages: int | None = None, fresh: bool = False) -> ConvertReport:
+    """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
+    An interrupted run's partial directory is resumed (`fresh`: discarded), its journaled pages checked first."""
     t0 = time.perf_counter()
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
                                         source_types)
     total = sum(sizes)
     work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
-    journal = _open_journal(work, fingerprint)
-    done = {int(k): v for k, v in journal["pages"].items()}
-    _check_space(dst.parent if dst.parent.exists() else Path("."), total, work)
-
+    fds: list[int] = []
+    try:
+        journal = _open_journal(work, fingerprint, fresh)
+        _check_space(dst.parent if dst.parent.exists() else Path("."), total, work)
+        for i in range(len(sizes)):
+            fds.append(os.open(work / f"data-{i:05d}.bin", os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        if not _journaled(work):
+            shutil.rmtree(work, ignore_errors=True)  # nothing worth resuming
+        raise ColibriError(f"cannot write the container at {work}: {e.strerror}; check that the --output "
+                           "directory is writable") from None
     by_name = {t.name: t for t in tensors}
-    fds = [os.open(work / f"data-{i:05d}.bin", os.O_RDWR | os.O_CREAT, 0o644) for i in range(len(sizes))]
-    written = sum(p.nbytes for p in pages if p.id in done)
     try:
         for i, size in enumerate(sizes):
             os.ftruncate(fds[i], size)
+        done = _intact_pages(journal, pages, fds)
+        written = sum(p.nbytes for p in pages if p.id in done)
         for page in pages:
             if page.id in done:
                 page.checksum = done[page.id]["checksum"]
@@ -200,7 +215,8 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             shutil.rmtree(work, ignore_errors=True)
             raise ColibriError(f"no space left on the device writing {work}: the container needs {total / 2**30:.2f}"
                                " GiB; free some space and run the command again") from None
-        raise
+        raise ColibriError(f"writing {work} failed: {e.strerror or e}; check the disk and run the command again "
+                           "(finished pages are kept and resumed)") from None
     finally:
         for fd in fds:
             os.close(fd)
@@ -216,10 +232,13 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         "tensors": [asdict(t) for t in tensors],
         "pages": [asdict(p) for p in pages],
     }
+    manifest = json.loads(json.dumps(manifest))  # as a reader will parse it (tuples become lists)
+    manifest["checksum"] = container.manifest_checksum(manifest)
     write_json_atomic(work / MANIFEST, manifest)
     bad = next(container.ContainerCheckpoint(work).verify(), None)
     if bad:
-        raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; rerun with --force")
+        raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; check the disk and "
+                           "rerun with --force")
     (work / JOURNAL).unlink()
     fsync_dir(work)
     if dst.exists():
@@ -234,10 +253,35 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     return ConvertReport(dst, written, total, len(done), time.perf_counter() - t0)
 
 
-def _open_journal(work: Path, fp: str) -> dict:
+def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int]) -> dict[int, dict]:
+    """The journaled pages whose bytes on disk still match their journaled checksum (crc over one read of each):
+    a page damaged after it was journaled is dropped from the journal and written again, so a resumed run can
+    never keep a bad page forever."""
+    done = {}
+    for page in pages:
+        entry = journal["pages"].get(str(page.id))
+        if entry is None:
+            continue
+        data = os.pread(fds[page.file], page.nbytes, page.offset)
+        if len(data) == page.nbytes and checksum_str(crc32(data)) == entry.get("checksum"):
+            done[page.id] = entry
+        else:
+            del journal["pages"][str(page.id)]
+    return done
+
+
+def _journaled(work: Path) -> bool:
+    """Whether `work` holds a journal with finished pages (worth resuming)."""
+    try:
+        return bool(json.loads((work / JOURNAL).read_text()).get("pages"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _open_journal(work: Path, fp: str, fresh: bool = False) -> dict:
     """Resume state from an earlier interrupted run with the same fingerprint, or a fresh partial directory."""
     jf = work / JOURNAL
-    if jf.is_file():
+    if jf.is_file() and not fresh:
         try:
             journal = json.loads(jf.read_text())
             if journal.get("fingerprint") == fp:

@@ -19,3 +19,8 @@ class InputError(ColibriError):
 
 class StorageError(ColibriError):
     """Reading weights from disk failed (I/O error, file truncated or replaced); names the file and offset."""
+
+
+class Terminated(BaseException):
+    """The process got SIGTERM. Raised by the CLI's signal handler so that cleanup runs as for Ctrl-C (temporary
+    swap files deleted, a half-written session discarded); a BaseException, so `except Exception` lets it pass."""

@@ -467,6 +467,8 @@ class Reader:
                 err = e
             except OSError as e:
                 err = self._error(read, req.offset, f"{e.strerror or e} (errno {e.errno})")
+            except Exception as e:  # noqa: BLE001 - whatever fails, the waiter gets it instead of waiting forever
+                err = self._error(read, req.offset, f"unexpected {type(e).__name__}: {e}")
             t1 = time.perf_counter()
             result = None
             with self._cv:
@@ -491,7 +493,16 @@ class Reader:
                 if read.error is not None and read.inflight == 0 and not read.future.done():
                     result = (read.future.set_exception, read.error)
             if result is not None:
-                result[0](result[1])  # outside the lock: callbacks may submit more reads
+                self._resolve(read, *result)
+
+    def _resolve(self, read: _Read, how: Callable, arg) -> None:
+        """Settle a read's Future outside the lock (callbacks may submit more reads). Nothing that goes wrong
+        here may end the thread or leave the Future pending: a waiter would block forever."""
+        try:
+            how(arg)
+        except Exception as e:  # noqa: BLE001 - handed to the waiter below
+            if not read.future.done():
+                read.future.set_exception(self._error(read, read.offset, f"unexpected {type(e).__name__}: {e}"))
 
     def _finish(self, read: _Read) -> None:
         if read.verify is not None:
@@ -499,6 +510,10 @@ class Reader:
                 read.verify(read.buffer.memoryview(read.buffer_offset, read.nbytes))
             except StorageError as e:
                 read.future.set_exception(e)
+                return
+            except Exception as e:  # noqa: BLE001 - a broken check (a damaged manifest entry) is a failed read
+                read.future.set_exception(self._error(read, read.offset, f"its check failed with "
+                                                      f"{type(e).__name__}: {e}"))
                 return
         read.future.set_result(read.buffer)
 

@@ -120,7 +120,7 @@ class KVCache:
         self.max_length = max_length
         full = align_up(max_length, B)
         self.window = full if window is None else min(full, window // B * B)
-        if self.window < 2 * B:
+        if self.window < full and self.window < 2 * B:  # spilling needs one block in RAM beside the oldest
             raise InputError(f"a KV window of {self.window} tokens is too small; it must hold two blocks "
                              f"({2 * B} tokens)")
         self.space = space
@@ -396,7 +396,11 @@ class KVCache:
             self._wbuf = AlignedBuffer(lay.block_bytes)
         data = self.encode_block(b, self._wbuf.tensor(0, lay.block_bytes))
         slot = self.space.alloc_slot()
-        self.space.swap.write(slot, data)
+        try:
+            self.space.swap.write(slot, data)
+        except BaseException:
+            self.space.free_slot(slot)  # the block stays in the window; the slot is not leaked
+            raise
         self.slots.append(slot)
         self.base += lay.block
 

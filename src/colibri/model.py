@@ -67,6 +67,15 @@ def quantized(ckpt) -> bool:
     return hasattr(ckpt, "manifest") and any(t["kind"] in ("q4", "q8") for t in ckpt.tensors.values())
 
 
+def weights_floor(ckpt, args, memory_limit, batch: int) -> int | None:
+    """The staging a container's weights need at the least under a limit (None: no limit, or not a container:
+    nothing streams)."""
+    if memory_limit is None or not hasattr(ckpt, "manifest"):
+        return None
+    from colibri.streaming import minimum_staging
+    return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
+
+
 def open_model(path: Path):
     """(checkpoint, ModelArgs, family math) without reading any weight."""
     ckpt = open_checkpoint(path)
@@ -131,6 +140,7 @@ class Model:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.closed = False
         if config.threads:
             torch.set_num_threads(int(config.threads))
         self.path = config.model_path()
@@ -142,7 +152,8 @@ class Model:
         self.tokenizer = self._tokenizer()
         self.batch_size = config.batch_size
         self.max_sequences = config.max_sequences
-        conf = budget.settings(self.args, self.dtype, config, quantized(ckpt))
+        conf = budget.settings(self.args, self.dtype, config, quantized(ckpt),
+                               weights_floor(ckpt, self.args, config.memory_limit, self.batch_size))
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
         # the KV pool's RAM, shared by every sequence and the cached prefixes: bounded under a memory limit or
         # an explicit --kv-ram, else it grows as sequences need
@@ -215,7 +226,14 @@ class Model:
 
     # -- generation ------------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError(f"the model {self.path} is closed; load it again (colibri.load) to use it")
+
     def prompt_ids(self, prompt) -> list[int]:
+        self._check_open()
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise InputError("the prompt is bytes; give text (e.g. prompt.decode('utf-8')) or a list of token ids")
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("empty prompt: give some text")
@@ -245,6 +263,7 @@ class Model:
         return gen.generate(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
+        self._check_open()
         if self.tokenizer is None:
             raise InputError(f"{self.path} has no tokenizer; chat needs one")
         return self.tokenizer.encode_chat(messages)
@@ -260,6 +279,7 @@ class Model:
     def save_session(self, path: str | Path, messages: list[dict] | None = None) -> Path:
         """Save the live sequence's KV (the last generation's prompt and reply) and `messages` to `path`."""
         from colibri import session
+        self._check_open()
         with self.engine.lock:
             live = self.kv.live
             return session.save(path, self, live if live is not None and live.length else None, messages)
@@ -268,12 +288,14 @@ class Model:
         """Make a saved sequence the live one (the next prompt that extends it prefills only its new tokens);
         returns the saved messages."""
         from colibri import session
+        self._check_open()
         with self.engine.lock:
             cache, messages = session.load(path, self)
             self.kv.adopt(cache)
         return messages
 
     def close(self) -> None:
+        self.closed = True
         self.engine.close()
         self.store.close()
         self.kv.close()
@@ -299,7 +321,8 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
         if not hasattr(ckpt, "manifest"):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
         dt = resolve_dtype(config.dtype) or checkpoint_dtype(ckpt)
-        conf = budget.settings(args, dt, config, quantized=quantized(ckpt))
+        conf = budget.settings(args, dt, config, quantized=quantized(ckpt),
+                               floor=weights_floor(ckpt, args, config.memory_limit, config.batch_size))
         limit, res = conf.limit, conf.reserve
         usage = None
         if args.num_experts:

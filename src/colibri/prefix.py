@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from colibri.errors import InputError
+from colibri.errors import InputError, StorageError
 from colibri.io import AlignedBuffer
 from colibri.kv import KVCache, KVLayout
-from colibri.swap import SwapFile, check as check_swap
+from colibri.swap import SwapFile
 
 COMMIT_MIN_BLOCKS = 2  # a live sequence cut back by fewer full blocks is not copied to the trie (a re-tokenized
 # tail of the last reply, not a branch worth keeping)
@@ -62,12 +62,12 @@ class KVSpace:
         self._caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
         self.prefix_ram = max(0, int(prefix_ram))
         self.swap_path = None if swap_path is None else Path(swap_path)
-        if self.swap_path is not None:
-            check_swap(self.swap_path)  # refused at load, before any work
         self.swap_dir = Path(swap_dir) if swap_dir is not None else None
         self.layer_windows = layer_windows
         self.io_threads = io_threads
         self._swap: SwapFile | None = None
+        if self.swap_path is not None:
+            _ = self.swap  # opened and locked at load: a bad or busy file is refused before any work
         self.root = Node((), None)
         self._clock = itertools.count(1)
         self.live: KVCache | None = None
@@ -217,7 +217,7 @@ class KVSpace:
                     self.swap.ref(cache.slots[b])
                     child.slot = cache.slots[b]
                 elif not self._store(child, lambda: cache.encode_block(b)):
-                    return
+                    return  # no room (or the swap write failed): the rest of the prefix stays uncached
                 node.children[key] = child
                 self._count += 1
             child.stamp = next(self._clock)
@@ -244,13 +244,25 @@ class KVSpace:
             self._ram += node.data.numel()
             return True
         if self.swap_open:
-            s = self.swap.alloc()
+            s = self._write_to_swap(encode())
             if s is None:
                 return False
-            self.swap.write(s, encode())
             node.slot = s
             return True
         return False
+
+    def _write_to_swap(self, block: torch.Tensor) -> int | None:
+        """A new swap slot holding `block`, or None when the swap file is full or the write fails: caching a
+        prefix only saves work, so a full disk (ENOSPC) costs that saving, never the request that triggered it."""
+        s = self.swap.alloc()
+        if s is None:
+            return None
+        try:
+            self.swap.write(s, block)
+        except StorageError:
+            self.swap.free(s)
+            return None
+        return s
 
     def _evict(self, disk: bool) -> bool:
         """Free the least recently used leaf held in RAM (disk=False: moved to the swap file when there is
@@ -261,9 +273,8 @@ class KVSpace:
             return False
         n = min(leaves, key=lambda x: x.stamp)
         if not disk and self.swap_open:
-            s = self.swap.alloc()
+            s = self._write_to_swap(n.data)
             if s is not None:
-                self.swap.write(s, n.data)
                 self._ram -= n.data.numel()
                 n.slot, n.data = s, None
                 return True

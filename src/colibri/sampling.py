@@ -32,6 +32,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p})"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0 (got {self.repetition_penalty})"),
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             f"seed must be an integer in [-2**63, 2**64) (got {self.seed!r})"),
         ]
         for ok, msg in checks:
             if not ok:

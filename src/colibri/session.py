@@ -5,10 +5,15 @@ token ids, messages, one crc32 per block as 8 hex digits) padded to 4096 bytes, 
 last one partly used). Saving writes a temporary file, fsyncs it and renames it over the old one, so a crash
 leaves the previous turn's file or the new one, never a mix. Loading refuses a file saved for another model,
 container, compute dtype, KV quantization, block size or format version, and one whose blocks fail their crc.
+
+A conversation has one writer at a time: `SessionLock` holds an exclusive `flock` on `NAME.lock` beside the file
+for as long as a chat uses it, so a second `chat --session NAME` is refused at start instead of both running and
+the last to save silently dropping the other's turns. The lock is released when its process ends, however.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import zlib
@@ -26,6 +31,58 @@ if TYPE_CHECKING:
 
 MAGIC = b"COLIBRI-KV-SESSION\n"
 VERSION = 1
+
+
+class SessionLock:
+    """Exclusive use of the conversation file `path` while held (a context manager; also released at exit)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        while True:
+            try:
+                self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise InputError(f"cannot lock the conversation {self.path}: {e.strerror}; check the --kv-dir "
+                                 "directory") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                owner = self._owner()
+                raise InputError(f"the conversation {self.path} is in use by another colibri chat{owner}; wait "
+                                 "for it to end or choose another --session") from None
+            # the holder before us may have unlinked the lock file after we opened it: lock the file at the path
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self._fd: int | None = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _owner(self) -> str:
+        try:
+            return f" (pid {int(self.lock_path.read_text().strip())})"
+        except (OSError, ValueError):
+            return ""
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.lock_path.unlink(missing_ok=True)  # while still locked: a waiter re-checks the path (above)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "SessionLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def model_identity(model: "Model") -> str:
@@ -63,7 +120,6 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
     """Write `cache` (None: an empty conversation) and `messages` to `path` atomically, one block at a time (the
     checksums are fixed-width hex, so the header is written last, in place)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lay = model.kv.layout
     length = cache.length if cache is not None else 0
     nblocks = -(-length // lay.block)
@@ -73,6 +129,7 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
     size = len(_header(head))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.seek(size)
             buf = torch.empty(lay.block_bytes, dtype=torch.uint8)
@@ -90,9 +147,12 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError as e:
+    except BaseException as e:  # a failed or interrupted save leaves the previous file and no temporary one
         tmp.unlink(missing_ok=True)
-        raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") from None
+        if isinstance(e, OSError):
+            raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") \
+                from None
+        raise
     return path
 
 

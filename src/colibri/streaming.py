@@ -206,6 +206,12 @@ class _Costs:
         return slots * size + sum(self.rows[i] for i in streamed if i in self.rows)
 
 
+def minimum_staging(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, batch: int) -> int:
+    """What the weights need under the smallest budget (every page streamed, nothing read ahead): a memory limit
+    must hold this beside the reserve (budget.settings' `floor`)."""
+    return _Costs(pages, tensors, num_layers, tied, batch).need(range(len(pages)), 0)
+
+
 def row_span_bytes(t: dict) -> int:
     """The most bytes an aligned read of one row covers."""
     rb = row_bytes(t)

@@ -6,16 +6,22 @@ layer, each holding `slots` segments, so one layer's segments of consecutive slo
 read-back of a sequence's old blocks for one layer is a few large reads, not one per block.
 
 Nothing in it must survive: every open starts with all slots free. Before use the header and the file size are
-checked, so a file of another kind or a truncated one is refused rather than overwritten.
+checked, so a file of another kind or a truncated one is refused rather than overwritten. An open file is held
+with an exclusive `flock` until it is closed: a second user (another process, or another model in this one) is
+refused with one line instead of silently reading and overwriting the first one's blocks. The lock goes with the
+process, however it ends; `sweep` uses that to delete the temporary swap files of processes that died without
+cleaning up (SIGKILL, a crash).
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import heapq
 import json
 import os
+import re
 import threading
 import uuid
 from concurrent.futures import Future
@@ -99,6 +105,79 @@ def check(path: str | os.PathLike) -> int:
     return size - HEADER
 
 
+def _holder(path: Path) -> int | None:
+    """The pid holding a flock on `path`, from /proc/locks (None where unknown)."""
+    try:
+        st = path.stat()
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        parts = line.split()
+        if "FLOCK" in parts and want in parts:
+            try:
+                return int(parts[parts.index(want) - 1])
+            except ValueError:
+                return None
+    return None
+
+
+def lock(fd: int, path: Path) -> None:
+    """Take the exclusive lock on an open swap file, or raise InputError naming who holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _holder(path)
+        who = ("another model in this process" if pid == os.getpid() else
+               f"another Colibri process (pid {pid})" if pid else "another Colibri process")
+        raise InputError(f"swap file {path} is in use by {who}; give each model its own --swap file (or leave "
+                         "--swap unset for a temporary one)") from None
+
+
+_TEMPORARY = re.compile(r"^kv-(\d+)-[0-9a-f]+\.swap(\.partial-\d+)?$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep(directory: str | os.PathLike) -> int:
+    """Delete the temporary swap files in `directory` left by processes that no longer run (their owner's lock is
+    gone with them); returns the bytes freed. A file whose owner lives, or that is locked, is left alone."""
+    freed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = _TEMPORARY.match(name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a live owner after all (a reused pid)
+            size = os.fstat(fd).st_blocks * 512
+            path.unlink(missing_ok=True)
+            freed += size
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return freed
+
+
 class SwapFile:
     """An open swap file holding KV blocks of one shape: `layers` segments of `seg_bytes` each per block.
 
@@ -128,7 +207,12 @@ class SwapFile:
                 raise StorageError(f"cannot open swap file {self.path}: {e.strerror}") from None
             self._wfd = os.open(self.path, os.O_RDWR)  # tmpfs: no O_DIRECT
             self.direct = False
-        self.reader = Reader([self.path], io_threads=io_threads, direct=None)
+        try:
+            lock(self._wfd, self.path)
+            self.reader = Reader([self.path], io_threads=io_threads, direct=None)
+        except BaseException:
+            os.close(self._wfd)
+            raise
         self._bounce: AlignedBuffer | None = None
         self.bytes_written = 0
         self.closed = False
@@ -141,6 +225,7 @@ class SwapFile:
         """A swap file created for this process in `directory` and deleted when it closes (or at exit)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        sweep(directory)  # before the free-space check: leftovers of dead processes count as free
         path = directory / f"kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
         create(path, HEADER + size, keep_free=DISK_RESERVE)
         try:

@@ -63,6 +63,11 @@ class Tokenizer:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: bytes that were not UTF-8 (surrogateescape'd argv)
+            raise InputError(f"the text is not valid Unicode at character {e.start} ({text[e.start]!r}, e.g. "
+                             "bytes that are not UTF-8); give UTF-8 text") from None
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -59,8 +59,8 @@ class Engine:
         if not ids:
             raise InputError("empty prompt: give at least one token of input")
         if len(ids) >= self.context:
-            raise InputError(f"prompt is {len(ids)} tokens but the context holds {self.context}; shorten the "
-                             "prompt")
+            raise InputError(f"prompt is {len(ids)} tokens but the context holds {self.context} with the reply; "
+                             "shorten the prompt or raise --ctx-length")
         with self.lock:
             self._ids += 1
             req = Request(self._ids, ids, sampling or SamplingParams(), self.tokenizer)

