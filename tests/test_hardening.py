@@ -328,7 +328,7 @@ def test_bad_option_values_are_usage_errors(option, value, says, capsys):
 
 
 def test_bad_option_values_from_python_are_clear(tiny_model_dir):
-    with pytest.raises(InputError, match="threads must be a positive integer"):
+    with pytest.raises(InputError, match="threads must be at least 1"):
         colibri.load(tiny_model_dir("llama"), threads=-1)
     m = colibri.load(tiny_model_dir("llama"))
     with pytest.raises(InputError, match="seed must be an integer"):
