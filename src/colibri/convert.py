@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from colibri import __version__, container, quant
+from colibri import __version__, container, quant, tied
 from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
 from colibri.model import check_tensors, open_model
@@ -132,8 +132,10 @@ def tokenizer_files(ckpt, out: Path) -> dict:
 
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None) -> ConvertReport:
-    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes."""
+            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None,
+            kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
+    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
+    `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
@@ -141,12 +143,20 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     shapes = arch.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = hasattr(ckpt, "raw_tensor")
+    tied_ = args.tie_word_embeddings
+    if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
+        ckpt, tied_ = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
+        del shapes[tied.HEAD]
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
+    fingerprint = source_fingerprint(src, opts)
+    if kinds:  # an explicit plan is part of the output's identity
+        fingerprint = hashlib.sha256(f"{fingerprint}{sorted(kinds.items())}".encode()).hexdigest()[:16]
     try:
-        return write_container(dst, ckpt.config, shapes, args.tie_word_embeddings, opts,
-                               lambda entry: encode(entry, ckpt), source_fingerprint(src, opts), source,
-                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages)
+        return write_container(dst, ckpt.config, shapes, tied_, opts,
+                               lambda entry: encode(entry, ckpt), fingerprint, source,
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
+                               kinds)
     finally:
         ckpt.close()
 
@@ -155,11 +165,12 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    pause_after_pages: int | None = None) -> ConvertReport:
+                    pause_after_pages: int | None = None,
+                    kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces."""
     t0 = time.perf_counter()
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
-                                        source_types)
+                                        source_types, kinds=kinds)
     total = sum(sizes)
     work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
     journal = _open_journal(work, fingerprint)

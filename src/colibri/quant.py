@@ -36,6 +36,7 @@ import torch
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
+Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
 SCRATCH_BYTES = _CHUNK_BYTES * 3 // 2  # what _scratch keeps: the f32 step and its bf16 copy (budget.reserve)
 # bf16 x with at least this many rows dequantizes to bf16 and runs a bf16 GEMM: measured 1.7-2x faster than the
