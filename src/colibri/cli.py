@@ -70,6 +70,14 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
+    "calibration": (dict(default="builtin", help="q4: text whose activations weight the q4 fit and measure each"
+                                                 " tensor's sensitivity: a UTF-8 file, 'builtin' (CPython's own"
+                                                 " prose and source, default) or 'none' (fixed policy: v_proj,"
+                                                 " down_proj and the tables at q8)"), None),
+    "calibration_tokens": (dict(type=int, default=2048, help="calibration tokens (default 2048)"), None),
+    "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
+                                              " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
+                                              " take)"), None),
 }
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "debug"]
@@ -100,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
-    add(conv, "input", "output", "quant", "group_size", "page_size", "force", "debug")
+    add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
+        "bits_per_weight", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", help="container directory")
     add(ver, "debug")
@@ -251,7 +260,9 @@ def cmd_convert(args) -> int:
     from tqdm import tqdm
 
     from colibri.convert import ConvertOptions, convert
-    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size)
+    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
+                          calibration=args.calibration, bits_per_weight=args.bits_per_weight,
+                          calibration_tokens=args.calibration_tokens)
     with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:

@@ -19,10 +19,11 @@ from typing import Callable
 
 import torch
 
-from colibri import __version__, container, quant, tied
+from colibri import __version__, calibrate, container, mixed, quant, tied
 from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
 from colibri.model import check_tensors, open_model
+from colibri.models import family
 
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
@@ -32,9 +33,24 @@ SPACE_MARGIN = 64 << 20
 
 @dataclass
 class ConvertOptions:
+    """`calibration` (q4 only): "builtin" (CPython's own prose and source), a UTF-8 text file, or "none" (the
+    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). `bits_per_weight`: the size budget
+    of the calibrated mix (default: what llama.cpp's Q4_K_M would take for the same tensors)."""
+
     quant: str = "q4"
     group_size: int = 64
     page_size_mb: int = 64
+    calibration: str = "builtin"
+    bits_per_weight: float | None = None
+    calibration_tokens: int = 2048
+
+    @property
+    def calibrated(self) -> bool:
+        return self.quant == "q4" and self.calibration != "none"
+
+    @property
+    def calibration_file(self) -> str | None:
+        return None if self.calibration in ("builtin", "none") else self.calibration
 
     def __post_init__(self) -> None:
         self.quant = QUANT_ALIASES.get(self.quant.lower(), self.quant.lower())
@@ -45,6 +61,13 @@ class ConvertOptions:
             raise InputError(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
         if not 1 <= self.page_size_mb <= 4096:
             raise InputError(f"--page-size must be between 1 and 4096 MB (got {self.page_size_mb})")
+        if self.bits_per_weight is not None and not 4 <= self.bits_per_weight <= 16:
+            raise InputError(f"--bits-per-weight must be between 4 and 16 (got {self.bits_per_weight})")
+        if self.calibration_file and not Path(self.calibration_file).is_file():
+            raise InputError(f"--calibration {self.calibration_file}: no such file (give a UTF-8 text file, "
+                             "'builtin' or 'none')")
+        if not 16 <= self.calibration_tokens <= 1 << 20:
+            raise InputError(f"--calibration-tokens must be between 16 and 1048576 (got {self.calibration_tokens})")
 
 
 @dataclass
@@ -107,15 +130,17 @@ def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
     return out
 
 
-def encode(entry: container.TensorEntry, ckpt) -> object:
-    """Source tensor -> the stored value: a float tensor or a quantized weight."""
+def encode(entry: container.TensorEntry, ckpt, importance: torch.Tensor | None = None) -> object:
+    """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the calibration
+    `importance` of its input channels when given)."""
     if entry.kind in container.QUANT_KINDS and hasattr(ckpt, "raw_tensor"):
         qtype, raw, shape = ckpt.raw_tensor(entry.name)
         if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
             return quant.from_gguf(raw, qtype, tuple(shape))
     w = ckpt.load(entry.name)
     if entry.kind in container.QUANT_KINDS:
-        return quant.quantize(w.float(), entry.kind, entry.group_size)
+        return quant.quantize(w.float(), entry.kind, entry.group_size,
+                              importance=importance if entry.kind == "q4" else None)
     return w
 
 
@@ -147,16 +172,26 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
         ckpt, tied_ = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
         del shapes[tied.HEAD]
+        args = family(ckpt.config["model_type"]).args(ckpt.config)
+        arch = family(ckpt.config["model_type"]).Model(args)
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
     fingerprint = source_fingerprint(src, opts)
-    if kinds:  # an explicit plan is part of the output's identity
-        fingerprint = hashlib.sha256(f"{fingerprint}{sorted(kinds.items())}".encode()).hexdigest()[:16]
+    if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
+        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
+        fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
+    importance, policy = {}, None
     try:
+        if opts.calibrated and not kinds:
+            work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
+            _open_journal(work, fingerprint)
+            kinds, importance, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tied_, opts, source_types,
+                                                             work, progress is not None)
+            policy = {**container.policy_for("q4"), "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tied_, opts,
-                               lambda entry: encode(entry, ckpt), fingerprint, source,
+                               lambda entry: encode(entry, ckpt, importance.get(entry.name)), fingerprint, source,
                                lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
-                               kinds)
+                               kinds, policy)
     finally:
         ckpt.close()
 
@@ -166,7 +201,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
                     pause_after_pages: int | None = None,
-                    kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
+                    kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces."""
     t0 = time.perf_counter()
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
@@ -221,7 +256,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         "source": {**source, "fingerprint": fingerprint},
         "config": config,
         "tokenizer": tokenizer_fn(work),
-        "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": container.policy_for(opts.quant)},
+        "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": policy or container.policy_for(opts.quant)},
         "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
         "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
         "tensors": [asdict(t) for t in tensors],

@@ -383,7 +383,9 @@ def _bf16_round_up(t: torch.Tensor) -> torch.Tensor:
 
 
 Q4_FIT_ITERS = 6
-QUANTIZE_CHUNK = 1 << 22  # elements per quantization step (16 MiB of f32): bounds converter memory
+# elements per quantization step (1 MiB of f32): bounds converter memory, and keeps the fit's elementwise passes
+# in L2 (measured 4x faster than 16 MiB steps, for the plain and the importance-weighted fit alike)
+QUANTIZE_CHUNK = 1 << 18
 
 
 def _q4_fit(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,11 +418,13 @@ def _q4_fit(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return best_s.squeeze(-1).to(torch.bfloat16), best_z.squeeze(-1).to(torch.bfloat16)
 
 
-def quantize(w: torch.Tensor, kind: str, group_size: int) -> Q4Weight | Q8Weight:
+def quantize(w: torch.Tensor, kind: str, group_size: int,
+             importance: torch.Tensor | None = None) -> Q4Weight | Q8Weight:
     """Round-to-nearest quantization of a float [N, K] weight, scales (and zeros) stored in bf16.
 
     q4: per group, (scale, zero) fitted by `_q4_fit` (min/max start, least-squares refinement), codes q in [0, 15]
-    rounded against the stored bf16 values.
+    rounded against the stored bf16 values. With `importance` (f32 [K], mean x^2 per input channel from
+    calibration) the fit minimizes the importance-weighted error instead (`quantfit.fit_q4_weighted`).
     q8: per output channel (group_size 0) or per group, scale = absmax / 127 rounded up to bf16, q in [-127, 127].
     """
     kind_ = _kind(kind, group_size)
@@ -444,6 +448,9 @@ def quantize(w: torch.Tensor, kind: str, group_size: int) -> Q4Weight | Q8Weight
     for r in range(0, n, rows):
         wf = w[r:r + rows].float().reshape(-1, k // g, g)
         scale, zero = _q4_fit(wf)
+        if importance is not None:
+            from colibri.quantfit import fit_q4_weighted
+            scale, zero = fit_q4_weighted(wf, importance.view(k // g, g), (scale, zero))
         sf, zf = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
         q = torch.where(sf > 0, torch.round((wf - zf) / sf.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
         end = r + wf.shape[0]  # qp and sz have padding rows beyond n
