@@ -35,7 +35,7 @@ from colibri.models.base import rms_norm, rope_cos_sin
 
 EMBED = "model.embed_tokens.weight"
 CALIBRATION = "calibration.safetensors"  # in the container: the statistics its q4 fit used
-DEFAULT_TOKENS = 2048  # calibration tokens (half prose, half Python source)
+DEFAULT_TOKENS = 1024  # calibration tokens (half prose, half Python source)
 SENS_TOKENS = 256  # the first tokens, on which each tensor's sensitivity is measured
 # CPython's own files, so calibration works offline; none of them is a text benchmarks/quant_quality.py scores
 # (it scores the start of the pydoc topics and other stdlib modules).
@@ -93,6 +93,9 @@ class Calibration:
     importance: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> f32 [K]
     sensitivity: dict[str, float] = field(default_factory=dict)  # name -> relative output error at q4
     tokens: int = 0
+    # the q4 weights the sensitivity was measured with (the weighted fit the container stores), kept for the
+    # writer so that no tensor is fitted twice; not saved (a resumed conversion fits them again)
+    quantized: dict[str, object] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
@@ -209,7 +212,10 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
 
     def q4(name: str, w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
         kind, g = plan[name]
-        return quant.quantize(w, kind, g, importance=importance).dequantize()
+        q = quant.quantize(w, kind, g, importance=importance)
+        if importance is not None:
+            cal.quantized[name] = q
+        return q.dequantize()
 
     with torch.inference_mode():
         x = store.rows(EMBED, tokens)

@@ -74,7 +74,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                                  " tensor's sensitivity: a UTF-8 file, 'builtin' (CPython's own"
                                                  " prose and source, default) or 'none' (fixed policy: v_proj,"
                                                  " down_proj and the tables at q8)"), None),
-    "calibration_tokens": (dict(type=int, default=2048, help="calibration tokens (default 2048)"), None),
+    "calibration_tokens": (dict(type=int, default=1024, help="calibration tokens (default 1024)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
                                               " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
                                               " take)"), None),

@@ -42,7 +42,7 @@ class ConvertOptions:
     page_size_mb: int = 64
     calibration: str = "builtin"
     bits_per_weight: float | None = None
-    calibration_tokens: int = 2048
+    calibration_tokens: int = calibrate.DEFAULT_TOKENS
 
     @property
     def calibrated(self) -> bool:
@@ -130,17 +130,21 @@ def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
     return out
 
 
-def encode(entry: container.TensorEntry, ckpt, importance: torch.Tensor | None = None) -> object:
-    """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the calibration
-    `importance` of its input channels when given)."""
+def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
+    """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
+    of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
     if entry.kind in container.QUANT_KINDS and hasattr(ckpt, "raw_tensor"):
         qtype, raw, shape = ckpt.raw_tensor(entry.name)
         if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
             return quant.from_gguf(raw, qtype, tuple(shape))
+    if cal is not None and entry.kind == "q4":
+        q = cal.quantized.pop(entry.name, None)
+        if q is not None and q.group_size == entry.group_size:
+            return q
     w = ckpt.load(entry.name)
     if entry.kind in container.QUANT_KINDS:
-        return quant.quantize(w.float(), entry.kind, entry.group_size,
-                              importance=importance if entry.kind == "q4" else None)
+        importance = cal.importance.get(entry.name) if cal is not None and entry.kind == "q4" else None
+        return quant.quantize(w.float(), entry.kind, entry.group_size, importance=importance)
     return w
 
 
@@ -180,16 +184,16 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
         extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
         fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
-    importance, policy = {}, None
+    cal, policy = None, None
     try:
         if opts.calibrated and not kinds:
             work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
             _open_journal(work, fingerprint)
-            kinds, importance, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tied_, opts, source_types,
+            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tied_, opts, source_types,
                                                              work, progress is not None)
             policy = {**container.policy_for("q4"), "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tied_, opts,
-                               lambda entry: encode(entry, ckpt, importance.get(entry.name)), fingerprint, source,
+                               lambda entry: encode(entry, ckpt, cal), fingerprint, source,
                                lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
                                kinds, policy)
     finally:

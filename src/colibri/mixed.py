@@ -89,8 +89,8 @@ def q4_group(shape, group_size: int) -> int | None:
 
 
 def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: bool, opts, source_types: dict,
-                    work, progress=None) -> tuple[dict[str, tuple[str, int]], dict[str, "torch.Tensor"], dict]:
-    """(kinds, importance, policy record) for a calibrated q4 conversion. The calibration is kept in `work`
+                    work, progress=None) -> tuple[dict[str, tuple[str, int]], object, dict]:
+    """(kinds, calibrate.Calibration, policy record) for a calibrated q4 conversion. The calibration is kept in `work`
     (the conversion's partial directory) so that a resumed conversion does not measure again."""
     from colibri import calibrate, container, quant
 
@@ -104,7 +104,7 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
         else:
             fixed += t.nbytes
     if not candidates:
-        return {}, {}, {}
+        return {}, None, {}
     path = work / calibrate.CALIBRATION
     cal = calibrate.Calibration.load(path)
     if cal is None:
@@ -128,7 +128,7 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
     record = {"calibration": {"tokens": cal.tokens, "text": opts.calibration},
               "budget_bytes": budget, "bits_per_weight": round(8 * total / params, 3),
               "q8": sorted(n for n, (k, _) in kinds.items() if k == "q8")}
-    return kinds, cal.importance, record
+    return kinds, cal, record
 
 
 def _numel(shape) -> int:
