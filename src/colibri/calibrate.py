@@ -36,7 +36,7 @@ from colibri.models.base import rms_norm, rope_cos_sin
 EMBED = "model.embed_tokens.weight"
 CALIBRATION = "calibration.safetensors"  # in the container: the statistics its q4 fit used
 DEFAULT_TOKENS = 1024  # calibration tokens (half prose, half Python source)
-SENS_TOKENS = 256  # the first tokens, on which each tensor's sensitivity is measured
+SENS_TOKENS = 128  # the first tokens, on which each tensor's sensitivity is measured
 # CPython's own files, so calibration works offline; none of them is a text benchmarks/quant_quality.py scores
 # (it scores the start of the pydoc topics and other stdlib modules).
 PROSE_TAIL_CHARS = 60_000  # the END of the pydoc topics text (keys sorted)

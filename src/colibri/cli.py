@@ -125,9 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_path(args) -> str:
+def model_path(args, engine: bool = True) -> str:
+    """--model, else the embedded default: its container (converted on first use) for the commands that run
+    it, the GGUF itself to describe (`engine=False`)."""
     if args.model:
         return args.model
+    if engine:
+        from colibri.defaults import default_container
+        return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
     from colibri.defaults import default_model_path
     return str(default_model_path())
 
@@ -251,7 +256,7 @@ def cmd_swap(args) -> int:
 
 def cmd_info(args) -> int:
     from colibri.model import describe
-    for key, value in describe(model_path(args)).items():
+    for key, value in describe(model_path(args, engine=False)).items():
         print(f"{key:>16}: {value}")
     return 0
 
