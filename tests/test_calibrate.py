@@ -104,3 +104,31 @@ def test_q4_k_m_reference_size():
     # the GGUF's tensors measured 485,452,288 bytes (token_embd Q5_0, output Q8_0); these shapes leave out its
     # norms and biases (~0.3 MB)
     assert abs(got - (485_452_288 - v * d * 5.5 / 8)) < 0.002 * got
+
+
+def test_interrupted_conversion_resumes_without_recalibrating(tiny_model_dir, tmp_path, monkeypatch):
+    """The calibration is kept in the partial directory: a resumed conversion reuses it and writes the same
+    container as an uninterrupted one."""
+    src = tiny_model_dir("llama_tied")
+    opts = conv.ConvertOptions(quant="q4", group_size=32, calibration_tokens=256)
+    real_write = conv.write_container
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "write_container", crash)
+    with pytest.raises(KeyboardInterrupt):
+        conv.convert(src, tmp_path / "c", opts)
+    partial = list(tmp_path.glob("c.partial-*"))
+    assert len(partial) == 1 and (partial[0] / calibrate.CALIBRATION).is_file()
+    monkeypatch.setattr(conv, "write_container", real_write)
+
+    def no_second_run(*a, **k):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_second_run)
+    conv.convert(src, tmp_path / "c", opts)
+    monkeypatch.undo()
+    conv.convert(src, tmp_path / "fresh", opts)
+    got, want = manifest(tmp_path / "c"), manifest(tmp_path / "fresh")
+    assert [t["checksum"] for t in got["tensors"]] == [t["checksum"] for t in want["tensors"]]
