@@ -172,9 +172,9 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     shapes = arch.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = hasattr(ckpt, "raw_tensor")
-    tied_ = args.tie_word_embeddings
+    tie = args.tie_word_embeddings
     if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
-        ckpt, tied_ = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
+        ckpt, tie = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
         del shapes[tied.HEAD]
         args = family(ckpt.config["model_type"]).args(ckpt.config)
         arch = family(ckpt.config["model_type"]).Model(args)
@@ -189,10 +189,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
         if opts.calibrated and not kinds:
             work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
             _open_journal(work, fingerprint)
-            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tied_, opts, source_types,
-                                                             work, progress is not None)
-            policy = {**container.policy_for("q4"), "mixed": record} if record else None
-        return write_container(dst, ckpt.config, shapes, tied_, opts,
+            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tie, opts, source_types, work,
+                                                        progress is not None)
+            policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
+        return write_container(dst, ckpt.config, shapes, tie, opts,
                                lambda entry: encode(entry, ckpt, cal), fingerprint, source,
                                lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
                                kinds, policy)
@@ -260,7 +260,8 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         "source": {**source, "fingerprint": fingerprint},
         "config": config,
         "tokenizer": tokenizer_fn(work),
-        "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": policy or container.policy_for(opts.quant)},
+        "quant": {"kind": opts.quant, "group_size": opts.group_size,
+                  "policy": policy or container.policy_for(opts.quant)},
         "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
         "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
         "tensors": [asdict(t) for t in tensors],

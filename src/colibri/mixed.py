@@ -108,7 +108,8 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
     path = work / calibrate.CALIBRATION
     cal = calibrate.Calibration.load(path)
     if cal is None:
-        ids = calibrate.calibration_ids(getattr(ckpt, "tokenizer", None), args.vocab_size, opts.calibration_file, opts.calibration_tokens)
+        ids = calibrate.calibration_ids(getattr(ckpt, "tokenizer", None), args.vocab_size, opts.calibration_file,
+                                        opts.calibration_tokens)
         bar = None
         if progress:
             import sys

@@ -895,6 +895,7 @@ class StreamingStore:
             self.stats.io_wait_s += time.perf_counter() - t0
         self.stats.bytes_read += at
         self.stats.row_bytes_read += at
+
         def at_file(r0: int, r1: int) -> torch.Tensor:
             a = base + r0 * rb
             s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
