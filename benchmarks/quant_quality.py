@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
     ap.add_argument("--rows", nargs="+", default=["source", "old", "new", "llama.cpp"])
+    ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
+                    help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -113,6 +115,10 @@ def main() -> None:
     paths = {"source": a.gguf, "old": a.work / "old-q4", "new": a.work / "new-default",
              "llama.cpp": a.work / "llamacpp-q4_k_m.gguf"}
     seconds = {}
+    for extra in a.container:
+        label, path = extra.split("=", 1)
+        paths[label] = Path(path)
+        a.rows.append(label)
     for row in a.rows:
         t0 = time.perf_counter()
         if row == "old" and not paths[row].exists():

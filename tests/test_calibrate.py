@@ -132,3 +132,16 @@ def test_interrupted_conversion_resumes_without_recalibrating(tiny_model_dir, tm
     conv.convert(src, tmp_path / "fresh", opts)
     got, want = manifest(tmp_path / "c"), manifest(tmp_path / "fresh")
     assert [t["checksum"] for t in got["tensors"]] == [t["checksum"] for t in want["tensors"]]
+
+
+def test_fixed_mix_keeps_the_policy_kinds_with_the_weighted_fit(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    conv.convert(src, tmp_path / "fixed", conv.ConvertOptions(quant="q4", group_size=32, mix="fixed",
+                                                             calibration_tokens=256))
+    conv.convert(src, tmp_path / "plain", conv.ConvertOptions(quant="q4", group_size=32, calibration="none"))
+    fixed, plain = manifest(tmp_path / "fixed"), manifest(tmp_path / "plain")
+    assert [(t["name"], t["kind"]) for t in fixed["tensors"]] == [(t["name"], t["kind"]) for t in plain["tensors"]]
+    assert fixed["quant"]["policy"]["mixed"]["mix"] == "fixed"
+    q4 = [t["name"] for t in fixed["tensors"] if t["kind"] == "q4" and t["role"] != "embedding"]
+    sums = {t["name"]: t["checksum"] for t in plain["tensors"]}
+    assert all(t["checksum"] != sums[t["name"]] for t in fixed["tensors"] if t["name"] in q4)

@@ -200,9 +200,9 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]], sens_tokens: int = SENS_TOKENS,
-              progress: Callable[[str, int, int], None] | None = None) -> Calibration:
-    """Importance of every linear weight and sensitivity of each weight in `plan` (name -> the q4 kind and group
-    size it would get). `progress(stage, done, total)` is called after each layer."""
+              progress: Callable[[str, int, int], None] | None = None, measure: bool = True) -> Calibration:
+    """Importance of every linear weight and (`measure`) sensitivity of each weight in `plan` (name -> the q4
+    kind and group size it would get). `progress(stage, done, total)` is called after each layer."""
     lm_head = arch.lm_head_name()
     linears = {n for n, s in arch.weight_shapes().items() if len(s) == 2 and n != EMBED} | {lm_head}
     store = _LayerStore(ckpt, linears)
@@ -219,7 +219,7 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
 
     with torch.inference_mode():
         x = store.rows(EMBED, tokens)
-        if EMBED in plan and not args.tie_word_embeddings:  # the lookup table: error of the rows it gives
+        if measure and EMBED in plan and not args.tie_word_embeddings:  # the lookup table: its rows' error
             cal.sensitivity[EMBED] = _relative(q4(EMBED, store.weight(EMBED), None)[tokens[:s]], x[:s])
         store.release()
         if args.embed_scale is not None:
@@ -235,7 +235,7 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
             for n in mine:
                 cal.importance[n] = store.importance(n)
             for n in mine:
-                if n not in plan or ".experts." in n:  # routed experts: too many to re-run one by one
+                if not measure or n not in plan or ".experts." in n:  # experts: too many to re-run one by one
                     continue
                 store.override = {n: q4(n, store.loaded[n], cal.importance[n])}
                 ys = arch.block(store, i, x[:s], _Cache(), positions[:s], rope_s[args.layer_types[i]])
@@ -247,7 +247,7 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
         h = rms_norm(x, store.weight("model.norm.weight"), args.rms_norm_eps, args.gemma_norm)
         w = store.weight(lm_head)
         cal.importance[lm_head] = h.square().mean(0)
-        if lm_head in plan:
+        if measure and lm_head in plan:
             ref = h[:s] @ w.T
             ref = ref - ref.mean(-1, keepdim=True)
             got = h[:s] @ q4(lm_head, w, cal.importance[lm_head]).T

@@ -75,6 +75,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                                  " prose and source, default) or 'none' (fixed policy: v_proj,"
                                                  " down_proj and the tables at q8)"), None),
     "calibration_tokens": (dict(type=int, default=1024, help="calibration tokens (default 1024)"), None),
+    "mix": (dict(default="measured", choices=["measured", "fixed"],
+                 help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
+                      " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
                                               " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
                                               " take)"), None),
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
-        "bits_per_weight", "force", "debug")
+        "bits_per_weight", "mix", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", help="container directory")
     add(ver, "debug")
@@ -267,7 +270,7 @@ def cmd_convert(args) -> int:
     from colibri.convert import ConvertOptions, convert
     opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
                           calibration=args.calibration, bits_per_weight=args.bits_per_weight,
-                          calibration_tokens=args.calibration_tokens)
+                          calibration_tokens=args.calibration_tokens, mix=args.mix)
     with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:

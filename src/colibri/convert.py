@@ -28,14 +28,16 @@ from colibri.models import family
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"
+MIXES = ("measured", "fixed")  # q4 precision mix: by measured sensitivity under the budget, or the fixed names
 SPACE_MARGIN = 64 << 20
 
 
 @dataclass
 class ConvertOptions:
     """`calibration` (q4 only): "builtin" (CPython's own prose and source), a UTF-8 text file, or "none" (the
-    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). `bits_per_weight`: the size budget
-    of the calibrated mix (default: what llama.cpp's Q4_K_M would take for the same tensors)."""
+    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). `mix`: "measured" (q8 for the
+    tensors with the most measured sensitivity per byte, within `bits_per_weight`, default what llama.cpp's
+    Q4_K_M would take for the same tensors) or "fixed" (the fixed names, with the calibrated fit)."""
 
     quant: str = "q4"
     group_size: int = 64
@@ -43,6 +45,7 @@ class ConvertOptions:
     calibration: str = "builtin"
     bits_per_weight: float | None = None
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
+    mix: str = "measured"
 
     @property
     def calibrated(self) -> bool:
@@ -66,6 +69,8 @@ class ConvertOptions:
         if self.calibration_file and not Path(self.calibration_file).is_file():
             raise InputError(f"--calibration {self.calibration_file}: no such file (give a UTF-8 text file, "
                              "'builtin' or 'none')")
+        if self.mix not in MIXES:
+            raise InputError(f"--mix {self.mix!r}: choose one of {', '.join(MIXES)}")
         if not 16 <= self.calibration_tokens <= 1 << 20:
             raise InputError(f"--calibration-tokens must be between 16 and 1048576 (got {self.calibration_tokens})")
 

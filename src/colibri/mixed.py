@@ -95,8 +95,9 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
     from colibri import calibrate, container, quant
 
     tensors, _, _ = container.plan_layout(shapes, tied, "q4", opts.group_size, opts.page_size_mb << 20, source_types)
-    candidates, fixed = {}, 0
+    candidates, fixed, policy_kinds = {}, 0, {}
     for t in tensors:
+        policy_kinds[t.name] = (t.kind, t.group_size)
         exact = source_types.get(t.name) in quant.GGUF_EXACT
         g = q4_group(t.shape, opts.group_size) if len(t.shape) == 2 else None
         if t.kind in container.QUANT_KINDS and not exact and t.role != "router" and g is not None:
@@ -117,7 +118,8 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
             bar = tqdm(total=args.num_layers + 1, desc="calibrating", unit="layer", file=sys.stderr)
         try:
             cal = calibrate.calibrate(ckpt, args, arch, ids, {n: q4 for n, (_, q4) in candidates.items()},
-                                      progress=(lambda stage, done, total: bar.update(1)) if bar else None)
+                                      progress=(lambda stage, done, total: bar.update(1)) if bar else None,
+                                      measure=opts.mix == "measured")
         finally:
             if bar:
                 bar.close()
@@ -125,8 +127,12 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
     params = sum(_numel(s) for s in shapes.values())
     budget = (int(opts.bits_per_weight * params / 8) if opts.bits_per_weight
               else q4_k_m_bytes(shapes, args.num_layers, tied))
-    kinds, total = choose(candidates, cal.sensitivity, fixed, budget, strict=opts.bits_per_weight is not None)
-    record = {"calibration": {"tokens": cal.tokens, "text": opts.calibration},
+    if opts.mix == "fixed":  # the fixed policy's kinds (v_proj, down_proj and the tables at q8), weighted fit
+        kinds = {n: policy_kinds[n] for n in candidates}
+        total = fixed + sum(extent(k, shape, g) for n, (shape, _) in candidates.items() for k, g in [kinds[n]])
+    else:
+        kinds, total = choose(candidates, cal.sensitivity, fixed, budget, strict=opts.bits_per_weight is not None)
+    record = {"calibration": {"tokens": cal.tokens, "text": opts.calibration}, "mix": opts.mix,
               "budget_bytes": budget, "bits_per_weight": round(8 * total / params, 3),
               "q8": sorted(n for n, (k, _) in kinds.items() if k == "q8")}
     return kinds, cal, record
