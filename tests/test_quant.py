@@ -242,3 +242,31 @@ def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
     for dt in (torch.float32, torch.bfloat16):  # results unchanged on a second call (no stale cache)
         for rows in (1, 128):
             assert torch.equal(w.linear(_randn(rows, 256, seed=rows).to(dt)), ref[dt][rows])
+
+
+def _skewed(n, k, seed):
+    """Weights whose input channels differ in scale by orders of magnitude, and activation statistics to match."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(k, generator=g))
+    importance = torch.exp(3 * torch.randn(k, generator=g))  # mean x^2 per channel, heavy-tailed
+    return w, importance
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_importance_weighted_fit_is_never_worse(group_size, seed):
+    """On the weighted error it minimizes, the importance-weighted fit is never worse than the unweighted fit,
+    group by group, and better overall."""
+    from colibri.quantfit import IMPORTANCE_FLOOR
+
+    w, imp = _skewed(96, 512, seed)
+    plain, weighted = quantize(w, "q4", group_size), quantize(w, "q4", group_size, importance=imp)
+    a = imp + IMPORTANCE_FLOOR * imp.mean()
+
+    def err(q):
+        return (a * (q.dequantize() - w).square()).view(96, -1, group_size).sum(-1)
+
+    assert (err(weighted) <= err(plain)).all()
+    assert err(weighted).sum() < 0.9 * err(plain).sum()
+    assert torch.equal(quantize(w, "q4", group_size, importance=imp).buffers()["qweight"],
+                       weighted.buffers()["qweight"])  # deterministic

@@ -80,6 +80,17 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
+    "calibration": (dict(default="builtin", help="q4: text whose activations weight the q4 fit and measure each"
+                                                 " tensor's sensitivity: a UTF-8 file, 'builtin' (CPython's own"
+                                                 " prose and source, default) or 'none' (fixed policy: v_proj,"
+                                                 " down_proj and the tables at q8)"), None),
+    "calibration_tokens": (dict(type=int, default=1024, help="calibration tokens (default 1024)"), None),
+    "mix": (dict(default="measured", choices=["measured", "fixed"],
+                 help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
+                      " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
+    "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
+                                              " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
+                                              " take)"), None),
 }
 # Bounds of numeric options, checked as argparse parses them (so a bad value is a usage error naming the option):
 # option -> (smallest, largest) accepted; None: unbounded on that side.
@@ -146,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
-    add(conv, "input", "output", "quant", "group_size", "page_size", "force", "debug")
+    add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
+        "bits_per_weight", "mix", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", help="container directory")
     add(ver, "debug")
@@ -162,9 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_path(args) -> str:
+def model_path(args, engine: bool = True) -> str:
+    """--model, else the embedded default: its container (converted on first use) for the commands that run
+    it, the GGUF itself to describe (`engine=False`)."""
     if args.model:
         return args.model
+    if engine:
+        from colibri.defaults import default_container
+        return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
     from colibri.defaults import default_model_path
     return str(default_model_path())
 
@@ -298,7 +315,7 @@ def cmd_swap(args) -> int:
 
 def cmd_info(args) -> int:
     from colibri.model import describe
-    for key, value in describe(model_path(args)).items():
+    for key, value in describe(model_path(args, engine=False)).items():
         print(f"{key:>16}: {value}")
     return 0
 
@@ -307,7 +324,9 @@ def cmd_convert(args) -> int:
     from tqdm import tqdm
 
     from colibri.convert import ConvertOptions, convert
-    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size)
+    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
+                          calibration=args.calibration, bits_per_weight=args.bits_per_weight,
+                          calibration_tokens=args.calibration_tokens, mix=args.mix)
     with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:

@@ -186,10 +186,15 @@ def part_layout(kind: str, shape: tuple[int, ...], group_size: int | None,
 
 def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str, group_size: int,
                 page_size: int, source_types: dict[str, str] | None = None,
-                max_file_size: int = 1 << 40) -> tuple[list[TensorEntry], list[PageEntry], list[int]]:
-    """Assign every tensor a kind, an aligned extent and a page. Returns (tensors, pages, file sizes)."""
+                max_file_size: int = 1 << 40, kinds: dict[str, tuple[str, int]] | None = None,
+                ) -> tuple[list[TensorEntry], list[PageEntry], list[int]]:
+    """Assign every tensor a kind, an aligned extent and a page. Returns (tensors, pages, file sizes).
+
+    `kinds` (name -> (kind, group size), from a calibrated mixed-precision plan) overrides the policy for the
+    tensors it names; GGUF blocks kept exact stay exact."""
     policy = policy_for(quant_kind)
     source_types = source_types or {}
+    kinds = kinds or {}
     tensors: list[TensorEntry] = []
     pages: list[PageEntry] = []
     sizes = [0]
@@ -218,6 +223,8 @@ def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str,
             exact = src if tk in QUANT_KINDS and src in quant.GGUF_EXACT else None
             # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32.
             gs = 32 if exact else (0 if tk == "q8" else group_size)
+            if name in kinds and not exact and len(shape) == 2 and tk in QUANT_KINDS:
+                tk, gs = kinds[name]
             if tk == "q4" and not quant.supports(tk, shape, gs):  # K not divisible: the largest group that fits
                 gs = next((g for g in (128, 64, 32) if g < gs and quant.supports(tk, shape, g)), gs)
             if tk in QUANT_KINDS and not quant.supports(tk, shape, gs):

@@ -19,22 +19,41 @@ from typing import Callable
 
 import torch
 
-from colibri import __version__, container, quant
+from colibri import __version__, calibrate, container, mixed, quant, tied
 from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
 from colibri.model import check_tensors, open_model
+from colibri.models import family
 
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"
+MIXES = ("measured", "fixed")  # q4 precision mix: by measured sensitivity under the budget, or the fixed names
 SPACE_MARGIN = 64 << 20
 
 
 @dataclass
 class ConvertOptions:
+    """`calibration` (q4 only): "builtin" (CPython's own prose and source), a UTF-8 text file, or "none" (the
+    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). `mix`: "measured" (q8 for the
+    tensors with the most measured sensitivity per byte, within `bits_per_weight`, default what llama.cpp's
+    Q4_K_M would take for the same tensors) or "fixed" (the fixed names, with the calibrated fit)."""
+
     quant: str = "q4"
     group_size: int = 64
     page_size_mb: int = 64
+    calibration: str = "builtin"
+    bits_per_weight: float | None = None
+    calibration_tokens: int = calibrate.DEFAULT_TOKENS
+    mix: str = "measured"
+
+    @property
+    def calibrated(self) -> bool:
+        return self.quant == "q4" and self.calibration != "none"
+
+    @property
+    def calibration_file(self) -> str | None:
+        return None if self.calibration in ("builtin", "none") else self.calibration
 
     def __post_init__(self) -> None:
         self.quant = QUANT_ALIASES.get(self.quant.lower(), self.quant.lower())
@@ -45,6 +64,15 @@ class ConvertOptions:
             raise InputError(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
         if not 1 <= self.page_size_mb <= 4096:
             raise InputError(f"--page-size must be between 1 and 4096 MB (got {self.page_size_mb})")
+        if self.bits_per_weight is not None and not 4 <= self.bits_per_weight <= 16:
+            raise InputError(f"--bits-per-weight must be between 4 and 16 (got {self.bits_per_weight})")
+        if self.calibration_file and not Path(self.calibration_file).is_file():
+            raise InputError(f"--calibration {self.calibration_file}: no such file (give a UTF-8 text file, "
+                             "'builtin' or 'none')")
+        if self.mix not in MIXES:
+            raise InputError(f"--mix {self.mix!r}: choose one of {', '.join(MIXES)}")
+        if not 16 <= self.calibration_tokens <= 1 << 20:
+            raise InputError(f"--calibration-tokens must be between 16 and 1048576 (got {self.calibration_tokens})")
 
 
 @dataclass
@@ -107,15 +135,21 @@ def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
     return out
 
 
-def encode(entry: container.TensorEntry, ckpt) -> object:
-    """Source tensor -> the stored value: a float tensor or a quantized weight."""
+def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
+    """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
+    of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
     if entry.kind in container.QUANT_KINDS and hasattr(ckpt, "raw_tensor"):
         qtype, raw, shape = ckpt.raw_tensor(entry.name)
         if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
             return quant.from_gguf(raw, qtype, tuple(shape))
+    if cal is not None and entry.kind == "q4":
+        q = cal.quantized.pop(entry.name, None)
+        if q is not None and q.group_size == entry.group_size:
+            return q
     w = ckpt.load(entry.name)
     if entry.kind in container.QUANT_KINDS:
-        return quant.quantize(w.float(), entry.kind, entry.group_size)
+        importance = cal.importance.get(entry.name) if cal is not None and entry.kind == "q4" else None
+        return quant.quantize(w.float(), entry.kind, entry.group_size, importance=importance)
     return w
 
 
@@ -132,8 +166,10 @@ def tokenizer_files(ckpt, out: Path) -> dict:
 
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None) -> ConvertReport:
-    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes."""
+            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None,
+            kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
+    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
+    `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
@@ -145,13 +181,32 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     shapes = arch.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = hasattr(ckpt, "raw_tensor")
+    tie = args.tie_word_embeddings
+    if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
+        ckpt, tie = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
+        del shapes[tied.HEAD]
+        args = family(ckpt.config["model_type"]).args(ckpt.config)
+        arch = family(ckpt.config["model_type"]).Model(args)
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
+    fingerprint = source_fingerprint(src, opts)
+    if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
+        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
+        fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
+    cal, policy = None, None
     try:
-        return write_container(dst, ckpt.config, shapes, args.tie_word_embeddings, opts,
-                               lambda entry: encode(entry, ckpt), source_fingerprint(src, opts), source,
+        fresh = force
+        if opts.calibrated and not kinds:
+            work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
+            _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
+            fresh = False
+            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tie, opts, source_types, work,
+                                                        progress is not None)
+            policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
+        return write_container(dst, ckpt.config, shapes, tie, opts,
+                               lambda entry: encode(entry, ckpt, cal), fingerprint, source,
                                lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
-                               fresh=force)
+                               kinds, policy, fresh=fresh)
     finally:
         ckpt.close()
 
@@ -160,12 +215,14 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    pause_after_pages: int | None = None, fresh: bool = False) -> ConvertReport:
+                    pause_after_pages: int | None = None,
+                    kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None,
+                    fresh: bool = False) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
     An interrupted run's partial directory is resumed (`fresh`: discarded), its journaled pages checked first."""
     t0 = time.perf_counter()
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
-                                        source_types)
+                                        source_types, kinds=kinds)
     total = sum(sizes)
     work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
     fds: list[int] = []
@@ -226,7 +283,8 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         "source": {**source, "fingerprint": fingerprint},
         "config": config,
         "tokenizer": tokenizer_fn(work),
-        "quant": {"kind": opts.quant, "group_size": opts.group_size, "policy": container.policy_for(opts.quant)},
+        "quant": {"kind": opts.quant, "group_size": opts.group_size,
+                  "policy": policy or container.policy_for(opts.quant)},
         "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
         "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
         "tensors": [asdict(t) for t in tensors],

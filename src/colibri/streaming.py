@@ -55,7 +55,7 @@ from colibri import quant
 PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
 BLOCK_BYTES = 4 << 20  # rows of the head read per block...
 HEAD_BUFFERS = 2  # ...through this many buffers (4 measured no faster on Qwen2.5-1.5B under 400M, noise +-15 %)
-ROW_KINDS = ("f32", "bf16", "f16", "q8")  # storage kinds whose rows are contiguous bytes
+ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4")  # storage kinds whose rows (q4: 64-row tiles) are contiguous bytes
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
 USAGE_FILE = "usage.json"
 USAGE_HALF_LIFE = 256  # tokens: the expert cache's use counts halve over this many routed tokens
@@ -93,8 +93,26 @@ def main_part(t: dict) -> str:
 
 
 def row_bytes(t: dict) -> int:
+    """Bytes per stored row of the table's main part (q4: K/2, meaningful only over whole tiles)."""
     p = t["parts"][main_part(t)]
     return p["nbytes"] // p["shape"][0]
+
+
+def row_unit(t: dict) -> int:
+    """Rows that are read together: 1, or for q4 a 64-row tile (its nibbles interleave the tile's rows)."""
+    return quant.Q4_TILE if t["kind"] == "q4" else 1
+
+
+def stored_rows(t: dict) -> int:
+    """Rows of the main part on disk (q4 pads N to a multiple of 16; the last partial tile is read whole)."""
+    return t["parts"][main_part(t)]["shape"][0]
+
+
+def unit_of(t: dict, r: int) -> tuple[int, int]:
+    """The stored row range [r0, r1) that row r is read with: itself, or its q4 tile (the tail: to the end)."""
+    u = row_unit(t)
+    r0 = r // u * u
+    return r0, min(r0 + u, stored_rows(t))
 
 
 def side_ranges(page: dict, tensors: dict[str, dict], table: str) -> list[tuple[str, str | None, int, int]]:
@@ -213,8 +231,8 @@ def minimum_staging(pages: list[dict], tensors: dict[str, dict], num_layers: int
 
 
 def row_span_bytes(t: dict) -> int:
-    """The most bytes an aligned read of one row covers."""
-    rb = row_bytes(t)
+    """The most bytes an aligned read of one row (q4: its tile) covers."""
+    rb = row_bytes(t) * row_unit(t)
     base = t["offset"] + t["parts"][main_part(t)]["offset"]
     straddles = not (base % ALIGN == 0 and (ALIGN % rb == 0 or rb % ALIGN == 0))
     return align_up(rb) + (ALIGN if straddles else 0)
@@ -223,13 +241,14 @@ def row_span_bytes(t: dict) -> int:
 def block_rows(t: dict) -> int:
     """Rows per head block: about BLOCK_BYTES, a whole number of 4096-byte units when the rows allow it."""
     rb = row_bytes(t)
-    rows, unit = max(1, BLOCK_BYTES // rb), ALIGN // math.gcd(rb, ALIGN)
-    return rows - rows % unit if rows >= unit else rows
+    unit = math.lcm(ALIGN // math.gcd(rb, ALIGN), row_unit(t))
+    rows = max(1, BLOCK_BYTES // rb)
+    return rows - rows % unit if rows >= unit else max(rows - rows % row_unit(t), row_unit(t))
 
 
 def block_buffer_bytes(t: dict) -> int:
     """One head block buffer: its rows, plus a unit of slack when blocks do not start on 4096 boundaries."""
-    rows = min(block_rows(t), t["shape"][0])
+    rows = min(block_rows(t), stored_rows(t))
     base = t["offset"] + t["parts"][main_part(t)]["offset"]
     aligned = base % ALIGN == 0 and (rows * row_bytes(t)) % ALIGN == 0
     return huge_align(align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN))  # whole huge pages (io.py)
@@ -846,8 +865,13 @@ class StreamingStore:
         rows = data.view(DTYPES[p["dtype"]]).view(r1 - r0, *p["shape"][1:])
         if t["kind"] in FLOAT_KINDS:
             return rows
-        side = {n: v[r0:r1] for n, v in self._side.get(name, {}).items()}
-        return quant.from_buffers(t["kind"], (r1 - r0, k), t["group_size"], {"qweight": rows, **side})
+        if t["kind"] == "q4":  # whole tiles; scales_zeros [G, Np, 2] -> this block's [G, r1 - r0, 2]
+            side = {n: v[:, r0:r1].contiguous() for n, v in self._side.get(name, {}).items()}
+            n = min(r1, t["shape"][0]) - r0  # the last block carries the padding rows
+        else:
+            side = {n: v[r0:r1] for n, v in self._side.get(name, {}).items()}
+            n = r1 - r0
+        return quant.from_buffers(t["kind"], (n, k), t["group_size"], {"qweight": rows, **side})
 
     def _read_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup of a table on disk: read only the rows of these tokens (merged aligned spans)."""
@@ -856,9 +880,10 @@ class StreamingStore:
         base = t["offset"] + t["parts"][main_part(t)]["offset"]
         rb = row_bytes(t)
         uniq, inverse = torch.unique(ids, return_inverse=True)
+        units = sorted({unit_of(t, r) for r in uniq.tolist()})  # the rows themselves, or their q4 tiles
         spans: list[list[int]] = []  # [file start, file end] of merged aligned spans
-        for r in uniq.tolist():
-            s, e = (base + r * rb) // ALIGN * ALIGN, align_up(base + (r + 1) * rb)
+        for r0, r1 in units:
+            s, e = (base + r0 * rb) // ALIGN * ALIGN, align_up(base + r1 * rb)
             if spans and s <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], e)
             else:
@@ -878,11 +903,17 @@ class StreamingStore:
             self.stats.io_wait_s += time.perf_counter() - t0
         self.stats.bytes_read += at
         self.stats.row_bytes_read += at
-        got = []
-        for r in uniq.tolist():
-            a = base + r * rb
+
+        def at_file(r0: int, r1: int) -> torch.Tensor:
+            a = base + r0 * rb
             s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
-            got.append(buf.tensor(off + a - s, rb))
+            return buf.tensor(off + a - s, (r1 - r0) * rb)
+
+        if t["kind"] == "q4":  # dequantize the tiles that hold the rows, then pick the rows
+            tiles = {u: self._table(name, *u, at_file(*u)).dequantize() for u in units}
+            vals = torch.stack([tiles[unit_of(t, r)][r - unit_of(t, r)[0]] for r in uniq.tolist()])
+            return vals[inverse].to(self.dtype)
+        got = [at_file(r, r + 1) for r in uniq.tolist()]
         p = t["parts"][main_part(t)]
         rows = torch.stack(got).view(DTYPES[p["dtype"]]).view(len(got), *p["shape"][1:])
         if t["kind"] in FLOAT_KINDS:
@@ -898,7 +929,7 @@ class StreamingStore:
         t = self.tensors[name]
         page = self.pages[self._page_of[name]]
         base = t["offset"] + t["parts"][main_part(t)]["offset"]
-        rb, n, step = row_bytes(t), t["shape"][0], block_rows(t)
+        rb, n, step = row_bytes(t), stored_rows(t), block_rows(t)  # q4: whole tiles, padding rows included
         blocks = [(r, min(n, r + step)) for r in range(0, n, step)]
         pending: dict[int, tuple[Future, int]] = {}
 

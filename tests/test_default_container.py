@@ -1,0 +1,50 @@
+"""The default model runs from a container converted on first use: cached, shared safely, rebuilt if damaged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from colibri.defaults import cached_container
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def convert_once(src: Path, root: Path) -> tuple[Path, list[str]]:
+    said: list[str] = []
+    return cached_container(src, root, "q8", said.append), said
+
+
+def test_converted_once_then_reused(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_tied")
+    first, said = convert_once(src, tmp_path)
+    assert len(said) == 1 and "first use" in said[0] and (first / "manifest.json").is_file()
+    again, said = convert_once(src, tmp_path)
+    assert again == first and said == []
+
+
+def test_damaged_cache_is_rebuilt(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_tied")
+    path, _ = convert_once(src, tmp_path)
+    data = path / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    again, said = convert_once(src, tmp_path)
+    assert again == path and len(said) == 1  # found damaged, converted again
+    _, said = convert_once(src, tmp_path)
+    assert said == []
+
+
+def test_two_processes_convert_once(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_tied")
+    code = (f"import sys; sys.path.insert(0, {SRC!r}); from pathlib import Path;"
+            "from colibri.defaults import cached_container as c;"
+            f"c(Path({str(src)!r}), Path({str(tmp_path)!r}), 'q8', lambda t: print('CONVERTED', flush=True))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert sum(o[0].count("CONVERTED") for o in outs) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] and not list(tmp_path.glob("*.partial-*"))
