@@ -3,9 +3,10 @@
     python benchmarks/prefill.py --model PATH [--prompt-tokens 500] [--decode-tokens 32] [--threads 2] [--repeat 2]
     python benchmarks/prefill.py --model PATH --threads 1 --cpu-time   # thread CPU time: robust on a shared machine
 
-The prompt is token ids cycled from a fixed text's encoding, so every run (and every code version: the script
-uses only `colibri.load`, `new_cache`, `prefill`, `decode_step`) sees the same tokens. Prints one JSON line
-with the best prefill and decode tok/s over --repeat runs, and the greedy tokens (to compare versions).
+The prompt is token ids cycled from a fixed text's encoding, so every run sees the same tokens. One request goes
+through the engine: prefill time is until its first token, decode the steps after it; the KV space is cleared
+between repeats so no run reuses the previous one's prefix. Prints one JSON line with the best prefill and
+decode tok/s over --repeat runs, and the greedy tokens (to compare versions).
 """
 
 from __future__ import annotations
@@ -38,18 +39,21 @@ def main() -> None:
     m = colibri.load(args.model, threads=args.threads)
     base = m.tokenizer.encode(TEXT)
     ids = (base * (args.prompt_tokens // len(base) + 1))[:args.prompt_tokens]
+    from colibri.sampling import SamplingParams
+
+    eng = m.engine
     best_pre, best_dec, tokens = 0.0, 0.0, []
     for _ in range(args.repeat):
-        cache = m.new_cache()
+        m.kv.clear()
+        req = eng.add_request(ids, SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True))
         t0 = clock()
-        logits = m.prefill(ids, cache)
+        while not req.token_ids:
+            eng.step()
         pre = len(ids) / (clock() - t0)
-        tokens = [int(logits.argmax())]
         t0 = clock()
-        for _ in range(args.decode_tokens - 1):
-            tokens.append(int(m.decode_step(tokens[-1], cache).argmax()))
-        dec = (args.decode_tokens - 1) / (clock() - t0)
-        cache.release()
+        eng.run([req])
+        dec = (len(req.token_ids) - 1) / (clock() - t0)
+        tokens = list(req.token_ids)
         best_pre, best_dec = max(best_pre, pre), max(best_dec, dec)
     print(json.dumps({"model": args.model, "threads": args.threads, "clock": "thread CPU" if args.cpu_time else "wall",
                       "prompt_tokens": len(ids),
