@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from colibri import quant
-from colibri.models.base import rms_norm, rope_cos_sin
+from colibri.models.base import Batch, rms_norm, rope_cos_sin
 
 EMBED = "model.embed_tokens.weight"
 CALIBRATION = "calibration.safetensors"  # in the container: the statistics its q4 fit used
@@ -115,18 +115,15 @@ class Calibration:
 
 
 class _Cache:
-    """The KV cache of one pass over one sequence: a layer attends to the keys it just computed."""
-
-    length = 0
-
-    def reserve(self, n: int) -> None:
-        pass
+    """The KV of one pass over one sequence (a `SequenceKV`): a layer attends to the keys it just computed."""
 
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor):
         return k, v
 
-    def advance(self, n: int, tokens) -> None:
-        pass
+
+def _one_sequence(ids: list[int]) -> Batch:
+    """A Batch of one sequence from position 0 (no logits are computed: the caller runs blocks only)."""
+    return Batch.pack([(ids, 0, _Cache(), len(ids))])
 
 
 class _Recorder:
@@ -227,9 +224,10 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
         positions = torch.arange(len(ids))
         rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in arch.inv_freq.items()}
         rope_s = {t: (c[:s], n[:s]) for t, (c, n) in rope.items()}
+        whole, head = _one_sequence(ids), _one_sequence(ids[:s])
         for i in range(args.num_layers):
             store.recording = True
-            y = arch.block(store, i, x, _Cache(), positions, rope[args.layer_types[i]])
+            y = arch.block(store, i, x, whole, rope[args.layer_types[i]])
             store.recording = False
             mine = [n for n in store.loaded if n in store.linears]
             for n in mine:
@@ -238,7 +236,7 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
                 if not measure or n not in plan or ".experts." in n:  # experts: too many to re-run one by one
                     continue
                 store.override = {n: q4(n, store.loaded[n], cal.importance[n])}
-                ys = arch.block(store, i, x[:s], _Cache(), positions[:s], rope_s[args.layer_types[i]])
+                ys = arch.block(store, i, x[:s], head, rope_s[args.layer_types[i]])
                 cal.sensitivity[n] = _relative(ys, y[:s])
             store.release()
             x = y
