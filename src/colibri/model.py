@@ -100,6 +100,16 @@ def check_tensors(ckpt, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
                                  " from the config; the weights do not match the config")
 
 
+def policy_entry(key: str, value) -> str:
+    """One entry of a container's quantization policy as `info` prints it."""
+    if key == "mixed":  # a calibrated conversion's measured mix
+        return (f"mixed={value['mix']} ({len(value['q8'])} tensors q8, {value['bits_per_weight']} bits/weight,"
+                f" calibrated on {value['calibration']['tokens']} tokens)")
+    if isinstance(value, dict):
+        return f"{key}={value['kind']} ({', '.join(n.strip('.') for n in value['names'])})"
+    return f"{key}={value}"
+
+
 def describe(path: str | Path) -> dict[str, str]:
     """What `colibri info` prints: architecture, size, storage types, tokenizer, context length."""
     path = Path(path)
@@ -129,8 +139,7 @@ def describe(path: str | Path) -> dict[str, str]:
         info["pages"] = f"{len(mf['pages'])} (target {mf['page_size'] >> 20} MiB)"
         q = mf["quant"]
         info["quantization"] = f"{q['kind']} group {q['group_size']}; policy " + ", ".join(
-            f"{k}={v['kind']} ({', '.join(n.strip('.') for n in v['names'])})" if isinstance(v, dict) else f"{k}={v}"
-            for k, v in q["policy"].items())
+            policy_entry(k, v) for k, v in q["policy"].items())
     ckpt.close()
     return info
 
