@@ -4,8 +4,8 @@
 
 Rows, all scored by colibri itself with f32 activations (only the stored weights differ):
   source        the GGUF dequantized (colibri.load of the .gguf)
-  old q4        `colibri convert --calibration none` (v_proj/down_proj and the tables at q8, plain fit)
-  new default   `colibri convert` (calibrated mixed precision within the Q4_K_M-equivalent budget)
+  old q4        `colibri convert` (`--calibration none`: v_proj/down_proj and the tables at q8, plain fit)
+  new           `colibri convert --calibration builtin` (calibrated mix within the Q4_K_M-equivalent budget)
   llama.cpp     llama-quantize Q4_K_M (no imatrix) of an f16 GGUF of the dequantized source, loaded by colibri
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="512-token windows per text (default 4)")
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
-    ap.add_argument("--rows", nargs="+", default=["source", "old", "new", "llama.cpp"])
+    ap.add_argument("--rows", nargs="*", default=["source", "old", "new", "llama.cpp"])
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
@@ -124,7 +124,7 @@ def main() -> None:
         if row == "old" and not paths[row].exists():
             convert(a.gguf, paths[row], ConvertOptions(quant="q4", calibration="none"))
         elif row == "new" and not paths[row].exists():
-            convert(a.gguf, paths[row], ConvertOptions(quant="q4"))
+            convert(a.gguf, paths[row], ConvertOptions(quant="q4", calibration="builtin"))
         elif row == "llama.cpp" and not paths[row].exists():
             f16 = a.work / "source-f16.gguf"
             if not f16.exists():

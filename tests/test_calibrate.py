@@ -70,7 +70,7 @@ def test_budget_decides_the_q8_set(tiny_model_dir, tmp_path):
     for bpw in (6.0, 7.0, 9.0):
         dst = tmp_path / f"b{bpw}"
         conv.convert(src, dst, conv.ConvertOptions(quant="q4", group_size=32, bits_per_weight=bpw,
-                                                   calibration_tokens=256))
+                                                   calibration="builtin", calibration_tokens=256))
         rec = manifest(dst)["quant"]["policy"]["mixed"]
         assert rec["bits_per_weight"] <= bpw
         sizes.append(rec["bits_per_weight"])
@@ -78,7 +78,7 @@ def test_budget_decides_the_q8_set(tiny_model_dir, tmp_path):
     assert sizes == sorted(sizes) and q8[0] <= q8[1] <= q8[2] and len(q8[2]) > len(q8[0])
     with pytest.raises(InputError, match="bits-per-weight"):
         conv.convert(src, tmp_path / "tiny", conv.ConvertOptions(quant="q4", group_size=32, bits_per_weight=4.0,
-                                                                 calibration_tokens=256))
+                                                                 calibration="builtin", calibration_tokens=256))
 
 
 def test_choose_spends_the_budget_on_sensitivity_per_byte():
@@ -110,7 +110,7 @@ def test_interrupted_conversion_resumes_without_recalibrating(tiny_model_dir, tm
     """The calibration is kept in the partial directory: a resumed conversion reuses it and writes the same
     container as an uninterrupted one."""
     src = tiny_model_dir("llama_tied")
-    opts = conv.ConvertOptions(quant="q4", group_size=32, calibration_tokens=256)
+    opts = conv.ConvertOptions(quant="q4", group_size=32, calibration="builtin", calibration_tokens=256)
     real_write = conv.write_container
 
     def crash(*a, **k):
@@ -137,7 +137,7 @@ def test_interrupted_conversion_resumes_without_recalibrating(tiny_model_dir, tm
 def test_fixed_mix_keeps_the_policy_kinds_with_the_weighted_fit(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama")
     conv.convert(src, tmp_path / "fixed", conv.ConvertOptions(quant="q4", group_size=32, mix="fixed",
-                                                             calibration_tokens=256))
+                                                             calibration="builtin", calibration_tokens=256))
     conv.convert(src, tmp_path / "plain", conv.ConvertOptions(quant="q4", group_size=32, calibration="none"))
     fixed, plain = manifest(tmp_path / "fixed"), manifest(tmp_path / "plain")
     assert [(t["name"], t["kind"]) for t in fixed["tensors"]] == [(t["name"], t["kind"]) for t in plain["tensors"]]

@@ -80,10 +80,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
                   None),
     "force": (dict(action="store_true", help="overwrite an existing output directory"), None),
-    "calibration": (dict(default="builtin", help="q4: text whose activations weight the q4 fit and measure each"
-                                                 " tensor's sensitivity: a UTF-8 file, 'builtin' (CPython's own"
-                                                 " prose and source, default) or 'none' (fixed policy: v_proj,"
-                                                 " down_proj and the tables at q8)"), None),
+    "calibration": (dict(default="none", help="q4: text whose activations weight the q4 fit and measure each"
+                                              " tensor's sensitivity: a UTF-8 file, 'builtin' (CPython's own prose"
+                                              " and source) or 'none' (default: the fixed policy, v_proj,"
+                                              " down_proj and the tables at q8, plain fit; measured better, see"
+                                              " docs/quality.md)"), None),
     "calibration_tokens": (dict(type=int, default=1024, help="calibration tokens (default 1024)"), None),
     "mix": (dict(default="measured", choices=["measured", "fixed"],
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
