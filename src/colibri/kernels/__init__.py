@@ -6,7 +6,8 @@ sequence decodes the same tokens alone, in a batch, after a chunked prefill or w
 Native kernels (linear.cpp, attention.cpp) are C++ compiled with torch.utils.cpp_extension at first use, into
 `defaults.cache_dir()/kernels/<torch version>-<source hash>`, and registered as `torch.ops.colibri_kernels.*`;
 they run on torch's own thread pool (at::parallel_for). Why a JIT build: it needs only a C++ compiler and the
-`ninja` package at run time, takes ~20-40 s once per machine and torch version (reported on stderr), and the
+`ninja` package at run time, takes 1-2 minutes once per machine and torch version (66-128 s measured on a
+shared 2-core machine, 11 s of it torch's headers; reported on stderr), and the
 install stays `pip install -e .` with no compile step or build isolation (a setup.py build would need torch in
 the build requirements and would rebuild on every editable install). A ctypes library was ruled out: its own
 OpenMP runtime beside torch's is a known trap (two pools oversubscribe the cores).
