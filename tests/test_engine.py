@@ -213,7 +213,7 @@ def test_a_request_that_cannot_fit_is_refused_alone(tiny_model_dir):
     eng = m.engine
     reqs = [eng.add_request(p, SamplingParams(max_tokens=t, ignore_eos=True)) for p, t in zip(ps, mts)]
     eng.step()
-    with pytest.raises(InputError, match="prompt is 70 tokens but the context holds 64; shorten the prompt"):
+    with pytest.raises(InputError, match="prompt is 70 tokens but the context holds 64 with the reply; shorten the prompt"):
         eng.add_request(list(range(1, 71)), SamplingParams(max_tokens=4))
     eng.run(reqs)
     assert [r.token_ids for r in reqs] == ref
