@@ -314,17 +314,16 @@ def test_force_starts_a_conversion_fresh(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("option, value, says", [
     ("--threads", "-1", "must be at least 1"), ("--io-threads", "0", "must be between 1 and 64"),
-    ("--prefetch-depth", "-3", "must be at least 0"), ("--seed", "1e23", "is not an integer"),
-    ("--seed", str(10**23), "must be between"), ("--ctx-length", "0", "must be at least 1"),
-    ("--temperature", "nan", "not a finite number"), ("--batch-size", "0", "must be at least 1"),
+    ("--prefetch-depth", "-3", "must be at least 0"), ("--seed", str(10**23), "must be between"),
+    ("--ctx-length", "0", "must be at least 1"), ("--temperature", "nan", "must be a finite number"),
+    ("--batch-size", "0", "must be at least 1"),
 ])
-def test_bad_option_values_are_usage_errors(option, value, says, capsys):
+def test_bad_option_values_are_one_line_errors(option, value, says, capsys):
     from colibri import cli
-    with pytest.raises(SystemExit) as info:
-        cli.main(["run", "--prompt", "hi", option, value])
-    assert info.value.code == 2
+    assert cli.main(["run", "--prompt", "hi", option, value]) == 2  # refused before any model is loaded
     err = capsys.readouterr().err
-    assert f"argument {option}: " in err and says in err and "Traceback" not in err, err
+    got = float(value) if value == "nan" else int(value)
+    assert err.startswith(f"error: {option} {says}") and err.endswith(f"(got {got})\n") and err.count("\n") == 1, err
 
 
 def test_bad_option_values_from_python_are_clear(tiny_model_dir):

@@ -27,6 +27,20 @@ def tiny(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def long_context(tiny, tmp_path_factory):
+    """The tiny container claiming a 4096-token context: under a limit the automatic context then steps down
+    from 4096 to 256 as the limit shrinks (where acceptance used to come and go)."""
+    import shutil
+    out = tmp_path_factory.mktemp("limits") / "long"
+    shutil.copytree(tiny, out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["config"]["max_position_embeddings"] = 4096
+    m.pop("checksum", None)  # a manifest without one (older containers) is read unchecked
+    (out / "manifest.json").write_text(json.dumps(m))
+    return out
+
+
 def accepted(path, limit: int, **kw) -> bool | str:
     """True when `plan` accepts the limit, else the refusal's message."""
     try:
@@ -44,7 +58,11 @@ def stated_minimum(message: str) -> int:
 
 @pytest.mark.parametrize("kw", [dict(), dict(ctx_length=64), dict(ctx_length=256), dict(batch_size=8),
                                 dict(ctx_length=256, kv_ram=64 << 10), dict(ctx_length=200, batch_size=16)])
-def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(tiny, kw):
+@pytest.mark.parametrize("model", ["tiny", "long_context"])
+def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(request, model, kw):
+    tiny = request.getfixturevalue(model)
+    if model == "long_context" and kw.get("ctx_length"):
+        pytest.skip("the context is given: the same as for the tiny model")
     weights = sum(p["nbytes"] for p in json.loads((tiny / "manifest.json").read_text())["pages"])
     first_guess = colibri.model.plan(tiny, None, **kw)[0].minimum
     top = 2 * (first_guess + weights)
@@ -115,3 +133,15 @@ def test_peak_rss_sweep(smol, limit, ctx, prompt):
             pytest.skip(f"{limit} is below the minimum for ctx {ctx}")
         raise
     assert used <= 1.01 * budget
+
+
+def test_smollm2_limits_that_run_never_stop_running_at_a_larger_limit(smol):
+    """SmolLM2-135M q4 with the automatic context: 75-89M ran, 90-105M was refused ("minimum 105.2 MiB"), 106M ran;
+    at 10M the stated minimum was 46.4 MiB and at 47M 74.9 MiB."""
+    results = [(mb, accepted(smol, mb * MIB)) for mb in range(30, 131)]
+    ok = [mb for mb, r in results if r is True]
+    assert ok and ok == list(range(ok[0], 131)), [(mb, r) for mb, r in results if r is not True][-3:]
+    stated = {stated_minimum(r) for mb, r in results if r is not True}
+    assert len(stated) == 1, stated  # the same minimum whatever limit was refused
+    least = stated.pop()
+    assert accepted(smol, least + MIB // 10) is True and least > (ok[0] - 1) * MIB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -93,7 +94,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                               " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
                                               " take)"), None),
 }
-# Bounds of numeric options, checked as argparse parses them (so a bad value is a usage error naming the option):
+# Bounds of numeric options, checked once after parsing (a bad value is one `error:` line naming the option):
 # option -> (smallest, largest) accepted; None: unbounded on that side.
 BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "threads": (1, None), "io_threads": (1, 64), "prefetch_depth": (0, None), "ctx_length": (1, None),
@@ -104,26 +105,19 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
 }
 
 
-def bounded(name: str, kind: type):
-    """An argparse type: `kind` (int or float) within BOUNDS[name]; finite for floats."""
-    lo, hi = BOUNDS[name]
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
-                from None
-        if kind is float and value != value or value in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+def check_bounds(args) -> None:
+    """InputError for the first numeric option outside BOUNDS (or a float that is not finite)."""
+    for name, (lo, hi) in BOUNDS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"{flag} must be a finite number (got {value})")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             span = (f"between {lo} and {hi}" if lo is not None and hi is not None else
                     f"at least {lo}" if lo is not None else f"at most {hi}")
-            raise argparse.ArgumentTypeError(f"must be {span} (got {text})")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
+            raise InputError(f"{flag} must be {span} (got {value})")
 
 
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
@@ -139,8 +133,6 @@ def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any])
     for name in names:
         kwargs, env = OPTIONS[name]
         kwargs = {**kwargs, **changes.get(name, {})}
-        if name in BOUNDS and kwargs.get("type") in (int, float):
-            kwargs["type"] = bounded(name, kwargs["type"])
         if env and os.environ.get(env):
             kwargs["default"] = os.environ[env]  # a string default goes through `type` like an argument
             kwargs["required"] = False
@@ -422,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
     try:
+        check_bounds(args)
         return handler(args)
     except Terminated:
         print("\nterminated (SIGTERM); temporary files removed", file=sys.stderr)
