@@ -30,6 +30,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: larger real models; skipped unless COLIBRI_SLOW=1 or -m slow")
 
 
+def pytest_sessionstart(session):
+    # Build the native kernels once, before any test: a first-use build inside a child process (a CLI test
+    # under its timeout, a memory-limited child) would be slow there, or fall back to the torch kernels.
+    from colibri import kernels
+    kernels.native()
+
+
 def pytest_collection_modifyitems(config, items):
     if _slow_enabled(config):
         return

@@ -99,9 +99,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
 BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "threads": (1, None), "io_threads": (1, 64), "prefetch_depth": (0, None), "ctx_length": (1, None),
     "batch_size": (1, None), "max_sequences": (1, 4096), "max_tokens": (0, None), "temperature": (0, None),
-    "top_p": (0, 1), "top_k": (0, None),
-    "min_p": (0, 1), "repetition_penalty": (0, None), "seed": (-2**63, 2**64 - 1), "tokens": (1, None),
-    "probe_seconds": (0, 3600), "group_size": (1, None), "page_size": (1, 4096),
+    "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
+    "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
+    "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
 }
 
 
