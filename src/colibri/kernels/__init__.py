@@ -32,7 +32,9 @@ import torch
 
 MODE_ENV = "COLIBRI_KERNELS"
 _SOURCES = ("linear.cpp", "attention.cpp")
-_FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
+# -fopenmp: at::parallel_for is a header template whose OpenMP region compiles to a serial loop without it (the
+# kernels then used one core of two); the extension links the libgomp.so.1 torch has already loaded.
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
           "-mfma", "-mf16c"]
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
@@ -88,7 +90,8 @@ def _build() -> bool:
             if not lib.exists():
                 (d / "lock").unlink(missing_ok=True)  # torch's own baton, left behind by a killed build
                 cpp_extension.load("colibri_kernels", [str(Path(__file__).parent / s) for s in _SOURCES],
-                                   extra_cflags=_FLAGS, build_directory=str(d), is_python_module=False,
+                                   extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(d),
+                                   is_python_module=False,
                                    verbose=False)
                 _notice(f"built the native kernels in {time.perf_counter() - t0:.0f} s (cached in {d})")
                 return True
