@@ -19,7 +19,6 @@ import importlib.util
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -145,7 +144,7 @@ def main() -> None:
         results[row] = r
         print(row, json.dumps(r), flush=True)
     base = results.get("source")
-    print(f"\n| weights | MB | vs source | pydoc win | stdlib win | pydoc full | stdlib full |")
+    print("\n| weights | MB | vs source | pydoc win | stdlib win | pydoc full | stdlib full |")
     print("|---|---|---|---|---|---|---|")
     for row, r in results.items():
         def cell(key):
