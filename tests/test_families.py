@@ -265,7 +265,10 @@ def test_attention_matches_reference_math(softcap, window):
     for T in (1, S):
         q = torch.randn(H, T, Dh, generator=gen)
         positions = torch.arange(S - T, S)
-        mask = base.attention_mask(positions, S, window)
+        keys = torch.arange(S)  # key j is visible from position p iff j <= p and p - j < window
+        mask = keys[None, :] <= positions[:, None]
+        if window is not None:
+            mask &= keys[None, :] > positions[:, None] - window
         kr, vr = (t.double().repeat_interleave(H // Hkv, 0) for t in (k, v))
         s = q.double() @ kr.transpose(1, 2) * 0.25
         if softcap is not None:

@@ -199,15 +199,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
-    """Boolean [T, S] mask: key j visible from query at position p iff j <= p and p - j < window."""
-    k_pos = torch.arange(k_len)
-    m = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        m &= k_pos[None, :] > (q_pos[:, None] - window)
-    return m
-
-
 # Attention keeps f32 scores and probabilities for a chunk of queries; chunks keep them under this size.
 ATTN_SCORES_BYTES = 32 << 20
 
