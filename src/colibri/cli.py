@@ -1,4 +1,5 @@
-"""The `colibri` command: run, chat, info, convert, verify, plan, bench. Each option is defined once, in OPTIONS."""
+"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench. Each option is defined
+once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "mix": (dict(default="measured", choices=["measured", "fixed"],
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
+    "host": (dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"), None),
+    "port": (dict(type=int, default=8000, help="TCP port (default 8000)"), None),
+    "api_key": (dict(help="require 'Authorization: Bearer KEY' on /v1 requests"), "COLIBRI_API_KEY"),
+    "max_queue": (dict(type=int, default=64, help="requests that may wait for a sequence slot beyond the"
+                                                  " --max-sequences running ones; more are answered 429 with"
+                                                  " Retry-After (default 64)"), None),
+    "model_name": (dict(help="the model id clients send and /v1/models lists (default: the checkpoint's file or"
+                             " directory name)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
                                               " sensitive tensors (default: the size llama.cpp's Q4_K_M would"
                                               " take)"), None),
@@ -102,6 +111,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
+    "port": (0, 65535), "max_queue": (0, None),
 }
 
 
@@ -147,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     add(run, *COMMON, *ENGINE, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "model_name")
+    bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
+    add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING,
+        input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
+                        " optionally with sampling fields (max_tokens, temperature, ...)"),
+        output=dict(help="JSONL results, one line per id, appended as each finishes; ids already there are"
+                         " skipped (resume)"),
+        max_tokens=dict(help="maximum tokens per line unless the line says (default"
+                             f" {defaults.DEFAULT_MAX_TOKENS})"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -298,6 +318,18 @@ def chat_loop(args, saved) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from colibri.server import serve
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+          name=args.model_name)
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from colibri import batch
+    return batch.run(args, load_model, sampling(args))
+
+
 def cmd_swap(args) -> int:
     from colibri import swap
     from colibri.defaults import parse_size
@@ -408,7 +440,7 @@ def _terminate(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_openmp(args)
-    handler = {"run": cmd_run, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
+    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \

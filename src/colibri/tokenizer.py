@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any, Iterable
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from colibri.errors import InputError, ModelLoadError
@@ -32,11 +33,19 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
+            self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"the checkpoint's chat template does not parse: {e}") from None
+        self.source = source
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders a `tools` list (function definitions) into the prompt."""
+        return "tools" in self.variables
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text; `kwargs` are template variables such as `tools` (a list of function schemas)."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InputError("each chat message must be a dict with 'role' and 'content'")
@@ -73,14 +82,15 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self.chat_template is None:
             raise InputError("this model has no chat template; use a raw prompt (--raw / generate())")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         # The template already writes BOS and friends, so no special tokens are added on top (as HF does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
 
 
 class StreamDecoder:

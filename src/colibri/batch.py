@@ -1,0 +1,219 @@
+"""`colibri batch`: a JSONL file of prompts through one engine, every line sharing the same weight sweeps.
+
+Input lines are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}` with optional sampling fields
+(those of SamplingParams; the command's options are the defaults). Each result is one output line, written
+whole, flushed and fsynced when its request finishes (in finishing order): a killed run leaves only complete
+lines, except at worst a partial last one, which the next run drops. A rerun with the same output skips the ids
+already there, so an interrupted job resumes. A malformed input line is reported with its number and skipped;
+a duplicate id stops the job before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from colibri.errors import ColibriError, InputError
+from colibri.sampling import SamplingParams
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                   "ignore_eos")
+
+
+@dataclass
+class Line:
+    number: int  # 1-based line number in the input
+    id: object
+    prompt: str | None
+    messages: list[dict] | None
+    sampling: dict
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+
+def id_key(value) -> str:
+    """Ids compare as JSON values: 1 and "1" are different ids."""
+    return json.dumps(value, sort_keys=True)
+
+
+def parse_line(number: int, text: str, defaults: dict) -> Line:
+    """One input line, or an InputError saying what is wrong with it."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InputError("not a JSON object")
+    unknown = sorted(set(obj) - {"id", "prompt", "messages", *SAMPLING_FIELDS})
+    if unknown:
+        raise InputError(f"unknown field(s) {', '.join(unknown)}; known: id, prompt, messages, "
+                         + ", ".join(SAMPLING_FIELDS))
+    if "id" not in obj or isinstance(obj["id"], (bool, dict, list)) or obj["id"] is None:
+        raise InputError('needs an "id" (a string or a number)')
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InputError('needs exactly one of "prompt" (a string) or "messages" (a list of chat messages)')
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise InputError('"prompt" must be a non-empty string')
+    if messages is not None and (not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise InputError('"messages" must be a non-empty list of {"role": str, "content": str}')
+    sampling = {**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
+    try:
+        SamplingParams(**sampling)
+    except TypeError as e:
+        raise InputError(f"bad sampling field: {e}") from None
+    return Line(number, obj["id"], prompt, messages, sampling)
+
+
+def read_input(path: Path, defaults: dict, report) -> list[Line]:
+    """The valid lines of the input (malformed ones reported and skipped); duplicate ids are an InputError."""
+    lines, seen = [], {}
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the input ({e.strerror})") from None
+    with f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                line = parse_line(number, text, defaults)
+            except (InputError, UnicodeDecodeError) as e:
+                report(f"{path}:{number}: skipped: {e}")
+                continue
+            if line.key in seen:
+                raise InputError(f"{path}: id {line.id!r} is on line {seen[line.key]} and line {number}; ids must"
+                                 " be unique (nothing was run)")
+            seen[line.key] = number
+            lines.append(line)
+    return lines
+
+
+def finished_ids(path: Path, report) -> set[str]:
+    """Ids already in the output. A partial last line (a run killed while writing it) is cut off the file."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+        report(f"{path}: dropped a partial last line left by an interrupted run; its id runs again")
+    done = set()
+    for number, text in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            obj = json.loads(text)
+            done.add(id_key(obj["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"{path}:{number}: not a result line of colibri batch; give another --output or"
+                             " remove that line") from None
+    return done
+
+
+class Batch:
+    """Runs lines through a model's engine, at most `window` requests in it at a time."""
+
+    def __init__(self, model, output: Path, report, window: int):
+        self.model, self.output, self.report, self.window = model, output, report, window
+        self.written = self.skipped = self.tokens = 0
+        self.done_tokens = 0  # tokens of the lines written
+
+    def _ids(self, line: Line) -> list[int]:
+        if line.prompt is not None:
+            return self.model.prompt_ids(line.prompt)
+        return self.model.chat_ids(line.messages)
+
+    def run(self, lines: list[Line], bar) -> None:
+        eng = self.model.engine
+        todo, active = deque(lines), {}
+        t0 = time.perf_counter()
+        with open(self.output, "a", encoding="utf-8") as out:
+            while todo or active:
+                while todo and len(active) < self.window:
+                    line = todo.popleft()
+                    try:
+                        req = eng.add_request(self._ids(line), SamplingParams(**line.sampling))
+                    except ColibriError as e:
+                        self._skip(line, e, bar)
+                        continue
+                    active[req] = (line, time.perf_counter())
+                eng.step()
+                for req in [r for r in active if r.finished]:
+                    line, start = active.pop(req)
+                    if req.error is not None:
+                        self._skip(line, req.error, bar)
+                        continue
+                    self._write(out, line, req, start)
+                    bar.update(1)
+                self.tokens = sum(r.metrics.generated_tokens for r in active) + self.done_tokens
+                bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+
+    def _write(self, out, line: Line, req, start: float) -> None:
+        r, m = req.result(), req.metrics
+        record = {"id": line.id, "text": r.text, "finish_reason": r.finish_reason,
+                  "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+                  "cached_prompt_tokens": m.prefix_tokens, "ttft_s": round(m.ttft_s, 4),
+                  "duration_s": round(time.perf_counter() - start, 4),
+                  "decode_tokens_per_s": round(m.decode_tokens_per_s, 3)}
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write of one whole line
+        out.flush()
+        os.fsync(out.fileno())
+        self.written += 1
+        self.done_tokens += len(r.token_ids)
+
+    def _skip(self, line: Line, error: BaseException, bar) -> None:
+        self.report(f"line {line.number} (id {line.id!r}): skipped: {error}")
+        self.skipped += 1
+        bar.update(1)
+
+
+def run(args, load_model, sampling_defaults: dict) -> int:
+    """The `colibri batch` command: 0 when every line has its result, 1 when some were skipped."""
+    from tqdm import tqdm
+
+    def report(text: str) -> None:
+        tqdm.write(f"colibri batch: {text}", file=sys.stderr)
+
+    src, dst = Path(args.input), Path(args.output)
+    if src.resolve() == dst.resolve():
+        raise InputError("--input and --output are the same file; write the results elsewhere")
+    defaults = {k: v for k, v in sampling_defaults.items() if v is not None}
+    lines = read_input(src, defaults, report)
+    bad = _count_bad(src, lines)
+    done = finished_ids(dst, report)
+    todo = [line for line in lines if line.key not in done]
+    if len(lines) > len(todo):
+        report(f"{len(lines) - len(todo)} of {len(lines)} ids already in {dst}: skipped (resuming)")
+    if not todo:
+        report("nothing to do")
+        return 1 if bad else 0
+    model = load_model(args)
+    job = Batch(model, dst, report, window=2 * model.max_sequences)
+    with tqdm(total=len(todo), unit="line", desc="batch", file=sys.stderr, dynamic_ncols=True) as bar:
+        try:
+            job.run(todo, bar)
+        except BaseException:  # Ctrl-C, SIGTERM or an error: what is written stays, complete
+            bar.close()
+            report(f"stopped after {job.written} of {len(todo)} lines; run the same command again to resume")
+            raise
+        finally:
+            model.close()
+    skipped = bad + job.skipped
+    report(f"wrote {job.written} lines to {dst}" + (f"; {skipped} lines skipped (see above)" if skipped else ""))
+    return 1 if skipped else 0
+
+
+def _count_bad(src: Path, lines: list[Line]) -> int:
+    """Non-blank input lines that did not parse (already reported)."""
+    with open(src, encoding="utf-8", errors="replace") as f:
+        return sum(1 for text in f if text.strip()) - len(lines)

@@ -1,0 +1,82 @@
+"""`colibri serve`: an OpenAI-compatible HTTP server over one engine.
+
+schema.py (request bodies, validation, the error shape), tools.py (tool definitions into the chat template,
+tool-call blocks out of the reply), worker.py (the engine thread), metrics.py (/metrics), app.py (the routes).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+
+from colibri.config import EngineConfig
+from colibri.errors import InputError
+
+DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_QUEUE = "127.0.0.1", 8000, 64
+
+
+def model_id(config: EngineConfig) -> str:
+    """The name clients send as `model`: the checkpoint's file or directory name."""
+    path = config.model_path()
+    return path.stem if path.is_file() else path.name
+
+
+def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+          max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. The socket opens first; the model loads in the engine thread meanwhile."""
+    import uvicorn
+
+    from colibri.server.app import Settings, create_app
+    from colibri.server.metrics import ServerMetrics
+    from colibri.server.worker import Hooks, Worker
+
+    hooks = Hooks.from_env()
+    metrics = ServerMetrics()
+    worker = Worker(config, max_queue, hooks, metrics)
+    settings = Settings(model_id=name or model_id(config), api_key=api_key, hooks=hooks)
+    app = create_app(settings, worker, metrics)
+    if not _loopback(host) and api_key is None:
+        print(f"colibri serve: warning: listening on {host} without --api-key: anyone who can reach this port"
+              " can use the model", file=sys.stderr)
+    sock = listen(host, port)
+    port = sock.getsockname()[1]
+    print(f"colibri serve: {settings.model_id} on http://{_url_host(host)}:{port}/v1 (the model is loading;"
+          " GET /health)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (port 0: a free one), or one clear error line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InputError(f"--host {host!r}: {e.strerror}; give an address such as 127.0.0.1") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (or stop the"
+                         " process using it)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,441 @@
+"""The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, with /health and /metrics.
+
+A handler validates the body, renders and tokenizes the prompt, hands the engine thread a job and then only
+waits on the job's asyncio queue: text deltas go out as SSE chunks (or are gathered for one JSON answer), an SSE
+comment keeps the connection alive while nothing comes (a long prefill), and a client that goes away has its
+request aborted. Every error is OpenAI's shape with its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from colibri.errors import InputError
+from colibri.server import schema, tools
+from colibri.server.metrics import ServerMetrics
+from colibri.server.schema import APIError, ChatRequest, CompletionRequest
+from colibri.server.worker import Event, Hooks, Job, Worker
+
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413 before it is read whole
+KEEPALIVE_S = 5.0  # an SSE comment goes out after this long without a token (long prefills, a full queue)
+
+
+@dataclass
+class Settings:
+    model_id: str
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    keepalive_s: float = KEEPALIVE_S
+    hooks: Hooks = field(default_factory=Hooks)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()  # the socket is up: the model loads in the engine thread while /health answers
+        yield
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="colibri", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_CountResponses, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the"
+                                " key given to --api-key", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != settings.model_id:
+            raise APIError(400, f"model {name!r} is not served here; this server serves {settings.model_id!r}"
+                                " (GET /v1/models)", param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": settings.created, "owned_by": "colibri"}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": worker.state, "model": settings.model_id}
+        if worker.error:
+            body["error"] = worker.error
+        if worker.load_s is not None:
+            body["load_s"] = round(worker.load_s, 3)
+        return JSONResponse(body, status_code=200 if worker.state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request) -> dict:
+        authorize(request)
+        if name != settings.model_id:
+            raise APIError(404, f"model {name!r} is not served here", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        authorize(request)
+        req = schema.parse(ChatRequest, await read_body(request, settings.max_body_bytes))
+        schema.refuse_unsupported(req)
+        check_model(req.model)
+        worker.check_ready()
+        tok = worker.model.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        tool_list = tools.template_tools(req, tok.chat_template)
+        messages = tools.template_messages(req.messages)
+
+        def render() -> tuple[str, list[int]]:
+            extra = {"tools": tool_list} if tool_list else {}
+            text = tok.apply_chat_template(messages, **extra)
+            return text, tok.encode(text, add_special_tokens=False)
+
+        try:
+            text, ids = await asyncio.to_thread(render)
+        except InputError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+        params = schema.sampling_params(req, len(ids), worker.model.context_length)
+        queue: asyncio.Queue = asyncio.Queue()
+        job = Job(ids, params, asyncio.get_running_loop(), queue, fault=_faulty(settings, text))
+        worker.submit([job])
+        reply = _ChatReply(settings.model_id, len(ids), tool_list is not None)
+        events = _events(request, worker, [job], queue, settings.keepalive_s)
+        if not req.stream:
+            async for item in events:
+                if item is not None:
+                    reply.add(item[1])
+            return JSONResponse(reply.whole())
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return await _sse(events, reply, usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        req = schema.parse(CompletionRequest, await read_body(request, settings.max_body_bytes))
+        schema.refuse_unsupported(req)
+        check_model(req.model)
+        worker.check_ready()
+        model = worker.model
+        prompts = _prompts(req.prompt)
+        try:
+            encoded = await asyncio.to_thread(lambda: [model.prompt_ids(p) for p in prompts])
+        except InputError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(ids, schema.sampling_params(req, len(ids), model.context_length), loop, queue, index=i,
+                    fault=_faulty(settings, p if isinstance(p, str) else ""))
+                for i, (p, ids) in enumerate(zip(prompts, encoded))]
+        worker.submit(jobs)  # every prompt of the list joins the same steps
+        reply = _CompletionReply(settings.model_id, [len(ids) for ids in encoded], bool(req.echo) and prompts)
+        events = _events(request, worker, jobs, queue, settings.keepalive_s)
+        if not req.stream:
+            async for item in events:
+                if item is not None:
+                    reply.add(*item)
+            return JSONResponse(reply.whole())
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return await _sse(events, reply, usage)
+
+    metrics.attach(worker)
+    return app
+
+
+def _faulty(settings: Settings, text: str) -> bool:
+    return bool(settings.hooks.fault_text) and settings.hooks.fault_text in text
+
+
+def _prompts(prompt) -> list:
+    """A completion's prompt as a list of prompts: strings or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt", code="invalid_prompt")
+    return list(prompt)
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The body, refused with 413 once it passes `cap` bytes (by its Content-Length or as it arrives)."""
+    try:
+        declared = int(request.headers.get("content-length", 0))
+    except ValueError:
+        raise APIError(400, "bad Content-Length header") from None
+    too_big = APIError(413, f"the request body is larger than {cap} bytes", code="body_too_large")
+    if declared > cap:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body is already read: the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(request: Request, worker: Worker, jobs: list[Job], queue: asyncio.Queue,
+                  keepalive: float) -> AsyncIterator[tuple[int, Event] | None]:
+    """(index, Event) as the engine thread delivers them until every job is done; None after `keepalive`
+    seconds without one. A client disconnect, or the caller closing the iterator, aborts the unfinished jobs."""
+    pending = len(jobs)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while pending:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, gone}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                if gone in done:
+                    return
+                yield None
+                continue
+            index, event = get.result()
+            if event.kind == "done":
+                pending -= 1
+            yield index, event
+    finally:
+        gone.cancel()
+        for job in jobs:
+            worker.abort(job)
+
+
+def _sse_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(events: AsyncIterator, reply, usage: bool) -> Response:
+    """A streaming answer. The first event is awaited (up to one keep-alive period) before the headers go out,
+    so a request that fails at once still gets its error status."""
+    first = await events.__anext__()
+    if first is not None and first[1].kind == "done" and first[1].error is not None and reply.single:
+        await events.aclose()
+        raise first[1].error
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            yield _sse_line(reply.head())
+            item = first
+            while True:
+                if item is None:
+                    yield ": keep-alive\n\n"
+                else:
+                    for obj in reply.chunks(*item):
+                        yield _sse_line(obj)
+                try:
+                    item = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+            if reply.error is not None:
+                yield _sse_line(reply.error.body())
+            elif usage:
+                yield _sse_line(reply.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _ChatReply:
+    """One chat choice built from engine events, as a whole answer or as stream chunks."""
+
+    single = True
+
+    def __init__(self, model_id: str, prompt_tokens: int, with_tools: bool):
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model_id, self.prompt_tokens = model_id, prompt_tokens
+        self.filter = tools.StreamFilter() if with_tools else None
+        self.text, self.completion_tokens, self.cached = "", 0, 0
+        self.finish_reason: str | None = None
+        self.error: APIError | None = None
+        self.calls = 0
+
+    def add(self, event: Event) -> None:
+        if event.kind == "delta":
+            self.text += event.text
+            self.completion_tokens += event.tokens
+        else:
+            self._done(event)
+
+    def _done(self, event: Event) -> None:
+        self.finish_reason, self.error = event.finish_reason, event.error
+        if event.metrics is not None:
+            self.completion_tokens = event.metrics.generated_tokens
+            self.cached = event.metrics.prefix_tokens
+
+    def whole(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        message: dict = {"role": "assistant", "content": self.text}
+        reason = self.finish_reason
+        if self.filter is not None:
+            parsed = tools.parse(self.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+                if reason == "stop":
+                    reason = "tool_calls"
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
+                "usage": _usage(self.prompt_tokens, self.completion_tokens, self.cached)}
+
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+    def head(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def chunks(self, index: int, event: Event) -> list[dict]:
+        if event.kind == "delta":
+            self.completion_tokens += event.tokens
+            return self._deltas(self.filter.push(event.text) if self.filter else [("text", event.text)])
+        self._done(event)
+        if self.error is not None:
+            return []
+        out = self._deltas(self.filter.finish()) if self.filter else []
+        reason = "tool_calls" if self.calls and self.finish_reason == "stop" else self.finish_reason
+        return out + [self._chunk({}, reason)]
+
+    def _deltas(self, events: list) -> list[dict]:
+        out = []
+        for kind, value in events:
+            if kind == "text":
+                if value:
+                    out.append(self._chunk({"content": value}))
+            else:
+                out.append(self._chunk({"tool_calls": [{"index": self.calls, **value}]}))
+                self.calls += 1
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                "choices": [], "usage": _usage(self.prompt_tokens, self.completion_tokens, self.cached)}
+
+
+class _CompletionReply:
+    """The choices of a (possibly batched) completion request."""
+
+    def __init__(self, model_id: str, prompt_tokens: list[int], echo):
+        self.id = "cmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model_id, self.prompt_tokens = model_id, prompt_tokens
+        self.single = len(prompt_tokens) == 1
+        self.echo = echo or None
+        n = len(prompt_tokens)
+        self.texts, self.reasons = [""] * n, [None] * n
+        self.tokens, self.cached = [0] * n, [0] * n
+        self.error: APIError | None = None
+
+    def add(self, index: int, event: Event) -> None:
+        if event.kind == "delta":
+            self.texts[index] += event.text
+            self.tokens[index] += event.tokens
+            return
+        self.reasons[index] = event.finish_reason
+        if event.error is not None and self.error is None:
+            self.error = event.error
+        if event.metrics is not None:
+            self.tokens[index] = event.metrics.generated_tokens
+            self.cached[index] = event.metrics.prefix_tokens
+
+    def _prefix(self, index: int) -> str:
+        return self.echo[index] if self.echo and isinstance(self.echo[index], str) else ""
+
+    def whole(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        choices = [{"index": i, "text": self._prefix(i) + t, "finish_reason": r, "logprobs": None}
+                   for i, (t, r) in enumerate(zip(self.texts, self.reasons))]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": choices, "usage": self._usage()}
+
+    def _usage(self) -> dict:
+        return _usage(sum(self.prompt_tokens), sum(self.tokens), sum(self.cached))
+
+    def _chunk(self, index: int, text: str, reason: str | None = None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]}
+
+    def head(self) -> dict:
+        return self._chunk(0, self._prefix(0))
+
+    def chunks(self, index: int, event: Event) -> list[dict]:
+        self.add(index, event)
+        if event.kind == "delta":
+            return [self._chunk(index, event.text)] if event.text else []
+        return [] if event.error is not None else [self._chunk(index, "", event.finish_reason)]
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": [], "usage": self._usage()}
+
+
+class _CountResponses:
+    """ASGI middleware counting responses by route and status (pure ASGI: streaming and disconnects pass
+    through untouched)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ("/health", "/metrics", "/v1/models", "/v1/chat/completions",
+                                 "/v1/completions") else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)

@@ -1,0 +1,214 @@
+"""The OpenAI API's request bodies as strict pydantic models, their validation, and the error shape.
+
+Bodies are parsed strictly: a string where a number belongs, a negative `max_tokens` or an unknown parameter is
+a 400 naming the parameter (`APIError`), never coerced or ignored. Parameters OpenAI defines that Colibri does not
+implement (`n > 1`, `logprobs`, penalties, `response_format` other than text) are refused the same way, so a
+client never gets an answer that silently ignored what it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from colibri.errors import InputError
+from colibri.sampling import SamplingParams
+
+Number = Union[StrictInt, StrictFloat]
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (send 0 for greedy)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Function(Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: StrictStr
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class Sampling(Strict):
+    """The generation parameters chat and completions share (OpenAI's, plus top_k / min_p /
+    repetition_penalty as vLLM and llama.cpp's servers accept them)."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    user: StrictStr | None = None  # accepted and unused: it identifies the end user to the provider
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+
+def parse(model: type[Strict], body: bytes) -> Any:
+    """The request body as `model`, or an APIError(400) naming the first bad parameter."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json")
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unsupported parameter: {loc}", param=loc, code="unsupported_parameter")
+        if err["type"] == "missing":
+            raise APIError(400, f"missing required parameter: {loc}", param=loc, code="missing_parameter")
+        raise APIError(400, f"invalid value for {loc}: {err['msg']}", param=loc, code="invalid_value")
+
+
+def refuse_unsupported(req: Sampling) -> None:
+    """400 for parameters that would change the answer in a way Colibri does not implement."""
+    if req.n is not None and req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported: only one choice per request (n=1); send several"
+                            " requests instead (they are batched together)", param="n", code="unsupported_value")
+    if req.logprobs or req.top_logprobs:
+        raise APIError(400, "logprobs are not supported by this server", param="logprobs",
+                       code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name,
+                           code="unsupported_parameter")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        raise APIError(400, f"response_format {rf.type!r} is not supported (only 'text')", param="response_format",
+                       code="unsupported_value")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != 1:
+        raise APIError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
+    if getattr(req, "suffix", None):
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+
+
+def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> SamplingParams:
+    """The engine's SamplingParams; a prompt plus `max_tokens` beyond the context is a 400 (never truncated).
+    Without max_tokens a reply may run to the end of the context."""
+    max_tokens = getattr(req, "max_completion_tokens", None)
+    param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    if prompt_tokens >= context:
+        raise APIError(400, f"the prompt is {prompt_tokens} tokens but this model's context holds {context}"
+                            " (with the reply); shorten the prompt", param="messages"
+                       if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = context - prompt_tokens
+    elif max_tokens < 1:
+        raise APIError(400, f"{param} must be at least 1 (got {max_tokens})", param=param, code="invalid_value")
+    elif prompt_tokens + max_tokens > context:
+        raise APIError(400, f"this model's context holds {context} tokens, but {prompt_tokens} in the prompt"
+                            f" plus {param}={max_tokens} ask for {prompt_tokens + max_tokens}; lower {param}",
+                       param=param, code="context_length_exceeded")
+    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed")
+          if getattr(req, k) is not None}
+    kw["temperature"] = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stop is not None and len(stop) > 16:
+        raise APIError(400, "at most 16 stop strings", param="stop", code="invalid_value")
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=stop or None, **kw)
+    except InputError as e:
+        name = str(e).split(" ")[0]
+        raise APIError(400, str(e), param=name, code="invalid_value") from None

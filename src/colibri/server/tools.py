@@ -1,0 +1,149 @@
+"""Tool calls: OpenAI messages into a chat template's variables, and the model's tool-call blocks back out.
+
+The tools reach the model through its own chat template (`tools=[...]`), so the prompt is the one the model was
+trained on; a template that never reads `tools` cannot be given any. Replies are parsed for the block syntax of
+the template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes and the templates that
+copied them). A complete block with valid JSON becomes a `tool_calls` entry; a block whose JSON does not parse is
+left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from colibri.server.schema import APIError, ChatRequest, Message
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages as chat templates read them: text parts joined, `developer` as `system`, an assistant's
+    tool-call arguments as objects (templates serialize them with `tojson`)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+            p.text for p in m.content)
+        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        out.append(msg)
+    return out
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def template_tools(req: ChatRequest, template) -> list[dict] | None:
+    """The `tools` variable for the template, or None when the request has none (or tool_choice is "none").
+    A template without tool support, or whose tool-call syntax is not parsed here, is a 400."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if template is None or not template.supports_tools:
+        raise APIError(400, "this model's chat template does not support tools (it never renders a `tools`"
+                            " list); send the request without `tools`", param="tools", code="tools_unsupported")
+    if OPEN not in template.source:
+        raise APIError(400, "this model's chat template renders tools, but its tool-call syntax is not one this"
+                            " server parses (<tool_call>{json}</tool_call>)", param="tools",
+                       code="tools_unsupported")
+    if req.tool_choice not in (None, "auto"):
+        raise APIError(400, f"tool_choice {_choice(req.tool_choice)!r} is not supported: the model decides"
+                            " ('auto') or gets no tools ('none')", param="tool_choice", code="unsupported_value")
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _choice(choice) -> str:
+    return choice if isinstance(choice, str) else f"function {choice.function.name}"
+
+
+def parse_block(body: str) -> dict | None:
+    """One block's JSON as an OpenAI tool call, or None when it is not {"name": str, "arguments": ...}."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": call_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+@dataclass
+class Parsed:
+    content: str | None  # the text outside the parsed blocks (None when there is none)
+    tool_calls: list[dict]
+    unterminated: bool  # the text ends inside an open block (kept in `content`)
+
+
+def parse(text: str) -> Parsed:
+    """Split a whole reply into text and tool calls."""
+    f = StreamFilter()
+    events = f.push(text) + f.finish()
+    content = "".join(v for kind, v in events if kind == "text")
+    calls = [v for kind, v in events if kind == "tool_call"]
+    return Parsed(content if content.strip() or not calls else None, calls, f.unterminated)
+
+
+class StreamFilter:
+    """Text deltas in, ("text", str) and ("tool_call", dict) events out. Text that may be the start of a block
+    is held back until it is known not to be; a block is held whole until it closes."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.inside = False
+        self.unterminated = False
+
+    def push(self, delta: str) -> list[tuple[str, object]]:
+        self.buf += delta
+        out: list[tuple[str, object]] = []
+        while True:
+            if self.inside:
+                end = self.buf.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self.buf, self.inside = self.buf[len(OPEN):end], self.buf[end + len(CLOSE):], False
+                call = parse_block(body)
+                out.append(("tool_call", call) if call else ("text", OPEN + body + CLOSE))
+                continue
+            start = self.buf.find(OPEN)
+            if start >= 0:
+                if start:
+                    out.append(("text", self.buf[:start]))
+                self.buf, self.inside = self.buf[start:], True
+                continue
+            keep = _partial_suffix(self.buf, OPEN)
+            cut = len(self.buf) - keep
+            if cut:
+                out.append(("text", self.buf[:cut]))
+                self.buf = self.buf[cut:]
+            return out
+
+    def finish(self) -> list[tuple[str, object]]:
+        """The end of the reply: what is held back goes out as text (an unterminated block included)."""
+        self.unterminated = self.inside
+        rest, self.buf, self.inside = self.buf, "", False
+        return [("text", rest)] if rest else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -1,0 +1,332 @@
+"""The engine thread: the only thread that touches the model. HTTP handlers hand it jobs and aborts.
+
+It loads the model (after the server's socket is up, so /health answers meanwhile), then loops: take the new
+jobs and the aborts, run one `Engine.step()` while any request is unfinished, and hand each job's new text to
+its asyncio queue with `loop.call_soon_threadsafe`; with nothing to do it sleeps on a condition. An abort takes
+effect before the next step, so a disconnected client's sequence and its KV blocks are gone within one step.
+A step that raises fails the requests in it (500 to their clients); the loop keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from colibri.config import EngineConfig
+from colibri.errors import ColibriError
+from colibri.sampling import SamplingParams
+from colibri.server.schema import APIError
+
+LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of the last 10 s
+
+
+@dataclass
+class Hooks:
+    """Test-only fault injection, from the environment variable COLIBRI_SERVE_TEST_HOOKS (JSON), never set in
+    normal use: `load_delay_s` holds the model load back; a forward pass serving a prompt that contains
+    `fault_text` raises (an engine fault inside that request)."""
+
+    load_delay_s: float = 0.0
+    fault_text: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "Hooks":
+        import json
+        raw = os.environ.get("COLIBRI_SERVE_TEST_HOOKS")
+        return cls(**json.loads(raw)) if raw else cls()
+
+
+@dataclass
+class Event:
+    kind: str  # "delta" (text, tokens) | "done" (finish_reason, error, metrics)
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: APIError | None = None
+    metrics: object = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One engine request as a handler sees it: events arrive on `queue` as (index, Event)."""
+
+    ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int = 0
+    fault: bool = False
+    t0: float = field(default_factory=time.perf_counter)
+    req: object = None
+    aborted: bool = False
+    done: bool = False
+    first_token_s: float | None = None
+    queued: bool = True  # waiting for a sequence slot (counted in the queue depth)
+    submitted: bool = False
+
+    def deliver(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
+        except RuntimeError:  # the handler's loop is closed (server shutting down)
+            pass
+
+
+class _FaultyArch:
+    """The family math with a test fault: a pass serving a marked request raises."""
+
+    def __init__(self, arch, engine, marked: set):
+        self._arch, self._engine, self._marked = arch, engine, marked
+
+    def forward(self, store, batch):
+        if any(r.id in self._marked for r in self._engine.running):
+            raise RuntimeError("injected test fault (COLIBRI_SERVE_TEST_HOOKS)")
+        return self._arch.forward(store, batch)
+
+    def __getattr__(self, name):
+        return getattr(self._arch, name)
+
+
+class Worker:
+    """Owns the model; `submit` and `abort` are called from the HTTP side, everything else runs in its thread."""
+
+    def __init__(self, config: EngineConfig, max_queue: int, hooks: Hooks | None = None, metrics=None):
+        self.config = config
+        self.max_queue = max_queue
+        self.hooks = hooks or Hooks()
+        self.metrics = metrics
+        self.state = LOADING
+        self.error: str | None = None
+        self.model = None
+        self.load_s: float | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[Job] = []
+        self._aborts: list[Job] = []
+        self._jobs: list[Job] = []  # submitted to the engine, not finished
+        self._outstanding = 0  # jobs submitted and not done (under _cond)
+        self._stop = False
+        self._durations: deque[float] = deque(maxlen=32)
+        self._steps: deque[tuple[float, int, int, float]] = deque()  # (time, tokens, bytes read, read seconds)
+        self._marked: set[int] = set()
+        self.snapshot: dict = {}
+        self._thread = threading.Thread(target=self._main, name="colibri-engine", daemon=True)
+
+    # -- the HTTP side -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def check_ready(self) -> None:
+        if self.state == LOADING:
+            raise APIError(503, "the model is still loading; retry shortly (GET /health shows the state)",
+                           code="model_loading", headers={"Retry-After": "2"})
+        if self.state != READY:
+            raise APIError(503, f"the model is not available: {self.error or self.state}", code="model_unavailable")
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue jobs for the engine, all or none: 429 when they would overflow the running sequences plus the
+        bounded queue."""
+        self.check_ready()
+        with self._cond:
+            room = self.config.max_sequences + self.max_queue - self._outstanding
+            if len(jobs) > room:
+                raise APIError(429, f"the server is busy: {self._outstanding} requests in flight (at most"
+                                    f" {self.config.max_sequences} running and {self.max_queue} queued); retry"
+                                    " after the time in Retry-After", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after())})
+            self._outstanding += len(jobs)
+            for job in jobs:
+                job.submitted = True
+            self._inbox.extend(jobs)
+            self._cond.notify()
+
+    def abort(self, job: Job) -> None:
+        """Stop a job (its client went away); the engine thread drops it before its next step."""
+        with self._cond:
+            if job.submitted and not job.done and not job.aborted:
+                job.aborted = True
+                self._aborts.append(job)
+                self._cond.notify()
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the recent mean request time, between 1 and 60."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
+        return int(min(60, max(1, math.ceil(mean))))
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def rates(self) -> tuple[float, float]:
+        """(generated tokens/s, weight read GB/s) over the steps of the last RATE_WINDOW_S seconds."""
+        now = time.perf_counter()
+        steps = [s for s in list(self._steps) if s[0] >= now - RATE_WINDOW_S]
+        tokens = sum(s[1] for s in steps)
+        nbytes, read_s = sum(s[2] for s in steps), sum(s[3] for s in steps)
+        return tokens / RATE_WINDOW_S, (nbytes / read_s / 1e9 if read_s > 0 else 0.0)
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # noqa: BLE001 - the server stays up and reports it on /health
+            self.error = str(e) if isinstance(e, ColibriError) else f"{type(e).__name__}: {e}"
+            self.state = FAILED
+            print(f"colibri serve: error: {self.error}", file=sys.stderr, flush=True)
+            self._refuse_all(APIError(503, f"the model failed to load: {self.error}", code="model_unavailable"))
+            return
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        if self.hooks.load_delay_s:
+            time.sleep(self.hooks.load_delay_s)
+        from colibri.model import load
+        self.model = load(self.config)
+        if self.hooks.fault_text:
+            eng = self.model.engine
+            eng.arch = _FaultyArch(eng.arch, eng, self._marked)
+        self.load_s = time.perf_counter() - t0
+        self._publish()
+        self.state = READY
+        print(f"colibri serve: model loaded in {self.load_s:.1f} s", file=sys.stderr, flush=True)
+
+    def _loop(self) -> None:
+        eng = self.model.engine
+        while True:
+            with self._cond:
+                while not (self._inbox or self._aborts or self._stop or eng.unfinished):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            for job in aborts:
+                if job.req is not None and not job.req.finished:
+                    eng.abort(job.req)
+                self._finish(job, "abort")
+            for job in inbox:
+                if job.aborted:
+                    continue
+                try:
+                    job.req = eng.add_request(job.ids, job.params)
+                except ColibriError as e:
+                    self._finish(job, "error", APIError(400, str(e), code="invalid_request"))
+                    continue
+                if job.fault:
+                    self._marked.add(job.req.id)
+                self._jobs.append(job)
+            if eng.unfinished:
+                io0, t = self._io(), time.perf_counter()
+                before = sum(len(j.req.token_ids) for j in self._jobs)
+                try:
+                    eng.step()
+                except Exception as e:  # noqa: BLE001 - fail what was in the step, keep serving
+                    self._fail_running(e)
+                self._record(t, io0, sum(len(j.req.token_ids) for j in self._jobs) - before)
+            self._deliver()
+            self._publish()
+
+    def _deliver(self) -> None:
+        keep = []
+        for job in self._jobs:
+            req = job.req
+            if job.queued and req.state != "waiting":
+                job.queued = False
+            chunks = req.take()
+            if chunks:
+                tokens = sum(1 for c in chunks if c.token_id is not None)
+                if tokens and job.first_token_s is None:
+                    job.first_token_s = time.perf_counter() - job.t0
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(job.first_token_s)
+                job.deliver(Event("delta", "".join(c.text for c in chunks), tokens))
+            if req.finished:
+                if job.aborted:
+                    continue  # already answered by _finish("abort")
+                err = None
+                if req.error is not None:
+                    e = req.error
+                    err = APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
+                                   code="engine_error")
+                self._finish(job, req.finish_reason, err, req.metrics)
+            else:
+                keep.append(job)
+        self._jobs = keep
+
+    def _finish(self, job: Job, reason: str, error: APIError | None = None, metrics=None) -> None:
+        if job.done:
+            return
+        self._marked.discard(getattr(job.req, "id", None))
+        with self._cond:
+            job.done = True
+            self._outstanding -= 1
+        duration = time.perf_counter() - job.t0
+        if reason != "abort":
+            self._durations.append(duration)
+        if self.metrics is not None:
+            self.metrics.finished(reason, duration, metrics)
+        job.deliver(Event("done", finish_reason=reason, error=error, metrics=metrics))
+
+    def _fail_running(self, error: BaseException) -> None:
+        eng = self.model.engine
+        print(f"colibri serve: engine step failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        for job in self._jobs:
+            if job.req.state == "running" and not job.req.finished:
+                try:
+                    eng.abort(job.req)
+                except Exception:  # noqa: BLE001 - its KV may be in a bad state; the request is gone either way
+                    pass
+                job.req.fail(error)
+
+    def _io(self) -> dict | None:
+        c = getattr(self.model.store, "counters", None)
+        return c() if c else None
+
+    def _record(self, t0: float, io0: dict | None, tokens: int) -> None:
+        io1 = self._io()
+        nbytes = io1["bytes_read"] - io0["bytes_read"] if io0 else 0
+        read_s = io1["read_active_s"] - io0["read_active_s"] if io0 else 0.0
+        now = time.perf_counter()
+        self._steps.append((now, tokens, nbytes, read_s))
+        while self._steps and self._steps[0][0] < now - RATE_WINDOW_S:
+            self._steps.popleft()
+        if self.metrics is not None:
+            self.metrics.step(now - t0, tokens)
+
+    def _publish(self) -> None:
+        """A consistent snapshot of the engine's, the store's and the KV space's counters for /metrics (read by
+        the HTTP side without touching the engine)."""
+        m = self.model
+        self.snapshot = {"engine": m.engine.counters(), "store": self._io() or {}, "kv": m.kv.counters(),
+                         "kv_pool_capacity_bytes": m.kv_pool_bytes,
+                         "queued": sum(1 for j in self._jobs if j.queued) + len(self._inbox)}
+
+    def _refuse_all(self, error: APIError) -> None:
+        with self._cond:
+            jobs, self._inbox = self._inbox, []
+        for job in jobs:
+            self._finish(job, "error", error)
+
+    def _shutdown(self) -> None:
+        self.state = STOPPED
+        err = APIError(503, "the server is shutting down", code="shutting_down")
+        for job in self._jobs:
+            self._finish(job, "error", err)
+        self._jobs = []
+        self._refuse_all(err)
+        if self.model is not None:
+            self.model.close()
