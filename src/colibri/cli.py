@@ -320,8 +320,12 @@ def chat_loop(args, saved) -> int:
 
 def cmd_serve(args) -> int:
     from colibri.server import serve
+    name = args.model_name
+    if name is None and not args.model:  # the embedded default: its own name, not its cached container's
+        from colibri.defaults import default_model_path
+        name = default_model_path().stem
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          name=args.model_name)
+          name=name)
     return 0
 
 

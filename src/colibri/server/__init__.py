@@ -35,6 +35,8 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     metrics = ServerMetrics()
     worker = Worker(config, max_queue, hooks, metrics)
     settings = Settings(model_id=name or model_id(config), api_key=api_key, hooks=hooks)
+    if hooks.keepalive_s is not None:
+        settings.keepalive_s = hooks.keepalive_s
     app = create_app(settings, worker, metrics)
     if not _loopback(host) and api_key is None:
         print(f"colibri serve: warning: listening on {host} without --api-key: anyone who can reach this port"

