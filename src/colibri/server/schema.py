@@ -97,7 +97,7 @@ class ResponseFormat(Strict):
 
 class Sampling(Strict):
     """The generation parameters chat and completions share (OpenAI's, plus top_k / min_p /
-    repetition_penalty as vLLM and llama.cpp's servers accept them)."""
+    repetition_penalty / ignore_eos as vLLM's and llama.cpp's servers accept them)."""
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -117,6 +117,7 @@ class Sampling(Strict):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None  # accepted and unused: it identifies the end user to the provider
+    ignore_eos: StrictBool | None = None  # vLLM's extension: generate max_tokens whatever (benchmarks)
 
 
 class ChatRequest(Sampling):
@@ -201,7 +202,7 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> Sampling
         raise APIError(400, f"this model's context holds {context} tokens, but {prompt_tokens} in the prompt"
                             f" plus {param}={max_tokens} ask for {prompt_tokens + max_tokens}; lower {param}",
                        param=param, code="context_length_exceeded")
-    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos")
           if getattr(req, k) is not None}
     kw["temperature"] = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
