@@ -160,6 +160,8 @@ def test_over_long_prompt_and_oversized_body(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = post(server, "/v1/completions", {"model": "smollm2", "prompt": "x" * (9 << 20)})
     assert r.status_code == 413 and "error" in r.json()
+    r = post(server, "/v1/completions", {"model": "smollm2", "prompt": ["a"] * 11, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"  # 8 running + 2 queued
 
 
 def test_queue_full_is_429_with_retry_after(server):

@@ -11,7 +11,7 @@ import socket
 import sys
 
 from colibri.config import EngineConfig
-from colibri.errors import InputError
+from colibri.errors import ColibriError, InputError
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_QUEUE = "127.0.0.1", 8000, 64
 
@@ -24,13 +24,17 @@ def model_id(config: EngineConfig) -> str:
 
 def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. The socket opens first; the model loads in the engine thread meanwhile."""
+    """Serve until SIGINT/SIGTERM. The socket opens first; the model loads in the engine thread meanwhile (a
+    load that fails stops the server with that error)."""
     import uvicorn
 
     from colibri.server.app import Settings, create_app
     from colibri.server.metrics import ServerMetrics
     from colibri.server.worker import Hooks, Worker
 
+    from colibri.model import open_model
+    ckpt, _, _ = open_model(config.model_path())  # a wrong path or architecture: one line, before the socket
+    ckpt.close()
     hooks = Hooks.from_env()
     metrics = ServerMetrics()
     worker = Worker(config, max_queue, hooks, metrics)
@@ -45,12 +49,16 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     port = sock.getsockname()[1]
     print(f"colibri serve: {settings.model_id} on http://{_url_host(host)}:{port}/v1 (the model is loading;"
           " GET /health)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    worker.on_failed = lambda: setattr(server, "should_exit", True)  # a server without a model is no server
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         worker.stop()
         sock.close()
+    if worker.state == "failed":
+        raise ColibriError(f"the model failed to load: {worker.error}")
 
 
 def listen(host: str, port: int) -> socket.socket:

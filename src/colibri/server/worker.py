@@ -116,6 +116,7 @@ class Worker:
         self._steps: deque[tuple[float, int, int, float]] = deque()  # (time, tokens, bytes read, read seconds)
         self._marked: set[int] = set()
         self.snapshot: dict = {}
+        self.on_failed = None  # called (from the engine thread) when the model failed to load
         self._thread = threading.Thread(target=self._main, name="colibri-engine", daemon=True)
 
     # -- the HTTP side -----------------------------------------------------------------------------------------
@@ -134,6 +135,11 @@ class Worker:
         """Queue jobs for the engine, all or none: 429 when they would overflow the running sequences plus the
         bounded queue."""
         self.check_ready()
+        most = self.config.max_sequences + self.max_queue
+        if len(jobs) > most:
+            raise APIError(400, f"{len(jobs)} prompts in one request, but this server takes at most {most} at once"
+                                " (--max-sequences plus --max-queue); split the list", param="prompt",
+                           code="too_many_prompts")
         with self._cond:
             room = self.config.max_sequences + self.max_queue - self._outstanding
             if len(jobs) > room:
@@ -183,8 +189,9 @@ class Worker:
         except BaseException as e:  # noqa: BLE001 - the server stays up and reports it on /health
             self.error = str(e) if isinstance(e, ColibriError) else f"{type(e).__name__}: {e}"
             self.state = FAILED
-            print(f"colibri serve: error: {self.error}", file=sys.stderr, flush=True)
             self._refuse_all(APIError(503, f"the model failed to load: {self.error}", code="model_unavailable"))
+            if self.on_failed is not None:
+                self.on_failed()
             return
         try:
             self._loop()
