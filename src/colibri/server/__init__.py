@@ -1,7 +1,8 @@
 """`colibri serve`: an OpenAI-compatible HTTP server over one engine.
 
 schema.py (request bodies, validation, the error shape), tools.py (tool definitions into the chat template,
-tool-call blocks out of the reply), worker.py (the engine thread), metrics.py (/metrics), app.py (the routes).
+tool-call blocks out of the reply), worker.py (the engine thread), replies.py (response bodies and stream
+chunks), metrics.py (/metrics), app.py (the routes).
 """
 
 from __future__ import annotations
