@@ -68,6 +68,37 @@ def test_bare_json_calls_need_a_known_tool_name():
     assert merged(streamed(cut, 4)) == [("text", cut)]
 
 
+@pytest.mark.parametrize("choice, rest", [
+    ("required", 'get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}}\n</tool_call>'),
+])
+def test_tool_choice_writes_the_start_of_the_call(choice, rest):
+    from colibri.server.replies import ChatReply
+    from colibri.server.schema import ChatRequest
+    from colibri.server.worker import Event
+    req = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "weather in Oslo?"}],
+                                      "tools": [WEATHER], "tool_choice": choice})
+    forced = tools.forced_start(req)
+    assert forced.startswith("<tool_call>")
+    whole, streamed_reply = (ChatReply("m", 10, frozenset({"get_weather"}), forced) for _ in range(2))
+    chunks = []
+    for piece in (rest[:7], rest[7:]):
+        whole.add(0, Event("delta", piece, 1))
+        chunks += streamed_reply.chunks(0, Event("delta", piece, 1))
+    done = Event("done", finish_reason="stop")
+    whole.add(0, done)
+    chunks += streamed_reply.chunks(0, done)
+    message = whole.whole()["choices"][0]["message"]
+    assert message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    (call,) = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert call["function"]["name"] == "get_weather" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    bad = ChatRequest.model_validate({**req.model_dump(exclude_none=True),
+                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    with pytest.raises(tools.APIError):
+        tools.forced_start(bad)
+
+
 def test_template_messages_for_a_tool_round_trip():
     from colibri.server.schema import Message
     msgs = [Message.model_validate(m) for m in [
@@ -128,3 +159,9 @@ def test_qwen_calls_a_tool_and_reads_its_result(qwen_server):
     r = client.chat.completions.create(model="qwen", messages=follow, tools=[WEATHER], temperature=0, max_tokens=48)
     assert r.choices[0].finish_reason == "stop" and "21" in r.choices[0].message.content
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the conversation's prefix was reused
+    # a named tool_choice: the call is started in the prompt, the model writes the arguments
+    r = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Tell me about Rome."}],
+                                       tools=[WEATHER], temperature=0, max_tokens=48,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "rome" in json.loads(call.function.arguments)["city"].lower()

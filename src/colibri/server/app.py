@@ -134,11 +134,12 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         if tok is None or tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
         tool_list = tools.template_tools(req, tok.chat_template)
+        forced = tools.forced_start(req) if tool_list else ""
         messages = tools.template_messages(req.messages)
 
         def render() -> tuple[str, list[int]]:
             extra = {"tools": tool_list} if tool_list else {}
-            text = tok.apply_chat_template(messages, **extra)
+            text = tok.apply_chat_template(messages, **extra) + forced
             return text, tok.encode(text, add_special_tokens=False)
 
         try:
@@ -149,7 +150,7 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         queue: asyncio.Queue = asyncio.Queue()
         job = Job(ids, params, asyncio.get_running_loop(), queue, fault=_faulty(settings, text))
         names = frozenset(t["function"]["name"] for t in tool_list) if tool_list else None
-        reply = ChatReply(settings.model_id, len(ids), names)
+        reply = ChatReply(settings.model_id, len(ids), names, forced)
         return await answer(request, req, [job], queue, reply)
 
     @app.post("/v1/completions")

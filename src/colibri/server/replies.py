@@ -20,13 +20,16 @@ class ChatReply:
 
     single = True
 
-    def __init__(self, model_id: str, prompt_tokens: int, tool_names: frozenset | None):
+    def __init__(self, model_id: str, prompt_tokens: int, tool_names: frozenset | None, forced: str = ""):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
         self.model_id, self.prompt_tokens = model_id, prompt_tokens
         self.names = tool_names
         self.filter = tools.StreamFilter(tool_names) if tool_names is not None else None
-        self.text, self.completion_tokens, self.cached = "", 0, 0
+        # the reply's start that tool_choice wrote into the prompt: parsed as if the model had written it
+        self.text, self.completion_tokens, self.cached = forced, 0, 0
+        if forced:
+            self.filter.push(forced)  # an open call block: nothing comes out until it closes
         self.finish_reason: str | None = None
         self.error: APIError | None = None
         self.calls = 0

@@ -54,6 +54,8 @@ def _loads(text: str):
 def template_tools(req: ChatRequest, template) -> list[dict] | None:
     """The `tools` variable for the template, or None when the request has none (or tool_choice is "none").
     A template without tool support, or whose tool-call syntax is not parsed here, is a 400."""
+    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
+        raise APIError(400, "tool_choice needs a tools list", param="tool_choice", code="invalid_value")
     if not req.tools or req.tool_choice == "none":
         return None
     if template is None or not template.supports_tools:
@@ -63,14 +65,23 @@ def template_tools(req: ChatRequest, template) -> list[dict] | None:
         raise APIError(400, "this model's chat template renders tools, but its tool-call syntax is not one this"
                             " server parses (<tool_call>{json}</tool_call>)", param="tools",
                        code="tools_unsupported")
-    if req.tool_choice not in (None, "auto"):
-        raise APIError(400, f"tool_choice {_choice(req.tool_choice)!r} is not supported: the model decides"
-                            " ('auto') or gets no tools ('none')", param="tool_choice", code="unsupported_value")
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def _choice(choice) -> str:
-    return choice if isinstance(choice, str) else f"function {choice.function.name}"
+def forced_start(req: ChatRequest) -> str:
+    """The start of the reply that tool_choice imposes, written into the prompt for the model to continue:
+    "required" opens a call block (the model picks the tool), a named function opens that function's call
+    (the model writes its arguments); "" for "auto" / "none"."""
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return ""
+    if choice == "required":
+        return OPEN + '\n{"name": "'
+    names = [t.function.name for t in req.tools]
+    if choice.function.name not in names:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools ({', '.join(names)})",
+                       param="tool_choice", code="invalid_value")
+    return OPEN + "\n" + json.dumps({"name": choice.function.name})[:-1] + ', "arguments": '
 
 
 def parse_block(body: str) -> dict | None:
