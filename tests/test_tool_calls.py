@@ -52,6 +52,9 @@ def test_parse_whole_replies():
     cut = "Sure. " + CALL[:40]  # cut off by max_tokens: kept as text, never dropped
     p = tools.parse(cut)
     assert p.content == cut and p.tool_calls == [] and p.unterminated
+    eos = CALL.removesuffix("\n</tool_call>")  # the model ended with EOS instead of the closing tag
+    assert tools.parse(eos, ended=True).content is None and len(tools.parse(eos, ended=True).tool_calls) == 1
+    assert tools.parse(eos).content == eos  # cut off by max_tokens: text, even if its JSON happens to be whole
     bad = "<tool_call>{not json}</tool_call>"
     assert tools.parse(bad).content == bad and tools.parse(bad).tool_calls == []
     assert tools.parse("plain answer").content == "plain answer"
@@ -70,6 +73,7 @@ def test_bare_json_calls_need_a_known_tool_name():
 
 @pytest.mark.parametrize("choice, rest", [
     ("required", 'get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    ("required", 'get_weather", "arguments": {"city": "Oslo"}}'),  # EOS instead of the closing tag
     ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}}\n</tool_call>'),
 ])
 def test_tool_choice_writes_the_start_of_the_call(choice, rest):

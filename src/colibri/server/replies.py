@@ -53,7 +53,7 @@ class ChatReply:
         message: dict = {"role": "assistant", "content": self.text}
         reason = self.finish_reason
         if self.filter is not None:
-            parsed = tools.parse(self.text, self.names)
+            parsed = tools.parse(self.text, self.names, ended=reason == "stop")
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
@@ -77,7 +77,7 @@ class ChatReply:
         self._done(event)
         if self.error is not None:
             return []
-        out = self._deltas(self.filter.finish()) if self.filter else []
+        out = self._deltas(self.filter.finish(ended=self.finish_reason == "stop")) if self.filter else []
         reason = "tool_calls" if self.calls and self.finish_reason == "stop" else self.finish_reason
         return out + [self._chunk({}, reason)]
 

@@ -4,7 +4,8 @@ The tools reach the model through its own chat template (`tools=[...]`), so the 
 trained on; a template that never reads `tools` cannot be given any. Replies are parsed for the block syntax of
 the template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes and the templates that
 copied them). A complete block with valid JSON becomes a `tool_calls` entry; a block whose JSON does not parse is
-left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped. Small models of
+left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped (a block the model
+ended itself, with EOS instead of the closing tag, is a call when its JSON is whole). Small models of
 those families often write the call's JSON bare, without the tags (Qwen2.5-Coder-0.5B does, greedy): a reply
 that is nothing but such objects, one per line, each naming one of the request's tools, is read as those calls.
 """
@@ -107,10 +108,11 @@ class Parsed:
     unterminated: bool  # the text ends inside an open block (kept in `content`)
 
 
-def parse(text: str, names: set[str] | frozenset = frozenset()) -> Parsed:
-    """Split a whole reply into text and tool calls (`names`: the request's tools, for bare JSON calls)."""
+def parse(text: str, names: set[str] | frozenset = frozenset(), ended: bool = False) -> Parsed:
+    """Split a whole reply into text and tool calls (`names`: the request's tools, for bare JSON calls; `ended`:
+    the model ended the reply itself, see StreamFilter.finish)."""
     f = StreamFilter(names)
-    events = f.push(text) + f.finish()
+    events = f.push(text) + f.finish(ended)
     content = "".join(v for kind, v in events if kind == "text")
     calls = [v for kind, v in events if kind == "tool_call"]
     return Parsed(content if content.strip() or not calls else None, calls, f.unterminated)
@@ -157,9 +159,16 @@ class StreamFilter:
                 self.buf = self.buf[cut:]
             return out
 
-    def finish(self) -> list[tuple[str, object]]:
-        """The end of the reply: what is held back goes out as text (an unterminated block included)."""
+    def finish(self, ended: bool = False) -> list[tuple[str, object]]:
+        """The end of the reply: what is held back goes out as text. A block left open is a call only when the
+        model ended the reply itself (`ended`: EOS or a stop string) and its JSON is whole (models often end a
+        call with EOS instead of the closing tag); cut off by max_tokens it stays text."""
         self.unterminated = self.inside
+        if self.inside and ended:
+            call = parse_block(self.buf[len(OPEN):])
+            if call:
+                self.buf, self.inside, self.unterminated = "", False, False
+                return [("tool_call", call)]
         rest, self.buf, self.inside = self.buf, "", False
         if self.bare:
             calls = bare_calls(rest, self.names)
