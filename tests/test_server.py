@@ -219,7 +219,12 @@ def test_client_disconnect_aborts_its_sequence(server):
     wait_idle(server, 30)
     assert server.metrics()['colibri_requests_total{reason="abort"}'] >= aborted + 2
     assert "colibri_time_to_first_token_seconds_count" in server.metrics()
-    assert server.metrics()["colibri_disk_read_bytes_total"] > 0  # weights stream under the limit
+    m = server.metrics()
+    assert m["colibri_disk_read_bytes_total"] > 0 and m["colibri_store_bytes_read"] > 0  # weights stream
+    for name in ("colibri_queue_depth", "colibri_generated_tokens_per_second", "colibri_disk_read_gb_per_second",
+                 "colibri_expert_hit_rate", "colibri_engine_preempted_sequences", "colibri_engine_kv_pool_used_bytes",
+                 "colibri_kv_pool_capacity_bytes", "colibri_generated_tokens_total"):
+        assert name in m, name
 
 
 def test_engine_fault_fails_one_request_and_the_next_succeeds(server):
