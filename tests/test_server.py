@@ -238,3 +238,14 @@ def test_engine_fault_fails_one_request_and_the_next_succeeds(server):
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert chat(client, QUESTION, max_tokens=4).choices[0].message.content
     wait_idle(server)
+
+
+def test_a_busy_port_is_one_clear_error():
+    from colibri.errors import InputError
+    from colibri.server import listen
+    sock = listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(InputError, match="choose another --port"):
+            listen("127.0.0.1", sock.getsockname()[1])
+    finally:
+        sock.close()

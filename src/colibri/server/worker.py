@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from colibri.config import EngineConfig
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, InputError
 from colibri.sampling import SamplingParams
 from colibri.server.schema import APIError
 
@@ -41,7 +41,10 @@ class Hooks:
     def from_env(cls) -> "Hooks":
         import json
         raw = os.environ.get("COLIBRI_SERVE_TEST_HOOKS")
-        return cls(**json.loads(raw)) if raw else cls()
+        try:
+            return cls(**json.loads(raw)) if raw else cls()
+        except (ValueError, TypeError) as e:
+            raise InputError(f"COLIBRI_SERVE_TEST_HOOKS (test-only) is not valid: {e}; unset it") from None
 
 
 @dataclass
