@@ -27,7 +27,8 @@ def peak_rss_bytes() -> int:
 IO_FLOWS = {"bytes_read": "disk_bytes_read", "io_wait_s": "io_wait_s", "read_active_s": "read_s",
             "hits": "page_hits", "misses": "page_misses", "hit_bytes": "hit_bytes", "miss_bytes": "miss_bytes",
             "expert_hits": "expert_hits", "expert_misses": "expert_misses",
-            "expert_pinned_uses": "expert_pinned_uses"}
+            "expert_pinned_uses": "expert_pinned_uses", "lookahead_correct": "lookahead_correct",
+            "lookahead_routed": "lookahead_routed"}
 
 
 @dataclass
@@ -52,6 +53,8 @@ class GenerationMetrics:
     expert_hits: int = 0
     expert_misses: int = 0
     expert_pinned_uses: int = 0
+    lookahead_correct: int = 0  # routed experts the router lookahead had guessed (MoE under a limit)
+    lookahead_routed: int = 0  # routed experts of the layers it guessed for
     pinned_bytes: int = 0
     cached_bytes: int = 0
     staging_bytes: int = 0
@@ -134,6 +137,16 @@ class GenerationMetrics:
         return (self.expert_hits + self.expert_pinned_uses) / uses if uses else 0.0
 
     @property
+    def expert_hit_rate(self) -> float:
+        """Of the routed uses of streamed experts, those served by an earlier read (the expert cache)."""
+        uses = self.expert_hits + self.expert_misses
+        return self.expert_hits / uses if uses else 0.0
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.lookahead_correct / self.lookahead_routed if self.lookahead_routed else 0.0
+
+    @property
     def hit_rate(self) -> tuple[float, float]:
         """(by pages, by bytes) of the streamed pages needed: how many were already resident."""
         pages, nbytes = self.page_hits + self.page_misses, self.hit_bytes + self.miss_bytes
@@ -199,6 +212,8 @@ class GenerationMetrics:
             "expert_misses": self.expert_misses,
             "expert_pinned_uses": self.expert_pinned_uses,
             "expert_resident_rate": round(self.expert_resident_rate, 4),
+            "expert_hit_rate": round(self.expert_hit_rate, 4),
+            "lookahead_recall": round(self.lookahead_recall, 4),
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
