@@ -220,7 +220,7 @@ def test_a_request_that_cannot_fit_is_refused_alone(tiny_model_dir):
 
 
 def test_abort_frees_the_sequence_and_the_others_continue(tiny_model_dir):
-    m = load(tiny_model_dir("qwen2"))
+    m = load(tiny_model_dir("qwen2"), draft_tokens=0)  # one token per step: still running when aborted
     ps, mts = prompts(6), [12] * 6
     ref = solo(m, ps, mts)
     eng = m.engine
