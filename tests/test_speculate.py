@@ -185,8 +185,9 @@ def test_seeded_sampling_keeps_the_distribution(small_vocab):
     speculation on or off (one random draw per emitted token in both)."""
     prompt = tiny_models.token_ids(24, 8, seed=5)  # every token of the vocabulary, most pairs: drafts match
     n, k = 400, 4
-    on = load(small_vocab, draft_tokens=3, max_sequences=32)
-    off = load(small_vocab, draft_tokens=0, max_sequences=32)
+    # a pass holds every sequence's prompt at once: drafts ride only in the room prompt chunks leave
+    on = load(small_vocab, draft_tokens=3, max_sequences=32, batch_size=1024)
+    off = load(small_vocab, draft_tokens=0, max_sequences=32, batch_size=1024)
     s_on = first_tokens(on, prompt, range(n), k)
     s_off = first_tokens(off, prompt, range(10_000, 10_000 + n), k)
     drafted, accepted = spec_totals(on)
