@@ -130,11 +130,11 @@ def test_smollm2_greedy_with_drafts_equals_plain_decoding():
     from colibri.defaults import default_model_path
     texts = ["Copy the list.\nred, green, blue, yellow, orange, purple, white, black\nred, green, blue,",
              "Once upon a time, in a small village,"]
-    off = colibri.load(default_model_path(), draft_tokens=0)
-    ps = [off.tokenizer.encode(t) for t in texts]
-    ref = [off.generate(p, max_tokens=10, ignore_eos=True).token_ids for p in ps]
-    off.close()
     on = colibri.load(default_model_path(), max_sequences=8, draft_tokens=6)
+    ps = [on.tokenizer.encode(t) for t in texts]
+    drafter, on.engine.spec = on.engine.spec, Speculator(draft_tokens=0)  # one load: plain decoding first
+    ref = [on.generate(p, max_tokens=10, ignore_eos=True).token_ids for p in ps]
+    on.engine.spec = drafter
     alone = [on.generate(p, max_tokens=10, ignore_eos=True) for p in ps]
     assert [r.token_ids for r in alone] == ref
     assert alone[0].stats["tokens_per_pass"] > 1.5  # the list repeats from the prompt
