@@ -275,6 +275,10 @@ class Engine:
             grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
             if self._fits(grow):
                 return plan
+            if any(req.draft for req in self.running):  # drafts are the first to go: they never preempt
+                for req in self.running:
+                    req.draft = []
+                continue
             self._preempt(max(self.running, key=lambda r: (r.admitted_at, r.id)))
 
     def _preempt(self, req: Request) -> None:
