@@ -3,6 +3,7 @@
     python benchmarks/spec.py --model DIR [--cgroup-limit 800M] [--memory-limit 500M] [--tokens 96] [--threads 2]
     python benchmarks/spec.py --model smollm2 --cgroup-limit none --memory-limit none
     python benchmarks/spec.py --model DIR --tasks c_prose --repeat 2      # off, on, off, on
+    python benchmarks/spec.py --model SYNTH_MOE --lookahead --memory-limit 1500M --cgroup-limit 2G --tokens 16
 
 Tasks (chat template applied, greedy): (a) repeat a function from the prompt with a variable renamed, (b) extract
 fields of a JSON document in the prompt into JSON, (c) free prose. Each runs with `draft_tokens=0` (off) and the
@@ -67,6 +68,34 @@ TASKS = {
 }
 
 
+def lookahead_child(a: argparse.Namespace) -> None:
+    """MoE router lookahead on and off (alternating loads), greedy decode from fixed token ids (a synthetic
+    container has no tokenizer): decode tok/s, recall per layer, expert hit rate, bytes read per token."""
+    import colibri
+    ids = list(range(1000, 1000 + 16))
+    runs, tokens = {}, {}
+    for look in [True, False] * a.repeat:
+        m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads, lookahead=look,
+                         draft_tokens=0)
+        r = m.generate(ids, max_tokens=a.tokens, ignore_eos=True)
+        s, c = r.stats, m.engine.counters()
+        key = "on" if look else "off"
+        tokens.setdefault(key, r.token_ids)
+        old = runs.setdefault(key, {"runs": 0, "decode_s": 0.0})
+        old["runs"] += 1
+        old["decode_s"] += s["decode_s"]
+        old["decode_tokens_per_s"] = round(old["runs"] * (len(r.token_ids) - 1) / old["decode_s"], 3)
+        old.update({k: s[k] for k in ("weight_bytes_per_token", "read_gb_per_s", "expert_hit_rate",
+                                      "expert_resident_rate", "lookahead_recall", "io_wait_s")})
+        old.update({k: c.get(k, 0) for k in ("lookahead_reads", "lookahead_wasted_bytes")})
+        old["recall_by_layer"] = m.store.counters()["lookahead_recall_by_layer"]
+        old["placement"] = {k: v for k, v in m.store.placement.as_dict().items() if k in
+                            ("pinned_bytes", "streamed_bytes", "expert_cache_slots", "staging_bytes")}
+        m.close()
+    print(json.dumps({"task": "moe_lookahead", "tokens_identical": tokens["on"] == tokens["off"], **runs}),
+          flush=True)
+
+
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
     quiet_openmp(argparse.Namespace(model=None if a.model == "smollm2" else a.model, memory_limit=a.memory_limit))
@@ -114,14 +143,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each mode, alternating off/on (default 1)")
+    ap.add_argument("--lookahead", action="store_true",
+                    help="MoE: router lookahead on/off instead of speculation (e.g. a benchmarks/synth.py container)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a)
+        (lookahead_child if a.lookahead else child)(a)
         return 0
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--memory-limit",
            str(a.memory_limit), "--tokens", str(a.tokens), "--threads", str(a.threads), "--tasks", a.tasks,
-           "--repeat", str(a.repeat)]
+           "--repeat", str(a.repeat)] + (["--lookahead"] if a.lookahead else [])
     limit = parse_size(a.cgroup_limit)
     cg = None
     if limit is not None:
@@ -146,6 +177,12 @@ def main() -> int:
             print(p.stderr[-3000:], file=sys.stderr)
         for r in rows:
             on, off = r["on"], r["off"]
+            if r["task"] == "moe_lookahead":
+                print(f"lookahead decode {off['decode_tokens_per_s']:.2f} -> {on['decode_tokens_per_s']:.2f} tok/s |"
+                      f" recall {on['lookahead_recall']:.3f} by layer {on['recall_by_layer']} | expert hit rate "
+                      f"{off['expert_hit_rate']:.3f} -> {on['expert_hit_rate']:.3f} | identical {r['tokens_identical']}")
+                print(json.dumps(r))
+                continue
             speed = on["decode_tokens_per_s"] / off["decode_tokens_per_s"] if off["decode_tokens_per_s"] else 0
             print(f"{r['task']:<15} tokens/pass {off['tokens_per_pass']:.2f} -> {on['tokens_per_pass']:.2f} | "
                   f"decode {off['decode_tokens_per_s']:.2f} -> {on['decode_tokens_per_s']:.2f} tok/s ({speed:.2f}x) | "
