@@ -75,6 +75,7 @@ def lookahead_child(a: argparse.Namespace) -> None:
     ids = list(range(1000, 1000 + 16))
     runs, tokens = {}, {}
     for look in [True, False] * a.repeat:
+        (Path(a.model) / "usage.json").unlink(missing_ok=True)  # each run starts cold: no learned pins
         m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads, lookahead=look,
                          draft_tokens=0)
         r = m.generate(ids, max_tokens=a.tokens, ignore_eos=True)
