@@ -1,6 +1,7 @@
 """Write a container with a real architecture's shape and random weights, directly in q4/q8.
 
     python benchmarks/synth.py --shape llama-2-7b --output /nvme/synth-7b [--quant q4] [--group-size 64]
+                               [--layers N]
 
 No bf16 checkpoint is materialized: each tensor's quantized buffers are drawn at random and written through the
 same writer as `colibri convert` (layout, journal, checksums, verification, atomic rename). The result loads
@@ -74,16 +75,19 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64, help="MB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--layers", type=int, help="keep the shape but only this many layers (a smaller container)")
     a = ap.parse_args()
     out = Path(a.output)
     if out.exists() and not a.force:
         sys.exit(f"error: {out} exists; pass --force")
     cfg = dict(SHAPES[a.shape])
+    if a.layers:
+        cfg["num_hidden_layers"] = a.layers
     model_args = family(cfg["model_type"]).args(cfg)
     shapes = family(cfg["model_type"]).Model(model_args).weight_shapes()
     opts = ConvertOptions(quant=a.quant, group_size=a.group_size, page_size_mb=a.page_size)
     gen = torch.Generator().manual_seed(a.seed)
-    fp = hashlib.sha256(f"synthetic/{a.shape}/{opts}/{a.seed}".encode()).hexdigest()[:16]
+    fp = hashlib.sha256(f"synthetic/{a.shape}/{a.layers}/{opts}/{a.seed}".encode()).hexdigest()[:16]
     t0 = time.perf_counter()
     report = write_container(out, cfg, shapes, model_args.tie_word_embeddings, opts,
                              lambda e: random_weight(e, gen), fp, {"kind": "synthetic", "path": a.shape},

@@ -220,7 +220,7 @@ def test_a_request_that_cannot_fit_is_refused_alone(tiny_model_dir):
 
 
 def test_abort_frees_the_sequence_and_the_others_continue(tiny_model_dir):
-    m = load(tiny_model_dir("qwen2"))
+    m = load(tiny_model_dir("qwen2"), draft_tokens=0)  # one token per step: still running when aborted
     ps, mts = prompts(6), [12] * 6
     ref = solo(m, ps, mts)
     eng = m.engine
@@ -286,8 +286,9 @@ def test_engine_config_defaults_and_errors(tiny_model_dir):
 
 def test_drafts_are_verified_in_one_pass_and_rejected_ones_leave_the_kv(tiny_model_dir):
     """Speculation's engine side: a request's `draft` tokens ride in its next pass; those the model agrees with
-    stand, the rest are dropped from the KV, and the tokens are those of plain decoding."""
-    m = load(tiny_model_dir("qwen2_moe"))
+    stand, the rest are dropped from the KV, and the tokens are those of plain decoding (the drafter is off: the
+    drafts are the test's)."""
+    m = load(tiny_model_dir("qwen2_moe"), draft_tokens=0)
     p = prompts(3)[2]
     ref = m.generate(p, max_tokens=16, ignore_eos=True).token_ids
     steps = {}

@@ -54,6 +54,18 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                         help=f"threads reading streamed weights (default {defaults.DEFAULT_IO_THREADS})"), None),
     "prefetch_depth": (dict(type=int, help="streamed pages read ahead of use (default: one layer's streamed pages"
                                            " plus one)"), None),
+    "draft_tokens": (dict(type=int, help="speculative decoding: tokens guessed from n-grams of the context and of"
+                                         " text seen before, verified in the next forward pass (never changes the"
+                                         " tokens); 0 = off, N = N whenever an n-gram matches (default: adaptive,"
+                                         " sized by measured acceptance and pass cost)"), None),
+    "ngram": (dict(type=int, help=f"longest n-gram a draft is matched on (default {defaults.DEFAULT_NGRAM})"), None),
+    "ngram_cache_size": (dict(type=int, help="n-grams kept from earlier sequences for drafting, shared by all"
+                                             f" (default {defaults.DEFAULT_NGRAM_CACHE}; 0 = own context only)"),
+                         None),
+    "lookahead": (dict(action=argparse.BooleanOptionalAction, help="MoE under --memory-limit: predict the next"
+                                                                   " layer's experts with its router and read them"
+                                                                   " early (default on; never changes tokens)"),
+                  None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=defaults.DEFAULT_MAX_TOKENS,
@@ -112,6 +124,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
     "port": (0, 65535), "max_queue": (0, None),
+    "draft_tokens": (0, defaults.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
 
@@ -132,7 +145,7 @@ def check_bounds(args) -> None:
 
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "debug"]
-ENGINE = ["max_sequences"]
+ENGINE = ["max_sequences", "draft_tokens", "ngram", "ngram_cache_size", "lookahead"]
 KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]

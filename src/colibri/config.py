@@ -19,6 +19,9 @@ DEFAULT_BATCH = 512  # tokens per forward pass: a long prompt is prefilled in ch
 DEFAULT_MAX_SEQUENCES = 16  # sequences decoded together in one step
 DEFAULT_IO_THREADS = 2
 DEFAULT_KV_BLOCK = 64  # tokens per KV block: the unit of the swap file, the prefix cache and saved sessions
+DEFAULT_NGRAM = 4  # speculation: the longest n-gram a draft is matched on
+DEFAULT_NGRAM_CACHE = 1 << 16  # n-grams in the cache shared by all sequences
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass
@@ -31,7 +34,11 @@ class EngineConfig:
     batch_size: tokens per forward pass, all sequences together. max_sequences: sequences running at once.
     kv_ram: RAM for the KV pool (all sequences and cached prefixes; None: the whole context, under a limit a
     share of it). kv_quant: None or "q8" (lossy). kv_block: tokens per KV block. swap: a swap file made by
-    `colibri swap create`; swap_dir: where a temporary one is made otherwise (None: ~/.cache/colibri/swap)."""
+    `colibri swap create`; swap_dir: where a temporary one is made otherwise (None: ~/.cache/colibri/swap).
+    draft_tokens: speculative decoding's draft length (None: adaptive, sized by measured acceptance and pass
+    cost; 0: off; N: N whenever an n-gram matches). ngram: the longest n-gram matched. ngram_cache_size: entries
+    of the n-gram cache shared by all sequences (0: prompt lookup only). lookahead: MoE under a memory limit,
+    predict the next layer's experts with its router and read them early (never changes tokens)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
@@ -47,6 +54,10 @@ class EngineConfig:
     kv_block: int = DEFAULT_KV_BLOCK
     swap: str | os.PathLike | None = None
     swap_dir: str | os.PathLike | None = None
+    draft_tokens: int | None = None
+    ngram: int = DEFAULT_NGRAM
+    ngram_cache_size: int = DEFAULT_NGRAM_CACHE
+    lookahead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_sequences", "io_threads"):
@@ -57,6 +68,14 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {v!r})")
+        if self.draft_tokens is not None and (not isinstance(self.draft_tokens, int)
+                                              or not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
+            raise InputError(f"--draft-tokens must be between 0 and {MAX_DRAFT_TOKENS} (got {self.draft_tokens!r});"
+                             " leave it out for the adaptive length")
+        if not isinstance(self.ngram, int) or not 1 <= self.ngram <= 16:
+            raise InputError(f"--ngram must be between 1 and 16 (got {self.ngram!r})")
+        if not isinstance(self.ngram_cache_size, int) or self.ngram_cache_size < 0:
+            raise InputError(f"--ngram-cache-size must be at least 0 (got {self.ngram_cache_size!r})")
         if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0):
             raise InputError(f"--prefetch-depth must be at least 0 (got {self.prefetch_depth!r})")
 

@@ -27,7 +27,8 @@ def peak_rss_bytes() -> int:
 IO_FLOWS = {"bytes_read": "disk_bytes_read", "io_wait_s": "io_wait_s", "read_active_s": "read_s",
             "hits": "page_hits", "misses": "page_misses", "hit_bytes": "hit_bytes", "miss_bytes": "miss_bytes",
             "expert_hits": "expert_hits", "expert_misses": "expert_misses",
-            "expert_pinned_uses": "expert_pinned_uses"}
+            "expert_pinned_uses": "expert_pinned_uses", "lookahead_correct": "lookahead_correct",
+            "lookahead_routed": "lookahead_routed"}
 
 
 @dataclass
@@ -52,6 +53,8 @@ class GenerationMetrics:
     expert_hits: int = 0
     expert_misses: int = 0
     expert_pinned_uses: int = 0
+    lookahead_correct: int = 0  # routed experts the router lookahead had guessed (MoE under a limit)
+    lookahead_routed: int = 0  # routed experts of the layers it guessed for
     pinned_bytes: int = 0
     cached_bytes: int = 0
     staging_bytes: int = 0
@@ -62,6 +65,10 @@ class GenerationMetrics:
     kv_written_bytes: int = 0
     kv_read_wait_s: float = 0.0
     prefill_kv_read_bytes: int = 0
+    prefill_disk_bytes: int = 0  # the part of disk_bytes_read up to the first token
+    draft_tokens: int = 0  # speculation: tokens drafted and verified in this generation's passes
+    accepted_tokens: int = 0  # of those, the ones the model agreed with
+    sampling_passes: int = 0  # forward passes that sampled tokens of this generation
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def account_io(self, start: dict, now: dict) -> None:
@@ -130,10 +137,41 @@ class GenerationMetrics:
         return (self.expert_hits + self.expert_pinned_uses) / uses if uses else 0.0
 
     @property
+    def expert_hit_rate(self) -> float:
+        """Of the routed uses of streamed experts, those served by an earlier read (the expert cache)."""
+        uses = self.expert_hits + self.expert_misses
+        return self.expert_hits / uses if uses else 0.0
+
+    @property
+    def lookahead_recall(self) -> float:
+        return self.lookahead_correct / self.lookahead_routed if self.lookahead_routed else 0.0
+
+    @property
     def hit_rate(self) -> tuple[float, float]:
         """(by pages, by bytes) of the streamed pages needed: how many were already resident."""
         pages, nbytes = self.page_hits + self.page_misses, self.hit_bytes + self.miss_bytes
         return (self.page_hits / pages if pages else 0.0, self.hit_bytes / nbytes if nbytes else 0.0)
+
+    def add_pass(self, drafted: int, accepted: int, tokens: int) -> None:
+        """A pass sampled `tokens` tokens of this generation, verifying `drafted` draft tokens (`accepted` stood)."""
+        self.sampling_passes += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Generated tokens per forward pass that sampled them (1 without speculation; the weight sweeps saved)."""
+        return self.generated_tokens / self.sampling_passes if self.sampling_passes else 0.0
+
+    @property
+    def weight_bytes_per_token(self) -> float:
+        """Weight bytes read from disk per decoded token (its share of each step's reads, prefill excluded)."""
+        steps = self.generated_tokens - 1
+        return (self.disk_bytes_read - self.prefill_disk_bytes) / steps if steps > 0 else 0.0
 
     def mark_first_token(self) -> None:
         self.ttft_s = time.perf_counter() - self._t0
@@ -174,6 +212,8 @@ class GenerationMetrics:
             "expert_misses": self.expert_misses,
             "expert_pinned_uses": self.expert_pinned_uses,
             "expert_resident_rate": round(self.expert_resident_rate, 4),
+            "expert_hit_rate": round(self.expert_hit_rate, 4),
+            "lookahead_recall": round(self.lookahead_recall, 4),
             "pinned_bytes": self.pinned_bytes,
             "cached_bytes": self.cached_bytes,
             "staging_bytes": self.staging_bytes,
@@ -186,6 +226,12 @@ class GenerationMetrics:
             "kv_read_wait_s": round(self.kv_read_wait_s, 6),
             "decode_io_wait_s_per_token": round(self.decode_split[0], 6),
             "decode_compute_s_per_token": round(self.decode_split[1], 6),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "sampling_passes": self.sampling_passes,
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "weight_bytes_per_token": round(self.weight_bytes_per_token),
         }
 
     def summary(self) -> str:
@@ -194,7 +240,10 @@ class GenerationMetrics:
               if self.kv_disk_bytes or self.kv_read_bytes else "")
         return (f"{self.prompt_tokens} prompt{reused} + {self.generated_tokens} generated tokens | "
                 f"TTFT {self.ttft_s:.3f} s | prefill {self.prefill_tokens_per_s:.1f} tok/s | "
-                f"decode {self.decode_tokens_per_s:.2f} tok/s | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
+                f"decode {self.decode_tokens_per_s:.2f} tok/s"
+                + (f" ({self.tokens_per_pass:.2f} tokens/pass, {self.accepted_tokens}/{self.draft_tokens} drafted"
+                   " accepted)" if self.draft_tokens else "")
+                + f" | peak RSS {peak_rss_bytes() / 2**20:.0f} MiB"
                 + (f" | SSD read {self.disk_bytes_read / 1e9:.2f} GB at {self.read_gb_per_s:.2f} GB/s"
                    f"{'' if self.direct_io else ' (buffered)'}, I/O wait {self.io_wait_s:.2f} s"
                    + (f", experts resident {100 * self.expert_resident_rate:.0f} %"

@@ -189,7 +189,8 @@ class Model:
             budget.tame_allocator()
             self.store = StreamingStore(ckpt, self.args, conf.limit, self.dtype,
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
-                                        reserve=self.reserve.total, batch=self.batch_size)
+                                        reserve=self.reserve.total, batch=self.batch_size,
+                                        lookahead=config.lookahead)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)

@@ -44,6 +44,15 @@ class WeightStore(Protocol):
         """Layer i's router chose these experts (expert -> tokens routed to it; `names`: expert -> its tensors,
         needed next). Returns the order to compute them in."""
 
+    def wants_lookahead(self, i: int) -> bool:
+        """Whether guesses of layer i's experts (`predict`) would be used: its experts are read from disk."""
+
+    def peek(self, name: str) -> torch.Tensor | None:
+        """A tensor outside its scope if it is resident already (pinned, or its page read), else None."""
+
+    def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
+        """A guess of layer i's routing (as `route`'s arguments), made before layer i runs: read ahead."""
+
     def close(self) -> None: ...
 
 
@@ -94,6 +103,15 @@ class RamStore:
 
     def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
         return sorted(uses)
+
+    def wants_lookahead(self, i: int) -> bool:
+        return False  # everything is resident: nothing to read early
+
+    def peek(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+    def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
+        pass
 
     def nbytes(self) -> int:
         return sum(nbytes(t) for t in self.tensors.values())

@@ -459,6 +459,11 @@ class StreamStats:
     row_bytes_read: int = 0  # lookup rows and head blocks
     verified_pages: int = 0
     io_wait_s: float = 0.0
+    lookahead_predicted: int = 0  # router lookahead: experts guessed for a layer before it ran
+    lookahead_correct: int = 0  # routed experts that had been guessed
+    lookahead_routed: int = 0  # routed experts of the layers that had a guess (recall = correct / routed)
+    lookahead_reads: int = 0  # expert pages read early for a guess
+    lookahead_wasted_bytes: int = 0  # of those, bytes read for experts the layer did not route to
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -469,7 +474,7 @@ class StreamingStore:
 
     def __init__(self, ckpt: ContainerCheckpoint, args, budget: int | None, dtype: torch.dtype,
                  io_threads: int = 2, prefetch_depth: int | None = None, direct: bool | None = None,
-                 reserve: int = 0, batch: int = 1, usage: bool = True):
+                 reserve: int = 0, batch: int = 1, usage: bool = True, lookahead: bool = True):
         self.ckpt = ckpt
         self.dtype = dtype
         self.args = args
@@ -503,6 +508,12 @@ class StreamingStore:
                 if p["id"] in self._streamed:
                     self._scope_pages.setdefault(key, []).append(p["id"])
                 self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
+        # router lookahead: layers whose experts stream, and per layer the guess in flight (experts, pages read)
+        self._lookahead = {self.pages[i]["layer"] for i in self._streamed
+                           if self.pages[i]["kind"] == "expert"} if lookahead else set()
+        self._guess: dict[int, tuple[set[int], set[int]]] = {}
+        self._stale: set[int] = set()  # pages of wrong guesses still being read: freed once done
+        self.lookahead_layers = [[0, 0] for _ in range(num_layers)]  # per layer: [correct, routed]
         self._multi = False  # the current pass prefills several tokens of a sequence: it must not evict cached experts
         self._passes = 0
         self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
@@ -619,6 +630,8 @@ class StreamingStore:
                                    "truncated or rewritten); reload the model")
         self._multi = (tokens if longest is None else longest) > 1
         self._passes += 1
+        for i in list(self._guess):  # guesses of a pass that failed before their layer
+            self._settle_guess(i, set())
         if self.usage:
             self.usage.tick(tokens)
             if self._passes % USAGE_SAVE_EVERY == 0:
@@ -663,6 +676,10 @@ class StreamingStore:
         missing ones now so they load concurrently, and order them resident first (compute overlaps the reads)."""
         if self.usage:
             self.usage.record(i, uses)
+        if self._stale:  # a wrong guess's page that is routed to after all is kept for this use
+            self._stale.difference_update(self._page_of[n] for e in uses for n in names[e])
+        if i in self._guess:
+            self._settle_guess(i, set(uses))
         self.stats.expert_pinned_uses += sum(
             1 for e in uses if self.state[self._page_of[names[e][0]]] == PageState.PINNED)
         self.prefetch(n for e in sorted(uses) for n in names[e])
@@ -673,6 +690,97 @@ class StreamingStore:
             return self.state[pid] == PageState.PINNED or (slot is not None and slot.future.done())
 
         return sorted(uses, key=lambda e: (not ready(e), e))
+
+    # -- MoE router lookahead: reads of guessed experts, below demand reads ---------------------------------
+
+    def wants_lookahead(self, i: int) -> bool:
+        return i in self._lookahead
+
+    def peek(self, name: str):
+        """A tensor before its scope when its bytes are here: pinned, held, or its page's read done (the page
+        cannot be reused while the caller computes with it: slots are only freed by scopes)."""
+        if name in self._pinned:
+            return self._pinned[name]
+        pid = self._page_of.get(name)
+        if pid in self._held:
+            return self.get(name)
+        slot = self._slots.get(pid)
+        if slot is None or not slot.future.done() or slot.future.exception() is not None:
+            return None
+        t, page = self.tensors[name], self.pages[pid]
+        return self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"])))
+
+    def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
+        """Layer i's experts guessed ahead (expert -> tokens): read the guessed ones not resident, most used
+        first, at prefetch priority (behind every demand read), into a free slot (one is kept free for demand
+        reads) or, in a decode pass, over a cached expert that ranks lower (the guess enters the cache early)."""
+        if i not in self._lookahead:
+            return
+        self._reap()
+        self.stats.lookahead_predicted += len(uses)
+        started = set()
+        for e in sorted(uses, key=lambda e: (-uses[e], e)):
+            for pid in sorted({self._page_of[n] for n in names[e]}):
+                if self.state[pid] != PageState.ON_DISK or pid not in self._streamed:
+                    continue
+                if len(self._free) <= 1 and not self._evict_for(pid):
+                    return self._note_guess(i, uses, started)
+                self._start(pid, PREFETCH)
+                started.add(pid)
+        self._note_guess(i, uses, started)
+
+    def _evict_for(self, pid: int) -> bool:
+        """Free a cached expert's slot for a guessed page that ranks higher (decode passes only, as `_admit`)."""
+        if self._multi or self.usage is None:
+            return False
+        cached = [p for p in self._cached() if p not in self._held]
+        if not cached:
+            return False
+        victim = min(cached, key=lambda p: self.usage.rank(self._key(p)))
+        if self.usage.rank(self._key(victim)) >= self.usage.rank(self._key(pid)):
+            return False
+        self._drop(victim)
+        return True
+
+    def _note_guess(self, i: int, uses: dict[int, int], started: set[int]) -> None:
+        self.stats.lookahead_reads += len(started)
+        old = self._guess.pop(i, None)
+        self._guess[i] = (set(uses), started | (old[1] if old else set()))
+
+    def _settle_guess(self, i: int, routed: set[int]) -> None:
+        """Layer i routed to `routed`: count the guess's recall; a page read for a wrong guess stays as a cache
+        candidate when the expert cache has a free slot, else its read is cancelled, or its slot freed once the
+        read is done (never waited for here)."""
+        guessed, pids = self._guess.pop(i)
+        if routed:
+            hit = len(guessed & routed)
+            self.stats.lookahead_correct += hit
+            self.stats.lookahead_routed += len(routed)
+            self.lookahead_layers[i][0] += hit
+            self.lookahead_layers[i][1] += len(routed)
+        cap = self.placement.cache_slots if self.usage is not None else 0
+        for pid in pids:
+            slot = self._slots.get(pid)
+            if slot is None or self.pages[pid]["expert"] in routed or slot.cached or pid in self._held:
+                continue
+            if slot.future.done() and slot.future.exception() is None and len(self._cached()) < cap:
+                slot.cached = True
+                continue
+            if slot.future.cancel():  # never started: nothing was read
+                self.stats.bytes_read -= self.pages[pid]["nbytes"]
+                self.stats.page_reads -= 1
+                self._drop(pid)
+                continue
+            self.stats.lookahead_wasted_bytes += self.pages[pid]["nbytes"]
+            self._stale.add(pid)
+        self._reap()
+
+    def _reap(self) -> None:
+        for pid in [p for p in self._stale if p not in self._slots or self._slots[p].future.done()]:
+            self._stale.discard(pid)
+            slot = self._slots.get(pid)
+            if slot is not None and not slot.cached and pid not in self._held and slot.fresh:
+                self._drop(pid)
 
     def prefetch(self, names: Iterable[str]) -> None:
         for pid in sorted({self._page_of[n] for n in names}):
@@ -697,7 +805,8 @@ class StreamingStore:
         return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
                 "pinned_bytes": self.placement.pinned_bytes, "cached_bytes": cached * self.placement.slot_bytes,
                 "staging_bytes": self.placement.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
-                "reserve_bytes": self.placement.reserve}
+                "reserve_bytes": self.placement.reserve,
+                "lookahead_recall_by_layer": [round(c / r, 4) if r else None for c, r in self.lookahead_layers]}
 
     # -- streaming -------------------------------------------------------------------------------------------
 

@@ -7,6 +7,10 @@ room for a pass, commits the positions after it, and keeps the KV pool (every se
 prefixes) within its budget: a sequence that outgrows the pool makes the newest running one leave RAM for the
 swap file whole (preempted, resumed later with nothing recomputed). The model math sees only the packed batch.
 
+Speculation (engine/speculate.py): before each step a decoding sequence may get draft tokens guessed from
+n-grams; they ride in its pass after its last token and `_sample` keeps those the model agrees with, so a pass
+can yield several tokens of a sequence for one sweep of the weights, and the tokens are those of plain decoding.
+
 One lock serializes steps, so threads may each add a request and step until theirs finishes: every step
 serves all of them.
 """
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk
+from colibri.engine.speculate import Speculator
 from colibri.errors import ColibriError, InputError
 from colibri.models.base import Batch
 from colibri.sampling import SamplingParams
@@ -34,7 +39,8 @@ class Engine:
 
     model: anything with `arch` (the family's math), `store` (a WeightStore), `kv` (a KVSpace), `tokenizer`
     (or None), `eos_ids`, `context_length`, `pass_tokens` (tokens per pass), `max_sequences` and `kv_pool_bytes`
-    (the KV pool's RAM budget; None: unbounded). The engine reads them; it never calls back into the model."""
+    (the KV pool's RAM budget; None: unbounded), and optionally `config` (an EngineConfig: the speculation
+    settings). The engine reads them; it never calls back into the model."""
 
     def __init__(self, model):
         self.arch, self.store, self.space = model.arch, model.store, model.kv
@@ -48,6 +54,9 @@ class Engine:
         self.steps = 0
         self.preemptions = 0
         self._ids = 0
+        conf = getattr(model, "config", None)
+        self.spec = Speculator() if conf is None else Speculator(conf.draft_tokens, conf.ngram, conf.ngram_cache_size)
+        self.decode_bytes = self.decode_tokens = 0  # weight bytes read in decode steps, and the tokens they yielded
         self.lock = threading.RLock()
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -87,11 +96,26 @@ class Engine:
         return len(self.waiting) + len(self.running)
 
     def counters(self) -> dict:
-        """Levels and totals for a metrics endpoint: sequences by state, steps, preemptions, KV pool use."""
-        return {"running_sequences": len(self.running), "waiting_sequences": len(self.waiting),
-                "preempted_sequences": sum(1 for r in self.waiting if r.state == PREEMPTED),
-                "engine_steps": self.steps, "preemptions": self.preemptions,
-                "kv_pool_used_bytes": self.space.ram_bytes()}
+        """Levels and totals for a metrics endpoint: sequences by state, steps, preemptions, KV pool use,
+        speculation (drafted, accepted, tokens per pass, the gate's pass cost), weight bytes read per decoded
+        token and, for a streamed MoE, the expert hit rate and the router lookahead's recall."""
+        out = {"running_sequences": len(self.running), "waiting_sequences": len(self.waiting),
+               "preempted_sequences": sum(1 for r in self.waiting if r.state == PREEMPTED),
+               "engine_steps": self.steps, "preemptions": self.preemptions,
+               "kv_pool_used_bytes": self.space.ram_bytes(), **self.spec.counters(),
+               "decode_weight_bytes_read": self.decode_bytes, "decode_tokens": self.decode_tokens,
+               "weight_bytes_per_token": round(self.decode_bytes / self.decode_tokens) if self.decode_tokens else 0}
+        io = self._io()
+        if io is not None:
+            streamed = io["expert_hits"] + io["expert_misses"]
+            out["expert_hit_rate"] = round(io["expert_hits"] / streamed, 4) if streamed else 0.0
+            for k in ("lookahead_predicted", "lookahead_correct", "lookahead_routed", "lookahead_reads",
+                      "lookahead_wasted_bytes"):
+                if k in io:
+                    out[k] = io[k]
+            if io.get("lookahead_routed"):
+                out["lookahead_recall"] = round(io["lookahead_correct"] / io["lookahead_routed"], 4)
+        return out
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -100,9 +124,12 @@ class Engine:
         """One forward pass over every running sequence; returns the requests that produced output in it."""
         with self.lock:
             self._admit()
+            self._draft()
             plan = self._schedule()
             if not plan:
                 return []
+            t0 = time.perf_counter()
+            decode_only = all(req.pending == 1 for req, _ in plan)
             io0, kv0 = self._io(), self.space.counters()
             parts, served = [], []
             for req, n in plan:
@@ -129,7 +156,7 @@ class Engine:
                 return []
             self.steps += 1
             io1, kv1 = self._io(), self.space.counters()
-            out, row = [], 0
+            out, row, tokens = [], 0, 0
             for req, ids, rows in served:
                 req.cache.advance(len(ids), ids)
                 m = req.metrics
@@ -139,13 +166,38 @@ class Engine:
                 if rows:
                     if not m.prefill_s:
                         m.prefill_s = time.perf_counter() - m._t0
-                    self._sample(req, logits[row:row + rows], ids[len(ids) - rows + 1:])
+                    had, accepted = len(req.token_ids), req.accepted
+                    drafts = ids[len(ids) - rows + 1:]
+                    self._sample(req, logits[row:row + rows], drafts)
+                    got = len(req.token_ids) - had
+                    m.add_pass(len(drafts), req.accepted - accepted, got)
+                    self.spec.verified(req, len(drafts), req.accepted - accepted, got)
+                    tokens += got
                     out.append(req)
                 row += max(rows, 1)
                 if req.finished:
                     self.running.remove(req)
                     self._release(req)
+            if decode_only:
+                self.spec.measured(sum(len(ids) for _, ids, _ in served), time.perf_counter() - t0)
+                self.decode_tokens += tokens
+                if io0 is not None:
+                    self.decode_bytes += io1["bytes_read"] - io0["bytes_read"]
             return out
+
+    def _draft(self) -> None:
+        """Fill `draft` of each decoding sequence (the speculator decides how many), leaving the pass room for
+        every decoding sequence's own token and the prompt chunks waiting."""
+        if not self.spec.enabled:
+            return
+        decoding = [r for r in self.running if r.pending == 1]
+        spare = self.batch_tokens - len(decoding) - sum(r.pending for r in self.running if r.pending > 1)
+        for req in decoding:
+            # the model's own token follows the drafts: a request with r tokens to go drafts at most r - 1
+            room = min(spare, req.params.max_tokens - len(req.token_ids) - 1,
+                       self.context - len(req.ids) - 1, req.cache.max_pass - 1)
+            req.draft = self.spec.propose(req, room, len(decoding)) if room > 0 else []
+            spare -= len(req.draft)
 
     def _sample(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> None:
         """Sample from logits [1 + len(drafts), V] in order: each draft stands while the token sampled at its
@@ -223,6 +275,10 @@ class Engine:
             grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
             if self._fits(grow):
                 return plan
+            if any(req.draft for req in self.running):  # drafts are the first to go: they never preempt
+                for req in self.running:
+                    req.draft = []
+                continue
             self._preempt(max(self.running, key=lambda r: (r.admitted_at, r.id)))
 
     def _preempt(self, req: Request) -> None:
@@ -241,6 +297,7 @@ class Engine:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        self.spec.finished(req)
         if req.cache is not None:
             cache, req.cache = req.cache, None
             if cache.swapped:  # nothing of it in RAM to keep: its slots are freed

@@ -98,6 +98,7 @@ class Request:
         if self._t_decode is None:
             m.mark_first_token()
             m.prefill_io_wait_s, m.prefill_kv_read_bytes = m.io_wait_s, m.kv_read_bytes
+            m.prefill_disk_bytes = m.disk_bytes_read
             self._t_decode = now
         if token in eos_ids and not p.ignore_eos:
             return self.finish("stop")

@@ -368,11 +368,11 @@ class DecoderModel:
             h = self.norm(h, store, p + "post_attention_layernorm.weight")
             x = x + h
             h = self.norm(x, store, p + "pre_feedforward_layernorm.weight")
-            h = self.moe(store, i, h) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+            h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
             return x + self.norm(h, store, p + "post_feedforward_layernorm.weight")
         x = x + h
         h = self.norm(x, store, p + "post_attention_layernorm.weight")
-        h = self.moe(store, i, h) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+        h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
         return x + h
 
     def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
@@ -414,8 +414,9 @@ class DecoderModel:
         g, u, d = names
         return linear(self.act(linear(x, store.get(g))) * linear(x, store.get(u)), store.get(d))
 
-    def moe(self, store, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (softmax, top-k, optional renormalization) plus an optional gated shared expert."""
+    def moe(self, store, i: int, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts (softmax, top-k, optional renormalization) plus an optional gated shared expert.
+        resid: the residual stream x is normed from, for the next layer's router lookahead."""
         a = self.args
         m = f"{self.layer_prefix(i)}{a.moe_prefix}."
         router_logits = linear(x, store.get(m + "gate.weight"))  # [T, E]
@@ -427,6 +428,8 @@ class DecoderModel:
         uses = Counter(top_i.flatten().tolist())
         names = {e: self.expert_names(i, e) for e in sorted(uses)}
         routed = store.route(i, dict(uses), names)  # the order to compute them in: resident ones first
+        if resid is not None:
+            self.lookahead(store, i + 1, resid)  # layer i's demand reads are queued first: they keep priority
         ys = {}
         for e in routed:
             tok, slot = torch.where(top_i == e)
@@ -439,3 +442,23 @@ class DecoderModel:
             s = self.mlp(store, m + "shared_expert.", x)
             out = out + ops.pointwise(torch.sigmoid, linear(x, store.get(m + "shared_expert_gate.weight"))) * s
         return out
+
+    def lookahead(self, store, j: int, resid: torch.Tensor) -> None:
+        """Guess layer j's experts before layer j - 1's are computed: layer j's FFN norm and router applied to
+        the residual stream as it stands now (it changes little from one layer to the next), so the store can
+        read the guessed experts while layer j - 1 computes. Only a hint: the routing itself is computed from
+        the real input, so a wrong guess costs a read, never a different token. Skipped when the router's
+        weights are not resident yet (never waited for)."""
+        a = self.args
+        if j >= a.num_layers or not a.moe_layers[j] or not store.wants_lookahead(j):
+            return
+        p = self.layer_prefix(j)
+        norm = store.peek(p + ("pre_feedforward_layernorm.weight" if a.sandwich_norm
+                               else "post_attention_layernorm.weight"))
+        gate = store.peek(f"{p}{a.moe_prefix}.gate.weight")
+        if norm is None or gate is None:
+            return
+        h = rms_norm(resid, norm, a.rms_norm_eps, a.gemma_norm)
+        top_i = torch.topk(linear(h, gate), a.top_k, dim=-1).indices  # [T, k]: softmax keeps the order
+        uses = Counter(top_i.flatten().tolist())
+        store.predict(j, dict(uses), {e: self.expert_names(j, e) for e in sorted(uses)})
