@@ -15,10 +15,6 @@ import torch
 from colibri.errors import ModelLoadError
 
 
-def nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
-
-
 class WeightStore(Protocol):
     def get(self, name: str) -> torch.Tensor:
         """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
@@ -55,8 +51,7 @@ class RamStore:
         self.dtype = dtype
 
     @classmethod
-    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype,
-             progress: Callable[[int], None] | None = None) -> "RamStore":
+    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> "RamStore":
         tensors = {}
         for name in names:
             t = read(name)
@@ -64,8 +59,6 @@ class RamStore:
                 tensors[name] = t.to(dtype) if t.is_floating_point() else t
             else:  # a quantized weight: stays packed, computes in the activations' dtype
                 tensors[name] = t
-            if progress:
-                progress(nbytes(t))
         return cls(tensors, dtype)
 
     def get(self, name: str) -> torch.Tensor:
@@ -94,9 +87,6 @@ class RamStore:
 
     def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
         return sorted(uses)
-
-    def nbytes(self) -> int:
-        return sum(nbytes(t) for t in self.tensors.values())
 
     def close(self) -> None:
         self.tensors = {}
