@@ -17,6 +17,7 @@ import pytest
 
 import colibri
 import real_models
+from faults import PAUSE_AFTER_PAGES
 import tiny_models
 from colibri import container, convert as conv, session, swap
 from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
@@ -270,9 +271,8 @@ def test_after_a_swap_enospc_the_next_request_succeeds(tiny_model_dir, tmp_path,
 
 def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_model_dir, tmp_path):
     src, out = tiny_model_dir("llama"), tmp_path / "c"
-    code = ("import sys; from colibri import convert as c;"
-            "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(quant='q4', group_size=32, page_size_mb=1),"
-            " pause_after_pages=3)")
+    code = (PAUSE_AFTER_PAGES.format(pages=3) + "c.convert(sys.argv[1], sys.argv[2],"
+            " c.ConvertOptions(quant='q4', group_size=32, page_size_mb=1))")
     p = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)])
     partial = None
     for _ in range(1200):

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from colibri import __version__, calibrate, container, mixed, quant, tied
+from colibri.atomic import fsync_dir, write_json
 from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
 from colibri.errors import ColibriError, InputError
 from colibri.model import check_tensors, open_model
@@ -94,23 +95,6 @@ def source_fingerprint(src: Path, opts: ConvertOptions) -> str:
     return h.hexdigest()[:16]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _pwrite(fd: int, data, offset: int) -> None:
     """Write all of `data` at `offset` (the one place bytes reach the disk; tests inject failures here)."""
     view = memoryview(data).cast("B")
@@ -166,7 +150,7 @@ def tokenizer_files(ckpt, out: Path) -> dict:
 
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None,
+            progress: Callable[[int, int], None] | None = None,
             kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
     """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
     `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
@@ -205,7 +189,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
             policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tie, opts,
                                lambda entry: encode(entry, ckpt, cal), fingerprint, source,
-                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress,
                                kinds, policy, fresh=fresh)
     finally:
         ckpt.close()
@@ -215,7 +199,6 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    pause_after_pages: int | None = None,
                     kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None,
                     fresh: bool = False) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
@@ -262,9 +245,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             page.checksum = checksum_str(crc32(os.pread(fds[page.file], page.nbytes, page.offset)))
             journal["pages"][str(page.id)] = {"checksum": page.checksum,
                                               "tensors": {n: by_name[n].checksum for n in page.tensors}}
-            write_json_atomic(work / JOURNAL, journal)
-            if pause_after_pages is not None and len(journal["pages"]) >= pause_after_pages:
-                time.sleep(3600)  # test hook: a conversion "killed mid-way" is killed while sleeping here
+            write_json(work / JOURNAL, journal)
         for fd in fds:
             os.fsync(fd)
     except OSError as e:
@@ -292,7 +273,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     }
     manifest = json.loads(json.dumps(manifest))  # as a reader will parse it (tuples become lists)
     manifest["checksum"] = container.manifest_checksum(manifest)
-    write_json_atomic(work / MANIFEST, manifest)
+    write_json(work / MANIFEST, manifest)
     bad = next(container.ContainerCheckpoint(work).verify(), None)
     if bad:
         raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; check the disk and "
@@ -350,7 +331,7 @@ def _open_journal(work: Path, fp: str, fresh: bool = False) -> dict:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     journal = {"fingerprint": fp, "pages": {}}
-    write_json_atomic(jf, journal)
+    write_json(jf, journal)
     return journal
 
 

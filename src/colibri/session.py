@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from colibri.atomic import atomic_write
 from colibri.errors import InputError
 from colibri.io import align_up
 
@@ -127,10 +128,9 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
             "ids": cache.ids[:length] if cache is not None else [], "messages": messages or [],
             "block_bytes": lay.block_bytes, "crc32": ["0" * 8] * nblocks}
     size = len(_header(head))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as f:
             f.seek(size)
             buf = torch.empty(lay.block_bytes, dtype=torch.uint8)
             for b in range(nblocks):
@@ -139,20 +139,8 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
                 f.write(memoryview(data))
             f.seek(0)
             f.write(_header(head))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException as e:  # a failed or interrupted save leaves the previous file and no temporary one
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") \
-                from None
-        raise
+    except OSError as e:  # a failed or interrupted save leaves the previous file and no temporary one
+        raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") from None
     return path
 
 
