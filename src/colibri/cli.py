@@ -197,8 +197,12 @@ VERBOSE_PASSES = 3  # forward passes (the prompt's, then decode steps) shown by 
 
 
 def cmd_run(args) -> int:
+    with load_model(args) as m:  # closing saves what the store learned (usage.json) and removes temporary files
+        return run_prompt(args, m)
+
+
+def run_prompt(args, m) -> int:
     from colibri.metrics import GenerationMetrics
-    m = load_model(args)
     if args.raw:
         ids = m.prompt_ids(args.prompt)
     else:
@@ -253,7 +257,11 @@ def cmd_chat(args) -> int:
 
 
 def chat_loop(args, saved) -> int:
-    m = load_model(args)
+    with load_model(args) as m:
+        return chat_turns(args, saved, m)
+
+
+def chat_turns(args, saved, m) -> int:
     if m.tokenizer is None or m.tokenizer.chat_template is None:
         raise InputError(f"{m.path} has no chat template; use `colibri run --raw` instead")
     system = [{"role": "system", "content": args.system}] if args.system else []
