@@ -10,7 +10,8 @@ import shutil
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import colibri
+import colibri.model
+import colibri.models
 from colibri import cli
 from colibri import convert as conv
 
@@ -35,11 +36,11 @@ def moe_container(tiny_model_dir, tmp_path_factory):
 
 def streaming_limit(path) -> str:
     """Every dense page pinned, room for a few experts: the rest stream, so the store learns usage."""
-    ckpt = colibri.model.open_model(path)[0]
+    ckpt = colibri.models.open_model(path)[0]
     pages = ckpt.pages
     ckpt.close()
-    dense = sum(p["nbytes"] for p in pages if p["kind"] != "expert")
-    expert = max(p["nbytes"] for p in pages if p["kind"] == "expert")
+    dense = sum(p.nbytes for p in pages if p.kind != "expert")
+    expert = max(p.nbytes for p in pages if p.kind == "expert")
     _, reserve, _ = colibri.model.plan(path, None)
     return str(reserve.total + dense + 4 * expert)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import colibri
+import colibri.models
 import real_models
 from faults import PAUSE_AFTER_PAGES
 import tiny_models
@@ -286,7 +287,7 @@ def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_mod
     assert partial is not None
     journal = json.loads((partial / "progress.json").read_text())
     opts = conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1)
-    _, args, arch = colibri.model.open_model(src)
+    _, args, arch = colibri.models.open_model(src)
     _, pages, _ = container.plan_layout(arch.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
     victim = pages[int(sorted(journal["pages"], key=int)[1])]
     flip_byte(partial / "data-00000.bin", victim.offset + 10)

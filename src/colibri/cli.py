@@ -173,7 +173,7 @@ def model_path(args, engine: bool = True) -> str:
     if args.model:
         return args.model
     if engine:
-        from colibri.defaults import default_container
+        from colibri.convert import default_container
         return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
     from colibri.defaults import default_model_path
     return str(default_model_path())
@@ -215,7 +215,7 @@ def run_prompt(args, m) -> int:
     if timeline:
         m.store.timeline_passes = VERBOSE_PASSES
     if args.json:
-        r = gen.generate(m, ids, params)
+        r = gen.generate(m.engine, ids, params)
         stats = {**r.stats, "model": m.stats()}
         if timeline:
             stats["timeline"] = m.store.timeline
@@ -223,7 +223,7 @@ def run_prompt(args, m) -> int:
                           "finish_reason": r.finish_reason, "stats": stats}, ensure_ascii=False))
         return 0
     metrics = GenerationMetrics()
-    for chunk in gen.stream(m, ids, params):
+    for chunk in gen.stream(m.engine, ids, params):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         metrics = chunk.metrics
@@ -363,19 +363,19 @@ def streaming_options(args) -> dict[str, Any]:
 def cmd_plan(args) -> int:
     import torch
 
-    from colibri import bench
+    from colibri.perf import runner
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = bench.predict(model_path(args), **streaming_options(args))
-    print(json.dumps(bench.public(report)) if args.json else bench.format_plan(report))
+    report = runner.predict(model_path(args), **streaming_options(args))
+    print(json.dumps(report.as_dict()) if args.json else runner.format_plan(report))
     return 0
 
 
 def cmd_bench(args) -> int:
-    from colibri import bench
-    report = bench.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
-                             **streaming_options(args))
-    print(json.dumps(report) if args.json else bench.format_bench(report))
+    from colibri.perf import runner
+    report = runner.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
+                              **streaming_options(args))
+    print(json.dumps(report.as_dict()) if args.json else runner.format_bench(report))
     return 0
 
 
