@@ -278,7 +278,8 @@ def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_mod
     partial = None
     for _ in range(1200):
         found = list(tmp_path.glob("c.partial-*"))
-        if found and len(json.loads((found[0] / "progress.json").read_text() or "{}").get("pages", {})) >= 3:
+        journal = found[0] / "progress.json" if found else None  # written just after the directory is made
+        if journal and journal.is_file() and len(json.loads(journal.read_text() or "{}").get("pages", {})) >= 3:
             partial = found[0]
             break
         time.sleep(0.1)

@@ -221,8 +221,8 @@ class SwapFile:
         directory.mkdir(parents=True, exist_ok=True)
         sweep(directory)  # before the free-space check: leftovers of dead processes count as free
         path = directory / f"kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
-        create(path, HEADER + size, keep_free=DISK_RESERVE)
-        try:
+        try:  # a signal landing after create's rename, before the file has an owner, must not leave it behind
+            create(path, HEADER + size, keep_free=DISK_RESERVE)
             return cls(path, layers, seg_bytes, io_threads, temporary=True)
         except BaseException:
             path.unlink(missing_ok=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-
 from colibri.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    import torch
+
     from colibri.quant import Q4Weight, Q8Weight
 
 Format = Literal["huggingface", "gguf", "container"]
@@ -35,7 +35,7 @@ class Checkpoint(Protocol):
     def tensor_dtype(self, name: str) -> str:
         """How the tensor is stored, as `colibri info` shows it (F32, Q4_K, q4-g64, ...)."""
 
-    def load(self, name: str) -> "torch.Tensor | Q4Weight | Q8Weight":
+    def load(self, name: str) -> torch.Tensor | Q4Weight | Q8Weight:
         """The tensor under its HF name and layout: a float tensor, or (containers) a packed q4/q8 weight."""
 
     def default_dtype(self) -> torch.dtype:
