@@ -20,6 +20,7 @@ from gguf.quants import quantize
 
 import colibri
 import real_models
+from faults import PAUSE_AFTER_PAGES
 import tiny_models
 from colibri import convert as conv
 from colibri.container import ALIGN, ContainerCheckpoint
@@ -273,8 +274,7 @@ def test_not_enough_space_is_refused_up_front(tiny_model_dir, tmp_path, monkeypa
 
 def test_killed_conversion_leaves_nothing_valid_and_resumes(tiny_model_dir, tmp_path):
     src, out = tiny_model_dir("qwen2_moe"), tmp_path / "c"
-    code = ("import sys; from colibri import convert as c;"
-            "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(quant='q4', group_size=32), pause_after_pages=4)")
+    code = PAUSE_AFTER_PAGES.format(pages=4) + "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(quant='q4', group_size=32))"
     p = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)])
     partial = None
     for _ in range(600):

@@ -17,7 +17,7 @@ import pytest
 import colibri
 import colibri.model
 import tiny_models
-from colibri import cli, convert as conv, session, swap
+from colibri import atomic, cli, convert as conv, swap
 from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
 
 PROMPT = tiny_models.token_ids(10, 384, seed=5)
@@ -221,9 +221,9 @@ def test_enospc_saving_a_session_keeps_the_previous_turn(tiny_model_dir, tmp_pat
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(session, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
     with pytest.raises(InputError, match="cannot save the conversation .* No space left"):
         m.save_session(saved, [{"role": "user", "content": "two"}])
     monkeypatch.undo()
     assert saved.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.kv"]
-    assert session.load(saved, m)[1] == [{"role": "user", "content": "one"}]
+    assert m.load_session(saved) == [{"role": "user", "content": "one"}]

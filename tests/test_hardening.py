@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 import colibri
+import colibri.models
 import real_models
+from faults import PAUSE_AFTER_PAGES
 import tiny_models
 from colibri import container, convert as conv, session, swap
 from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
@@ -270,14 +272,14 @@ def test_after_a_swap_enospc_the_next_request_succeeds(tiny_model_dir, tmp_path,
 
 def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_model_dir, tmp_path):
     src, out = tiny_model_dir("llama"), tmp_path / "c"
-    code = ("import sys; from colibri import convert as c;"
-            "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(quant='q4', group_size=32, page_size_mb=1),"
-            " pause_after_pages=3)")
+    code = (PAUSE_AFTER_PAGES.format(pages=3) + "c.convert(sys.argv[1], sys.argv[2],"
+            " c.ConvertOptions(quant='q4', group_size=32, page_size_mb=1))")
     p = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)])
     partial = None
     for _ in range(1200):
         found = list(tmp_path.glob("c.partial-*"))
-        if found and len(json.loads((found[0] / "progress.json").read_text() or "{}").get("pages", {})) >= 3:
+        journal = found[0] / "progress.json" if found else None  # written just after the directory is made
+        if journal and journal.is_file() and len(json.loads(journal.read_text() or "{}").get("pages", {})) >= 3:
             partial = found[0]
             break
         time.sleep(0.1)
@@ -286,7 +288,7 @@ def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_mod
     assert partial is not None
     journal = json.loads((partial / "progress.json").read_text())
     opts = conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1)
-    _, args, arch = colibri.model.open_model(src)
+    _, args, arch = colibri.models.open_model(src)
     _, pages, _ = container.plan_layout(arch.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
     victim = pages[int(sorted(journal["pages"], key=int)[1])]
     flip_byte(partial / "data-00000.bin", victim.offset + 10)

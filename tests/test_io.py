@@ -1,18 +1,17 @@
-"""colibri.io: aligned buffer pool, the O_DIRECT reader thread pool, errors, fallback."""
+"""colibri.io: aligned buffers, the O_DIRECT reader thread pool, errors, fallback."""
 
 from __future__ import annotations
 
 import errno
 import os
 import threading
-import time
 
 import pytest
 import torch
 
 from colibri import io
 from colibri.errors import ColibriError, StorageError
-from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, BufferPool, Reader, huge_page_bytes,
+from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes,
                         probe_bandwidth)
 
 MiB = 1 << 20
@@ -27,32 +26,25 @@ def data_file(tmp_path_factory):
     return path, data
 
 
-def read_all(reader: Reader, pool: BufferPool, size: int, page: int) -> bytes:
+def read_all(reader: Reader, size: int, page: int) -> bytes:
     """Read the file as pages of `page` bytes (prefetch priority, all queued at once)."""
     futs = []
     for off in range(0, size, page):
         n = min(page, size - off)
-        futs.append((reader.submit(0, off, n, pool.acquire(n), PREFETCH, label=f"page {off // page}"), n))
-    out = []
-    for fut, n in futs:
-        buf = fut.result(timeout=30)
-        out.append(buf.tensor(0, n).numpy().tobytes())
-        pool.release(buf)
-    return b"".join(out)
+        futs.append((reader.submit(0, off, n, AlignedBuffer(n), PREFETCH, label=f"page {off // page}"), n))
+    return b"".join(fut.result(timeout=30).tensor(0, n).numpy().tobytes() for fut, n in futs)
 
 
 @pytest.mark.parametrize("request_size,threads,page", [
     (256 << 10, 1, 7 * MiB), (1 * MiB, 2, 64 * MiB), (4 * MiB, 3, 5 * MiB + 4096), (ALIGN, 2, 3 * MiB)])
 def test_read_matches_file(data_file, request_size, threads, page):
     path, data = data_file
-    pool = BufferPool(200 * MiB)
     with Reader([path], io_threads=threads, request_size=request_size) as reader:
-        assert read_all(reader, pool, len(data), page) == data
+        assert read_all(reader, len(data), page) == data
         st = reader.stats()
     assert st.bytes_read == len(data)
     assert st.reads == -(-len(data) // page)
     assert st.requests >= st.reads and st.active_s > 0 and st.busy_s > 0 and st.errors == 0
-    assert pool.in_use_bytes == 0
 
 
 def test_buffer_offset_and_zero_copy_views(data_file):
@@ -73,41 +65,7 @@ def test_buffer_offset_and_zero_copy_views(data_file):
         buf.tensor(buf.nbytes - 10, 11)
 
 
-def test_pool_buffers_are_aligned_and_reused():
-    pool = BufferPool(16 * MiB)
-    bufs = [pool.acquire(n) for n in (1, 4095, 4097, MiB + 3)]
-    assert all(b.address % ALIGN == 0 and b.nbytes % ALIGN == 0 for b in bufs)
-    assert pool.in_use_bytes == sum(b.nbytes for b in bufs)
-    addr = bufs[3].address
-    for b in bufs:
-        pool.release(b)
-    assert pool.in_use_bytes == 0 and pool.allocated_bytes > 0
-    again = pool.acquire(MiB)  # smallest free buffer that fits: the MiB + 3 one
-    assert again.address == addr
-    with pytest.raises(ValueError):
-        pool.release(AlignedBuffer(4096))
-
-
-def test_pool_cap_blocks_until_release():
-    pool = BufferPool(3 * MiB)
-    a = pool.acquire(2 * MiB)
-    b = pool.acquire(MiB)
-    with pytest.raises(TimeoutError):
-        pool.acquire(MiB, timeout=0)
-    with pytest.raises(ValueError):
-        pool.acquire(4 * MiB)  # larger than the cap: can never succeed
-    threading.Timer(0.05, pool.release, args=(a,)).start()
-    t0 = time.perf_counter()
-    c = pool.acquire(2 * MiB, timeout=5)
-    assert time.perf_counter() - t0 >= 0.04 and c is a
-    pool.release(b)
-    pool.release(c)
-    # free buffers too small for a request are dropped to make room under the cap
-    d = pool.acquire(3 * MiB, timeout=0)
-    assert d.nbytes == 3 * MiB and pool.allocated_bytes == 3 * MiB
-
-
-def _queue_order(reader: Reader, pool: BufferPool, n_prefetch: int, last_priority: int, promote: bool):
+def _queue_order(reader: Reader, n_prefetch: int, last_priority: int, promote: bool):
     order: list[str] = []
     lock = threading.Lock()
 
@@ -122,7 +80,7 @@ def _queue_order(reader: Reader, pool: BufferPool, n_prefetch: int, last_priorit
         for i in range(n_prefetch + 1):
             name = "last" if i == n_prefetch else f"p{i}"
             prio = last_priority if i == n_prefetch else PREFETCH
-            f = reader.submit(0, i * ALIGN * 16, ALIGN * 16, pool.acquire(ALIGN * 16), prio)
+            f = reader.submit(0, i * ALIGN * 16, ALIGN * 16, AlignedBuffer(ALIGN * 16), prio)
             f.add_done_callback(record(name))
             futs.append(f)
         if promote:
@@ -135,14 +93,13 @@ def _queue_order(reader: Reader, pool: BufferPool, n_prefetch: int, last_priorit
 @pytest.mark.parametrize("promote", [False, True])
 def test_demand_overtakes_queued_prefetches(data_file, promote):
     path, _ = data_file
-    pool = BufferPool(64 * MiB)
     with Reader([path], io_threads=1, request_size=ALIGN * 16) as reader:
-        order = _queue_order(reader, pool, 40, PREFETCH if promote else DEMAND, promote)
+        order = _queue_order(reader, 40, PREFETCH if promote else DEMAND, promote)
     # one thread, queue built before the first pop: the demand goes first, prefetches keep their order
     assert order == ["last"] + [f"p{i}" for i in range(40)], order
 
 
-def test_truncated_file_raises_and_pool_keeps_working(tmp_path):
+def test_truncated_file_raises_and_the_reader_keeps_working(tmp_path):
     path = tmp_path / "data-00001.bin"
     data = os.urandom(8 * MiB)
     path.write_bytes(data)
@@ -178,9 +135,8 @@ def test_injected_error_then_next_read_succeeds(data_file):
 
 def test_buffered_fallback_forced(data_file):
     path, data = data_file
-    pool = BufferPool(64 * MiB)
     with Reader([path], request_size=MiB, direct=False) as reader:
-        assert read_all(reader, pool, len(data), 16 * MiB) == data
+        assert read_all(reader, len(data), 16 * MiB) == data
         st = reader.stats()
     assert st.direct is False and st.as_dict()["direct"] is False and st.bytes_read == len(data)
 
@@ -223,9 +179,8 @@ def test_missing_file_and_bad_arguments(tmp_path, data_file):
 
 def test_cancelled_prefetch_reads_nothing(data_file):
     path, _ = data_file
-    pool = BufferPool(64 * MiB)
     with Reader([path], io_threads=1, request_size=ALIGN) as reader:
-        futs = [reader.submit(0, i * ALIGN, ALIGN, pool.acquire(ALIGN)) for i in range(200)]
+        futs = [reader.submit(0, i * ALIGN, ALIGN, AlignedBuffer(ALIGN)) for i in range(200)]
         cancelled = [f for f in futs[100:] if f.cancel()]
         for f in futs:
             if not f.cancelled():

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import colibri
-from colibri import bench, cli, streaming
+from colibri import cli, streaming
+from colibri.perf import predict
 from test_streaming import containers  # noqa: F401 - the fixture: family -> tiny q4 container, 1 MB pages
 
 PROBE = ["--probe-seconds", "0.05"]
@@ -99,7 +100,7 @@ def test_dense_bytes_per_token_is_what_a_decode_step_reads(containers, monkeypat
     batch = 1 if by_rows else 512  # one token per pass: the lookup's row buffers stay smaller than the table
     path = containers(family)
     limit = minimum(path, batch_size=batch)
-    r = bench.layout(path, limit, prefetch_depth=0, batch_size=batch)
+    r = predict.layout(path, limit, prefetch_depth=0, batch_size=batch).as_dict()
     t = r["per_token"]
     assert (t["head_row_bytes"] > 0 and t["lookup_row_bytes"] > 0) == by_rows and t["streamed_bytes"] > 0
     if family == "llama_tied" and not by_rows:  # the embedding page serves two scopes per pass
@@ -125,16 +126,16 @@ def test_dense_bytes_per_token_is_what_a_decode_step_reads(containers, monkeypat
 ])
 def test_pipeline_model(head_s, depth, slots, want):
     """4 layers of one 1 MiB page each (1 s at 1 MiB/s, no compute) and a head computing for head_s."""
-    scopes = [bench.Scope([k], k + 1) for k in range(4)] + [bench.Scope([], 4, compute_s=head_s)]
-    got = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, slots, depth)
+    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=head_s)]
+    got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, slots, depth)
     assert got["s_per_token"] == pytest.approx(want)
     assert got["io_wait_s"] == pytest.approx(want - head_s)
 
 
 def test_pipeline_model_compute_slower_while_reading():
     """Compute twice as slow while the disk reads: the head does 2 s of its work in the 4 s of reads, then 8 s."""
-    scopes = [bench.Scope([k], k + 1) for k in range(4)] + [bench.Scope([], 4, compute_s=10)]
-    got = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, slowdown=2.0)
+    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=10)]
+    got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, slowdown=2.0)
     assert got["s_per_token"] == pytest.approx(12) and got["io_wait_s"] == pytest.approx(0)
 
 
@@ -145,8 +146,8 @@ def test_pipeline_model_compute_slower_while_reading():
 ])
 def test_pipeline_model_disk_slower_while_computing(head_s, want):
     """The disk reads at half its rate while compute runs (reads slow under a matmul on this VM)."""
-    scopes = [bench.Scope([k], k + 1) for k in range(4)] + [bench.Scope([], 4, compute_s=head_s)]
-    got = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, busy_bandwidth=1 << 19)
+    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=head_s)]
+    got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, busy_bandwidth=1 << 19)
     assert got["s_per_token"] == pytest.approx(want) and got["io_wait_s"] == pytest.approx(want - head_s)
 
 
@@ -248,7 +249,7 @@ def test_streaming_dense_runs_ask_openmp_workers_to_sleep(containers, monkeypatc
 def test_pipeline_model_wake_up_after_long_waits():
     """Compute after a wait of wake_gap_s or more first spends wake_s: no prefetch, four 1 s reads, each layer
     then computes 0.5 s (+0.25 s waking); with the gap above the waits, nothing is added."""
-    scopes = [bench.Scope([k], k + 1, compute_s=0.5) for k in range(4)]
-    slow = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=0.5)
-    fast = bench.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=2.0)
+    scopes = [predict.Scope([k], k + 1, compute_s=0.5) for k in range(4)]
+    slow = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=0.5)
+    fast = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=2.0)
     assert slow["s_per_token"] == pytest.approx(4 * 1.75) and fast["s_per_token"] == pytest.approx(4 * 1.5)

@@ -11,7 +11,7 @@ import colibri
 import tiny_models
 from colibri import convert as conv
 from colibri import streaming
-from colibri.model import open_model
+from colibri.models import open_model
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 EMBED = "model.embed_tokens.weight"

@@ -28,9 +28,11 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from colibri import quant
+from colibri.atomic import atomic_write
 from colibri.models.base import Batch, rms_norm, rope_cos_sin
 
 EMBED = "model.embed_tokens.weight"
@@ -98,10 +100,9 @@ class Calibration:
     quantized: dict[str, object] = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({n: t.contiguous() for n, t in self.importance.items()}, tmp,
-                  metadata={"sensitivity": json.dumps(self.sensitivity), "tokens": str(self.tokens)})
-        tmp.replace(path)
+        with atomic_write(path) as f:
+            f.write(safetensors_bytes({n: t.contiguous() for n, t in self.importance.items()},
+                         metadata={"sensitivity": json.dumps(self.sensitivity), "tokens": str(self.tokens)}))
 
     @classmethod
     def load(cls, path: Path) -> "Calibration | None":

@@ -206,7 +206,7 @@ def model_path(args, engine: bool = True) -> str:
     if args.model:
         return args.model
     if engine:
-        from colibri.defaults import default_container
+        from colibri.convert import default_container
         return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
     from colibri.defaults import default_model_path
     return str(default_model_path())
@@ -230,8 +230,12 @@ VERBOSE_PASSES = 3  # forward passes (the prompt's, then decode steps) shown by 
 
 
 def cmd_run(args) -> int:
+    with load_model(args) as m:  # closing saves what the store learned (usage.json) and removes temporary files
+        return run_prompt(args, m)
+
+
+def run_prompt(args, m) -> int:
     from colibri.metrics import GenerationMetrics
-    m = load_model(args)
     if args.raw:
         ids = m.prompt_ids(args.prompt)
     else:
@@ -244,7 +248,7 @@ def cmd_run(args) -> int:
     if timeline:
         m.store.timeline_passes = VERBOSE_PASSES
     if args.json:
-        r = gen.generate(m, ids, params)
+        r = gen.generate(m.engine, ids, params)
         stats = {**r.stats, "model": m.stats()}
         if timeline:
             stats["timeline"] = m.store.timeline
@@ -252,7 +256,7 @@ def cmd_run(args) -> int:
                           "finish_reason": r.finish_reason, "stats": stats}, ensure_ascii=False))
         return 0
     metrics = GenerationMetrics()
-    for chunk in gen.stream(m, ids, params):
+    for chunk in gen.stream(m.engine, ids, params):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         metrics = chunk.metrics
@@ -286,7 +290,11 @@ def cmd_chat(args) -> int:
 
 
 def chat_loop(args, saved) -> int:
-    m = load_model(args)
+    with load_model(args) as m:
+        return chat_turns(args, saved, m)
+
+
+def chat_turns(args, saved, m) -> int:
     if m.tokenizer is None or m.tokenizer.chat_template is None:
         raise InputError(f"{m.path} has no chat template; use `colibri run --raw` instead")
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -404,19 +412,19 @@ def streaming_options(args) -> dict[str, Any]:
 def cmd_plan(args) -> int:
     import torch
 
-    from colibri import bench
+    from colibri.perf import runner
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = bench.predict(model_path(args), **streaming_options(args))
-    print(json.dumps(bench.public(report)) if args.json else bench.format_plan(report))
+    report = runner.predict(model_path(args), **streaming_options(args))
+    print(json.dumps(report.as_dict()) if args.json else runner.format_plan(report))
     return 0
 
 
 def cmd_bench(args) -> int:
-    from colibri import bench
-    report = bench.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
-                             **streaming_options(args))
-    print(json.dumps(report) if args.json else bench.format_bench(report))
+    from colibri.perf import runner
+    report = runner.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
+                              **streaming_options(args))
+    print(json.dumps(report.as_dict()) if args.json else runner.format_bench(report))
     return 0
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,8 +43,28 @@ def checksum_str(value: int) -> str:
     return f"crc32:{value:08x}"
 
 
+class Record:
+    """A manifest record that also reads by key (`entry["kind"]`, `entry.get("group_size")`), as code written
+    against the manifest's JSON does; new code reads the attributes."""
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Any:
+        """The record as the writer made it, from its manifest entry (check_manifest has checked every key it
+        reads; an absent nullable one is None, keys the record does not define are ignored)."""
+        return cls(**{f.name: d.get(f.name) for f in fields(cls) if f.name in d or f.default is MISSING})
+
+
 @dataclass
-class Part:
+class Part(Record):
     offset: int  # relative to the tensor's offset
     nbytes: int
     dtype: str
@@ -52,7 +72,7 @@ class Part:
 
 
 @dataclass
-class TensorEntry:
+class TensorEntry(Record):
     name: str
     role: str
     layer: int | None
@@ -68,9 +88,15 @@ class TensorEntry:
     page: int = 0
     checksum: str = ""
 
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorEntry":
+        t = super().from_json(d)
+        t.parts = {n: Part.from_json(p) for n, p in t.parts.items()}
+        return t
+
 
 @dataclass
-class PageEntry:
+class PageEntry(Record):
     id: int
     kind: str
     layer: int | None
@@ -277,11 +303,15 @@ def manifest_checksum(manifest: dict) -> str:
     return checksum_str(zlib.crc32(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()))
 
 
-# what the reader relies on in each entry: key -> accepted types
+# what the reader relies on in each entry: key -> accepted types (an absent nullable key reads as None)
+_OPTIONAL_INT = (int, type(None))
 _FILE_KEYS = {"name": str, "size": int}
-_PAGE_KEYS = {"id": int, "kind": str, "file": int, "offset": int, "nbytes": int, "checksum": str, "tensors": list}
+_PAGE_KEYS = {"id": int, "kind": str, "file": int, "offset": int, "nbytes": int, "checksum": str, "tensors": list,
+              "layer": _OPTIONAL_INT, "expert": _OPTIONAL_INT}
 _TENSOR_KEYS = {"name": str, "kind": str, "shape": list, "file": int, "offset": int, "nbytes": int,
-                "checksum": str, "parts": dict, "page": int}
+                "checksum": str, "parts": dict, "page": int, "role": str, "lookup": bool, "layer": _OPTIONAL_INT,
+                "expert": _OPTIONAL_INT, "group_size": _OPTIONAL_INT}
+_PART_KEYS = {"offset": int, "nbytes": int, "dtype": str, "shape": list}
 
 
 def check_manifest(m: dict, mf: Path) -> None:
@@ -290,16 +320,22 @@ def check_manifest(m: dict, mf: Path) -> None:
     def bad(what: str):
         return ModelLoadError(f"{mf}: {what}; the manifest is damaged, reconvert the model")
 
+    def check(e, want: dict, where: str) -> None:
+        if not isinstance(e, dict):
+            raise bad(f"{where} is not an object")
+        for k, typ in want.items():
+            v = e.get(k)
+            if not isinstance(v, typ) or (isinstance(v, bool) and typ is not bool):
+                raise bad(f"{where} lacks a valid {k!r}")
+
     def entries(key: str, want: dict) -> list:
         items = m.get(key)
         if not isinstance(items, list):
             raise bad(f"{key!r} is missing or not a list")
         for i, e in enumerate(items):
-            if not isinstance(e, dict):
-                raise bad(f"{key}[{i}] is not an object")
-            for k, typ in want.items():
-                if not isinstance(e.get(k), typ) or isinstance(e.get(k), bool):
-                    raise bad(f"{key}[{i}] lacks a valid {k!r}")
+            check(e, want, f"{key}[{i}]")
+            for name, part in (e.get("parts") or {}).items():
+                check(part, _PART_KEYS, f"{key}[{i}].parts.{name}")
         return items
 
     if not isinstance(m.get("config"), dict):
@@ -314,8 +350,17 @@ def check_manifest(m: dict, mf: Path) -> None:
                 raise bad(f"{key}[{i}] lies outside its data file")
 
 
+def records(manifest: dict) -> tuple[dict[str, TensorEntry], list[PageEntry]]:
+    """A checked manifest's tensors (by name) and pages, as the records the converter wrote."""
+    return ({t["name"]: TensorEntry.from_json(t) for t in manifest["tensors"]},
+            [PageEntry.from_json(p) for p in manifest["pages"]])
+
+
 class ContainerCheckpoint:
-    """A converted container, with the checkpoint surface the engine uses (config, tensors by HF name)."""
+    """A converted container (loaders.Checkpoint), its manifest's tensors and pages read back as the
+    TensorEntry / PageEntry records the converter wrote."""
+
+    format = "container"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -330,8 +375,7 @@ class ContainerCheckpoint:
                 state = "truncated" if size < info["size"] else "larger than recorded"
                 raise ModelLoadError(f"{f}: {state} ({size} bytes, manifest says {info['size']});"
                                      " the container is damaged, reconvert it")
-        self.tensors = {t["name"]: t for t in m["tensors"]}
-        self.pages = m["pages"]
+        self.tensors, self.pages = records(m)
         tok = m.get("tokenizer") or {}
         self.special = dict(tok.get("special") or {})
         self.chat_template = None
@@ -348,15 +392,25 @@ class ContainerCheckpoint:
                                  "the model") from None
         self._fds: dict[int, int] = {}
 
+    @property
+    def quantized(self) -> bool:
+        """Whether it holds q4/q8 tensors (their dequantize path keeps a scratch buffer)."""
+        return any(t.kind in QUANT_KINDS for t in self.tensors.values())
+
+    def default_dtype(self) -> torch.dtype:
+        """f32 for an f32 container; else bf16: torch's int4/int8 CPU kernels are vectorized for bf16
+        activations only (f32 activations take an exact but slower dequantize path)."""
+        return torch.float32 if self.manifest["quant"]["kind"] == "f32" else torch.bfloat16
+
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name]["shape"])
+        return tuple(self.tensors[name].shape)
 
     def tensor_dtype(self, name: str) -> str:
         t = self.tensors[name]
-        return t["kind"] + (f"-g{t['group_size']}" if t.get("group_size") else "")
+        return t.kind + (f"-g{t.group_size}" if t.group_size else "")
 
     def _fd(self, file: int) -> int:
         if file not in self._fds:
@@ -378,23 +432,21 @@ class ContainerCheckpoint:
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the container")
-        data = self.read_extent(t["file"], t["offset"], t["nbytes"])
-        if checksum_str(crc32(data.numpy())) != t["checksum"]:
-            raise ModelLoadError(f"{self.files[t['file']]}: tensor {name!r} fails its checksum (at offset "
-                                 f"{t['offset']}, {t['nbytes']} bytes); the file is corrupt — run `colibri "
+        data = self.read_extent(t.file, t.offset, t.nbytes)
+        if checksum_str(crc32(data.numpy())) != t.checksum:
+            raise ModelLoadError(f"{self.files[t.file]}: tensor {name!r} fails its checksum (at offset "
+                                 f"{t.offset}, {t.nbytes} bytes); the file is corrupt — run `colibri "
                                  "verify` and reconvert")
         return tensor_from_bytes(t, data)
 
     def verify(self) -> Iterator[tuple[str, str]]:
         """Yield (what, error) for every checksum mismatch: pages first, then the tensors inside a bad page."""
         for page in self.pages:
-            data = self.read_extent(page["file"], page["offset"], page["nbytes"])
-            if checksum_str(crc32(data.numpy())) == page["checksum"]:
+            if checksum_str(crc32(self.read_extent(page.file, page.offset, page.nbytes).numpy())) == page.checksum:
                 continue
-            bad = [n for n in page["tensors"] if checksum_str(crc32(
-                self.read_extent(self.tensors[n]["file"], self.tensors[n]["offset"],
-                                 self.tensors[n]["nbytes"]).numpy())) != self.tensors[n]["checksum"]]
-            where = f"page {page['id']} ({page['kind']}, {self.files[page['file']].name} @ {page['offset']})"
+            bad = [n for n in page.tensors if (t := self.tensors[n]).checksum != checksum_str(crc32(
+                self.read_extent(t.file, t.offset, t.nbytes).numpy()))]
+            where = f"page {page.id} ({page.kind}, {self.files[page.file].name} @ {page.offset})"
             yield where, f"tensor {bad[0]!r}" if bad else "padding bytes"
 
     def close(self) -> None:
@@ -403,12 +455,11 @@ class ContainerCheckpoint:
         self._fds = {}
 
 
-def tensor_from_bytes(t: dict, buf: torch.Tensor):
+def tensor_from_bytes(t: TensorEntry, buf: torch.Tensor):
     """Views over `buf` (the tensor's extent) for each part: no copies."""
     views = {}
-    for pname, p in t["parts"].items():
-        raw = buf[p["offset"]:p["offset"] + p["nbytes"]]
-        views[pname] = raw.view(DTYPES[p["dtype"]]).view(p["shape"])
-    if t["kind"] in FLOAT_KINDS:
+    for pname, p in t.parts.items():
+        views[pname] = buf[p.offset:p.offset + p.nbytes].view(DTYPES[p.dtype]).view(p.shape)
+    if t.kind in FLOAT_KINDS:
         return views["data"]
-    return quant.from_buffers(t["kind"], tuple(t["shape"]), t["group_size"], views)
+    return quant.from_buffers(t.kind, tuple(t.shape), t.group_size, views)

@@ -2,16 +2,19 @@
 
 Streams tensor by tensor (peak memory ~ the largest tensor, whatever the model size), writes into a sibling
 `OUT.partial-<fingerprint>` directory, journals finished pages so an interrupted run resumes, verifies every
-checksum, and only then renames the directory into place.
+checksum, and only then renames the directory into place. `default_container`: the embedded default model's
+container, converted once under the cache directory and reused.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,10 +23,13 @@ from typing import Callable
 import torch
 
 from colibri import __version__, calibrate, container, mixed, quant, tied
-from colibri.container import ALIGN, FORMAT, MANIFEST, VERSION, checksum_str, crc32, plan_layout
-from colibri.errors import ColibriError, InputError
-from colibri.model import check_tensors, open_model
-from colibri.models import family
+from colibri.atomic import fsync_dir, write_json
+from colibri.container import (ALIGN, FORMAT, MANIFEST, VERSION, ContainerCheckpoint, checksum_str, crc32,
+                               plan_layout)
+from colibri.defaults import cache_dir, default_model_path
+from colibri.errors import ColibriError, InputError, ModelLoadError
+from colibri.loaders.checkpoint import check_tensors
+from colibri.models import family, open_model
 
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
@@ -94,23 +100,6 @@ def source_fingerprint(src: Path, opts: ConvertOptions) -> str:
     return h.hexdigest()[:16]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _pwrite(fd: int, data, offset: int) -> None:
     """Write all of `data` at `offset` (the one place bytes reach the disk; tests inject failures here)."""
     view = memoryview(data).cast("B")
@@ -138,7 +127,7 @@ def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
 def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
     """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
     of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
-    if entry.kind in container.QUANT_KINDS and hasattr(ckpt, "raw_tensor"):
+    if entry.kind in container.QUANT_KINDS and ckpt.format == "gguf":
         qtype, raw, shape = ckpt.raw_tensor(entry.name)
         if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
             return quant.from_gguf(raw, qtype, tuple(shape))
@@ -166,7 +155,7 @@ def tokenizer_files(ckpt, out: Path) -> dict:
 
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
-            progress: Callable[[int, int], None] | None = None, pause_after_pages: int | None = None,
+            progress: Callable[[int, int], None] | None = None,
             kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
     """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
     `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
@@ -174,13 +163,13 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
     ckpt, args, arch = open_model(src)
-    if hasattr(ckpt, "manifest"):
+    if isinstance(ckpt, ContainerCheckpoint):
         ckpt.close()
         raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
                          "made from")
     shapes = arch.weight_shapes()
     check_tensors(ckpt, shapes, src)
-    gguf = hasattr(ckpt, "raw_tensor")
+    gguf = ckpt.format == "gguf"
     tie = args.tie_word_embeddings
     if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
         ckpt, tie = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
@@ -205,7 +194,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
             policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tie, opts,
                                lambda entry: encode(entry, ckpt, cal), fingerprint, source,
-                               lambda work: tokenizer_files(ckpt, work), source_types, progress, pause_after_pages,
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress,
                                kinds, policy, fresh=fresh)
     finally:
         ckpt.close()
@@ -215,7 +204,6 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    pause_after_pages: int | None = None,
                     kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None,
                     fresh: bool = False) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
@@ -262,9 +250,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             page.checksum = checksum_str(crc32(os.pread(fds[page.file], page.nbytes, page.offset)))
             journal["pages"][str(page.id)] = {"checksum": page.checksum,
                                               "tensors": {n: by_name[n].checksum for n in page.tensors}}
-            write_json_atomic(work / JOURNAL, journal)
-            if pause_after_pages is not None and len(journal["pages"]) >= pause_after_pages:
-                time.sleep(3600)  # test hook: a conversion "killed mid-way" is killed while sleeping here
+            write_json(work / JOURNAL, journal)
         for fd in fds:
             os.fsync(fd)
     except OSError as e:
@@ -292,7 +278,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     }
     manifest = json.loads(json.dumps(manifest))  # as a reader will parse it (tuples become lists)
     manifest["checksum"] = container.manifest_checksum(manifest)
-    write_json_atomic(work / MANIFEST, manifest)
+    write_json(work / MANIFEST, manifest)
     bad = next(container.ContainerCheckpoint(work).verify(), None)
     if bad:
         raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; check the disk and "
@@ -350,7 +336,7 @@ def _open_journal(work: Path, fp: str, fresh: bool = False) -> dict:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     journal = {"fingerprint": fp, "pages": {}}
-    write_json_atomic(jf, journal)
+    write_json(jf, journal)
     return journal
 
 
@@ -362,3 +348,61 @@ def _check_space(parent: Path, total: int, work: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
         raise ColibriError(f"not enough free space in {parent}: the container needs {need / 2**30:.2f} GiB more,"
                            f" {free / 2**30:.2f} GiB are free; free space or choose another --output")
+
+
+# ---------------------------------------------------------------------------------------------- the default model
+
+DEFAULT_KIND = "q4"  # the container kind of the default model (docs/quality.md, "The default model")
+
+
+def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
+    """A container of `src` under `root`, converted on first use and reused while `src` is unchanged.
+
+    Safe against two processes at once (the second waits on a lock, then finds the first's container) and
+    against a damaged cache (a container that fails its checksums is converted again). `announce(text)` is told
+    before a conversion starts."""
+    opts = ConvertOptions(quant=kind)
+    root.mkdir(parents=True, exist_ok=True)
+    dst = root / f"{src.stem}-{kind}-{source_fingerprint(src, opts)}"
+    if _intact(dst):
+        return dst
+    with open(root / f"{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _intact(dst):  # another process converted it while this one waited
+            return dst
+        if announce:
+            announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
+        convert(src, dst, opts, force=True, progress=_progress_line())
+    return dst
+
+
+def _intact(path: Path) -> bool:
+    if not (path / "manifest.json").is_file():
+        return False
+    try:
+        ckpt = ContainerCheckpoint(path)
+    except ModelLoadError:
+        return False
+    try:
+        return next(ckpt.verify(), None) is None
+    finally:
+        ckpt.close()
+
+
+def _progress_line():
+    """A one-line progress report on stderr (percent of bytes written), updated in place."""
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct != shown[0]:
+            shown[0] = pct
+            end = "\n" if done >= total else ""
+            print(f"\rcolibri: converting the default model: {pct:3d} %", end=end, file=sys.stderr, flush=True)
+
+    return progress
+
+
+def default_container(announce=None) -> Path:
+    """The embedded default model as a container under cache_dir() (converted on first use)."""
+    return cached_container(default_model_path(), cache_dir() / "models", DEFAULT_KIND, announce)

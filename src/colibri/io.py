@@ -6,8 +6,7 @@ cache and count against the memory limit). `os.preadv` releases the GIL, so two 
 in flight while the model computes. No mmap: page-fault driven reads are the slowest way to stream.
 
 * `AlignedBuffer` — an anonymous mapping (page-aligned by construction); `.tensor(offset, nbytes)` is a uint8
-  view over it, no copy. A buffer is reused after `BufferPool.release`: the caller drops its views first.
-* `BufferPool` — hands out buffers under a byte cap and reuses released ones.
+  view over it, no copy. A buffer may be refilled once the caller has dropped its views.
 * `Reader` — opens each data file once, splits a page read into `request_size` requests, and runs them on
   `io_threads` threads, demand reads (priority 0) ahead of prefetches (priority 1). `submit` returns a Future
   that resolves to the filled buffer, or raises `StorageError` naming the file, offset and failure.
@@ -140,79 +139,6 @@ def huge_page_bytes(buffers: Sequence[AlignedBuffer]) -> int | None:
             if any(s < hi and lo < e for s, e in spans):
                 total += int(line.split()[1]) * 1024
     return total
-
-
-class BufferPool:
-    """Aligned buffers under a total byte cap, reused after release.
-
-    `acquire(n)` returns the smallest free buffer of at least `n` bytes, else allocates one (first dropping free
-    buffers that are too small when the cap requires it). When buffers in use fill the cap it blocks until a
-    release, or raises TimeoutError after `timeout` seconds (`timeout=0`: raise at once). A request larger than
-    the cap raises ValueError immediately: no release could satisfy it.
-    """
-
-    def __init__(self, cap_bytes: int):
-        self.cap_bytes = int(cap_bytes)
-        self._cv = threading.Condition()
-        self._free: list[AlignedBuffer] = []
-        self._in_use: dict[int, AlignedBuffer] = {}
-
-    @property
-    def in_use_bytes(self) -> int:
-        with self._cv:
-            return sum(b.nbytes for b in self._in_use.values())
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes held by the pool: in use plus free buffers kept for reuse."""
-        with self._cv:
-            return sum(b.nbytes for b in self._in_use.values()) + sum(b.nbytes for b in self._free)
-
-    def acquire(self, nbytes: int, timeout: float | None = None) -> AlignedBuffer:
-        n = align_up(max(int(nbytes), 1))
-        if n > self.cap_bytes:
-            raise ValueError(f"a {n}-byte buffer exceeds the buffer pool cap of {self.cap_bytes} bytes")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while True:
-                buf = self._take_locked(n)
-                if buf is not None:
-                    self._in_use[id(buf)] = buf
-                    return buf
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no {n}-byte buffer free within {timeout} s: "
-                                       f"{sum(b.nbytes for b in self._in_use.values())} of {self.cap_bytes} "
-                                       f"bytes in use")
-                self._cv.wait(left)
-
-    def _take_locked(self, n: int) -> AlignedBuffer | None:
-        fits = [b for b in self._free if b.nbytes >= n]
-        if fits:
-            buf = min(fits, key=lambda b: b.nbytes)
-            self._free.remove(buf)
-            return buf
-        used = sum(b.nbytes for b in self._in_use.values())
-        if used + n > self.cap_bytes:
-            return None
-        self._free.sort(key=lambda b: b.nbytes)
-        while self._free and used + sum(b.nbytes for b in self._free) + n > self.cap_bytes:
-            self._free.pop(0)  # too small for this request and in the way of the cap: unmapped when unreferenced
-        return AlignedBuffer(n)
-
-    def release(self, buf: AlignedBuffer) -> None:
-        with self._cv:
-            if self._in_use.pop(id(buf), None) is None:
-                raise ValueError("release of a buffer that is not in use from this pool")
-            self._free.append(buf)
-            self._cv.notify_all()
-
-    def trim(self) -> int:
-        """Drop the free buffers; returns the bytes given back."""
-        with self._cv:
-            freed = sum(b.nbytes for b in self._free)
-            self._free.clear()
-            return freed
 
 
 @dataclass

@@ -12,11 +12,13 @@ import torch
 from colibri import budget
 from colibri import generate as gen
 from colibri.config import EngineConfig
+from colibri.container import ContainerCheckpoint
 from colibri.engine import Engine
-from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
+from colibri.errors import InputError, UnsupportedModelError
 from colibri.kv import KVCache
+from colibri.loaders.checkpoint import Checkpoint, check_tensors
+from colibri.models import open_model
 from colibri.prefix import KVSpace
-from colibri.models import family
 from colibri.models.base import SLIDING
 from colibri.store import RamStore
 from colibri.tokenizer import Tokenizer
@@ -35,69 +37,17 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return DTYPES[str(dtype).lower()]
 
 
-def open_checkpoint(path: Path):
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory; check the --model path")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                if f.read(4) != b"GGUF":
-                    raise ModelLoadError(f"{path}: not a GGUF file; give a .gguf file or a model directory")
-        from colibri.loaders.gguf import GGUFCheckpoint
-        return GGUFCheckpoint(path)
-    if (path / "manifest.json").is_file():
-        from colibri.container import ContainerCheckpoint
-        return ContainerCheckpoint(path)
-    from colibri.loaders.hf import HFCheckpoint
-    return HFCheckpoint(path)
-
-
-def checkpoint_dtype(ckpt) -> torch.dtype:
-    """The default compute dtype. bf16 for checkpoints stored in bf16/f16 (memory as on disk) and for quantized
-    containers (torch's int4/int8 CPU kernels are vectorized for bf16 activations only; f32 activations take an
-    exact but slower dequantize path); f32 for GGUF files (dequantized at load) and f32 checkpoints."""
-    if hasattr(ckpt, "manifest"):
-        return torch.float32 if ckpt.manifest["quant"]["kind"] == "f32" else torch.bfloat16
-    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
-    return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
-
-
-def quantized(ckpt) -> bool:
-    """Whether a container holds q4/q8 tensors (their dequantize path keeps a scratch buffer)."""
-    return hasattr(ckpt, "manifest") and any(t["kind"] in ("q4", "q8") for t in ckpt.tensors.values())
-
-
-def weights_floor(ckpt, args, memory_limit, batch: int) -> int | None:
+def weights_floor(ckpt: Checkpoint, args, memory_limit, batch: int) -> int | None:
     """The staging a container's weights need at the least under a limit (None: no limit, or not a container:
     nothing streams)."""
-    if memory_limit is None or not hasattr(ckpt, "manifest"):
+    if memory_limit is None or not isinstance(ckpt, ContainerCheckpoint):
         return None
     from colibri.streaming import minimum_staging
     return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
 
 
-def open_model(path: Path):
-    """(checkpoint, ModelArgs, family math) without reading any weight."""
-    ckpt = open_checkpoint(path)
-    fam = family(ckpt.config.get("model_type"))
-    try:
-        args = fam.args(ckpt.config)
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: config lacks required field {e.args[0]!r}") from None
-    return ckpt, args, fam.Model(args)
-
-
-def check_tensors(ckpt, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    """Every tensor the math reads is present with the shape the config implies (checked before any is read)."""
-    have = set(ckpt.tensor_names())
-    for name, shape in shapes.items():
-        if name not in have:
-            raise ModelLoadError(f"{path}: tensor {name!r} is missing; the checkpoint is incomplete"
-                                 f" or not a {ckpt.config.get('model_type')} model")
-        got = tuple(ckpt.tensor_shape(name))
-        if got != tuple(shape):
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}"
-                                 " from the config; the weights do not match the config")
+def quantized(ckpt: Checkpoint) -> bool:
+    return isinstance(ckpt, ContainerCheckpoint) and ckpt.quantized
 
 
 def policy_entry(key: str, value) -> str:
@@ -120,7 +70,7 @@ def describe(path: str | Path) -> dict[str, str]:
     tok = ckpt.tokenizer
     info = {
         "path": str(path),
-        "format": "gguf" if path.is_file() else "huggingface directory",
+        "format": {"gguf": "gguf", "huggingface": "huggingface directory"}.get(ckpt.format, ckpt.format),
         "architecture": args.model_type,
         "parameters": f"{params:,} ({params / 1e9:.2f} B)",
         "layers": f"{args.num_layers} (hidden {args.hidden_size}, heads {args.num_heads}/{args.num_kv_heads} kv,"
@@ -131,7 +81,7 @@ def describe(path: str | Path) -> dict[str, str]:
         "chat template": "yes" if ckpt.chat_template else "no",
         "context length": str(args.max_position_embeddings),
     }
-    if hasattr(ckpt, "manifest"):
+    if isinstance(ckpt, ContainerCheckpoint):
         mf = ckpt.manifest
         disk = sum(f["size"] for f in mf["files"])
         info["format"] = f"colibri container v{mf['version']}"
@@ -155,7 +105,7 @@ class Model:
         self.path = config.model_path()
         self.checkpoint, self.args, self.arch = open_model(self.path)
         ckpt = self.checkpoint
-        self.dtype = resolve_dtype(config.dtype) or checkpoint_dtype(ckpt)
+        self.dtype = resolve_dtype(config.dtype) or ckpt.default_dtype()
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
         self.tokenizer = self._tokenizer()
@@ -182,7 +132,7 @@ class Model:
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
         if conf.limit is not None:
-            if not hasattr(ckpt, "manifest"):
+            if not isinstance(ckpt, ContainerCheckpoint):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
@@ -267,10 +217,10 @@ class Model:
             raise InputError(f"unknown sampling option: {e}") from None
 
     def stream(self, prompt, **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
+        return gen.stream(self.engine, self.prompt_ids(prompt), self.sampling_params(**sampling))
 
     def generate(self, prompt, **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self.prompt_ids(prompt), self.sampling_params(**sampling))
+        return gen.generate(self.engine, self.prompt_ids(prompt), self.sampling_params(**sampling))
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         self._check_open()
@@ -279,10 +229,10 @@ class Model:
         return self.tokenizer.encode_chat(messages)
 
     def chat(self, messages: list[dict], **sampling) -> gen.GenerationResult:
-        return gen.generate(self, self.chat_ids(messages), self.sampling_params(**sampling))
+        return gen.generate(self.engine, self.chat_ids(messages), self.sampling_params(**sampling))
 
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[gen.StreamChunk]:
-        return gen.stream(self, self.chat_ids(messages), self.sampling_params(**sampling))
+        return gen.stream(self.engine, self.chat_ids(messages), self.sampling_params(**sampling))
 
     # -- conversations on disk ---------------------------------------------------------------------------
 
@@ -292,7 +242,8 @@ class Model:
         self._check_open()
         with self.engine.lock:
             live = self.kv.live
-            return session.save(path, self, live if live is not None and live.length else None, messages)
+            return session.save(path, self._session_identity(), self.kv.layout,
+                                live if live is not None and live.length else None, messages)
 
     def load_session(self, path: str | Path) -> list[dict]:
         """Make a saved sequence the live one (the next prompt that extends it prefills only its new tokens);
@@ -300,9 +251,13 @@ class Model:
         from colibri import session
         self._check_open()
         with self.engine.lock:
-            cache, messages = session.load(path, self)
+            cache, messages = session.load(path, self._session_identity(), self.kv)
             self.kv.adopt(cache)
         return messages
+
+    def _session_identity(self) -> dict:
+        from colibri import session
+        return session.identity(self.checkpoint, self.args.model_type, self.kv.layout)
 
     def close(self) -> None:
         self.closed = True
@@ -328,9 +283,9 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
     path = config.model_path()
     ckpt, args, _ = open_model(path)
     try:
-        if not hasattr(ckpt, "manifest"):
+        if not isinstance(ckpt, ContainerCheckpoint):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
-        dt = resolve_dtype(config.dtype) or checkpoint_dtype(ckpt)
+        dt = resolve_dtype(config.dtype) or ckpt.default_dtype()
         conf = budget.settings(args, dt, config, quantized=quantized(ckpt),
                                floor=weights_floor(ckpt, args, config.memory_limit, config.batch_size))
         limit, res = conf.limit, conf.reserve

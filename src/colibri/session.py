@@ -22,12 +22,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from colibri.atomic import atomic_write
+from colibri.container import ContainerCheckpoint
 from colibri.errors import InputError
 from colibri.io import align_up
 
 if TYPE_CHECKING:
-    from colibri.kv import KVCache
-    from colibri.model import Model
+    from colibri.kv import KVCache, KVLayout
+    from colibri.loaders.checkpoint import Checkpoint
+    from colibri.prefix import KVSpace
 
 MAGIC = b"COLIBRI-KV-SESSION\n"
 VERSION = 1
@@ -85,14 +88,13 @@ class SessionLock:
         self.release()
 
 
-def model_identity(model: "Model") -> str:
+def model_identity(ckpt: "Checkpoint") -> str:
     """What the KV values depend on in the weights: a container's fingerprint and page checksums; for a GGUF
     file or an HF directory, the file names, sizes and a checksum of their first and last MiB."""
-    ckpt = model.checkpoint
-    if hasattr(ckpt, "manifest"):
+    if isinstance(ckpt, ContainerCheckpoint):
         from colibri.streaming import ExpertUsage
         return "container:" + ExpertUsage.identity_of(ckpt)
-    path = model.path
+    path = ckpt.path
     files = [path] if path.is_file() else sorted(p for p in path.iterdir()
                                                 if p.suffix in (".safetensors", ".json", ".gguf"))
     crc = 0
@@ -106,9 +108,9 @@ def model_identity(model: "Model") -> str:
     return f"{'gguf' if path.is_file() else 'hf'}:{crc:08x}"
 
 
-def identity(model: "Model") -> dict:
-    return {"model": model_identity(model), "architecture": model.args.model_type,
-            **model.kv.layout.identity()}
+def identity(ckpt: "Checkpoint", model_type: str, layout: "KVLayout") -> dict:
+    """Everything a saved sequence's KV depends on: the weights, the architecture and the KV layout."""
+    return {"model": model_identity(ckpt), "architecture": model_type, **layout.identity()}
 
 
 def _header(head: dict) -> bytes:
@@ -116,21 +118,20 @@ def _header(head: dict) -> bytes:
     return raw.ljust(align_up(len(raw) + 1), b"\0")
 
 
-def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messages: list[dict] | None = None) -> Path:
+def save(path: str | os.PathLike, ident: dict, lay: "KVLayout", cache: "KVCache | None",
+         messages: list[dict] | None = None) -> Path:
     """Write `cache` (None: an empty conversation) and `messages` to `path` atomically, one block at a time (the
-    checksums are fixed-width hex, so the header is written last, in place)."""
+    checksums are fixed-width hex, so the header is written last, in place); `ident`: `identity(...)`."""
     path = Path(path)
-    lay = model.kv.layout
     length = cache.length if cache is not None else 0
     nblocks = -(-length // lay.block)
-    head = {"version": VERSION, "identity": identity(model), "length": length,
+    head = {"version": VERSION, "identity": ident, "length": length,
             "ids": cache.ids[:length] if cache is not None else [], "messages": messages or [],
             "block_bytes": lay.block_bytes, "crc32": ["0" * 8] * nblocks}
     size = len(_header(head))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as f:
             f.seek(size)
             buf = torch.empty(lay.block_bytes, dtype=torch.uint8)
             for b in range(nblocks):
@@ -139,20 +140,8 @@ def save(path: str | os.PathLike, model: "Model", cache: "KVCache | None", messa
                 f.write(memoryview(data))
             f.seek(0)
             f.write(_header(head))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException as e:  # a failed or interrupted save leaves the previous file and no temporary one
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") \
-                from None
-        raise
+    except OSError as e:  # a failed or interrupted save leaves the previous file and no temporary one
+        raise InputError(f"cannot save the conversation to {path}: {e.strerror}; check the --kv-dir disk") from None
     return path
 
 
@@ -175,8 +164,9 @@ def _read_header(f, path: Path) -> tuple[dict, int]:
     return head, align_up(len(MAGIC) + end + 1) if end >= 0 else os.fstat(f.fileno()).st_size
 
 
-def load(path: str | os.PathLike, model: "Model") -> tuple["KVCache", list[dict]]:
-    """The saved sequence as a new cache of `model`, and the saved messages."""
+def load(path: str | os.PathLike, ident: dict, kv: "KVSpace") -> tuple["KVCache", list[dict]]:
+    """The saved sequence as a new cache of the KV space `kv`, and the saved messages; refused unless it was
+    saved with this `ident` (`identity(...)`)."""
     path = Path(path)
     with open(path, "rb") as f:
         head, start = _read_header(f, path)
@@ -184,19 +174,19 @@ def load(path: str | os.PathLike, model: "Model") -> tuple["KVCache", list[dict]
         if version != VERSION:
             raise InputError(f"{path}: conversation format version {version} is not supported (this Colibri "
                              f"reads {VERSION}); remove the file to start over")
-        want, got = identity(model), head.get("identity", {})
+        want, got = ident, head.get("identity", {})
         diff = [k for k in want if want[k] != got.get(k)]
         if diff:
             what = ", ".join(f"{k} {got.get(k)!r} (this run: {want[k]!r})" for k in diff)
             raise InputError(f"{path} was saved for another model or setting: {what}; it cannot be used here; "
                              "choose another --session or remove the file")
-        lay = model.kv.layout
+        lay = kv.layout
         crcs, length, ids = head["crc32"], head["length"], head["ids"]
         if (os.fstat(f.fileno()).st_size != start + len(crcs) * lay.block_bytes or len(ids) != length
                 or len(crcs) != -(-length // lay.block)):
             raise InputError(f"{path} is truncated or damaged (size does not match its header); remove it to "
                              "start over")
-        cache = model.kv.new_cache()
+        cache = kv.new_cache()
         raw = bytearray(lay.block_bytes)
         block = torch.frombuffer(raw, dtype=torch.uint8)
         f.seek(start)

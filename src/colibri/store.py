@@ -15,10 +15,6 @@ import torch
 from colibri.errors import ModelLoadError
 
 
-def nbytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
-
-
 class WeightStore(Protocol):
     def get(self, name: str) -> torch.Tensor:
         """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
@@ -64,8 +60,7 @@ class RamStore:
         self.dtype = dtype
 
     @classmethod
-    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype,
-             progress: Callable[[int], None] | None = None) -> "RamStore":
+    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> "RamStore":
         tensors = {}
         for name in names:
             t = read(name)
@@ -73,8 +68,6 @@ class RamStore:
                 tensors[name] = t.to(dtype) if t.is_floating_point() else t
             else:  # a quantized weight: stays packed, computes in the activations' dtype
                 tensors[name] = t
-            if progress:
-                progress(nbytes(t))
         return cls(tensors, dtype)
 
     def get(self, name: str) -> torch.Tensor:
@@ -112,9 +105,6 @@ class RamStore:
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         pass
-
-    def nbytes(self) -> int:
-        return sum(nbytes(t) for t in self.tensors.values())
 
     def close(self) -> None:
         self.tensors = {}

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from colibri.atomic import atomic_write
 from colibri.errors import InputError, StorageError
 from colibri.io import ALIGN, DEMAND, AlignedBuffer, Reader, align_up
 
@@ -59,19 +60,12 @@ def create(path: str | os.PathLike, size: int, keep_free: int = DISK_RESERVE) ->
     if size + keep_free > free:
         raise InputError(f"not enough disk space for a {_fmt(size)} swap file at {path.parent}: {_fmt(free)} free "
                          f"and {_fmt(keep_free)} kept in reserve; free space or choose a smaller --size")
-    tmp = path.with_name(path.name + f".partial-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
+        with atomic_write(path, perms=0o600) as f:
+            os.posix_fallocate(f.fileno(), 0, size)
             head = MAGIC + json.dumps({"version": VERSION, "size": size, "id": uuid.uuid4().hex}).encode()
-            os.pwrite(fd, head.ljust(HEADER, b"\0"), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            f.write(head.ljust(HEADER, b"\0"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         if e.errno == errno.ENOSPC:
             raise InputError(f"the disk at {path.parent} ran out of space while allocating {_fmt(size)}; "
                              "free space or choose a smaller --size") from None
@@ -227,8 +221,8 @@ class SwapFile:
         directory.mkdir(parents=True, exist_ok=True)
         sweep(directory)  # before the free-space check: leftovers of dead processes count as free
         path = directory / f"kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
-        create(path, HEADER + size, keep_free=DISK_RESERVE)
-        try:
+        try:  # a signal landing after create's rename, before the file has an owner, must not leave it behind
+            create(path, HEADER + size, keep_free=DISK_RESERVE)
             return cls(path, layers, seg_bytes, io_threads, temporary=True)
         except BaseException:
             path.unlink(missing_ok=True)

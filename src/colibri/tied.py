@@ -23,7 +23,7 @@ def tied_table_source(ckpt) -> str | None:
     """For a GGUF checkpoint holding both tables as quantizations of one matrix: the name of the finer one.
     None when the checkpoint has one table, or two different ones."""
     names = set(ckpt.tensor_names())
-    if not hasattr(ckpt, "raw_tensor") or HEAD not in names or EMBED not in names:
+    if ckpt.format != "gguf" or HEAD not in names or EMBED not in names:
         return None
     if tuple(ckpt.tensor_shape(HEAD)) != tuple(ckpt.tensor_shape(EMBED)):
         return None

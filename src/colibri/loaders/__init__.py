@@ -1,2 +1,3 @@
-"""Checkpoint readers. Each exposes: config (HF-style dict), tensor_names(), tensor_shape(name), load(name),
-and the tokenizer pieces (tokenizer, chat_template, special). Tensors come back under HF names and layouts."""
+"""Checkpoint readers: `checkpoint.Checkpoint` is the surface every reader offers (config, tensors under HF names
+and layouts, tokenizer pieces) and `checkpoint.open_checkpoint` picks the reader a path needs: `hf` (an HF
+directory of safetensors), `gguf` (a .gguf file, dequantized), or the Colibri container (colibri.container)."""

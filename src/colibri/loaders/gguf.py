@@ -100,7 +100,10 @@ class _Source:
 
 
 class GGUFCheckpoint:
-    """A GGUF file opened lazily: metadata parsed, tensors read and dequantized on `load`."""
+    """A GGUF file opened lazily (loaders.checkpoint.Checkpoint): metadata parsed, tensors read and dequantized
+    on `load`; `raw_tensor` gives the stored blocks."""
+
+    format = "gguf"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -141,6 +144,10 @@ class GGUFCheckpoint:
     def tensor_dtype(self, name: str) -> str:
         """Storage type as GGUF names it (Q4_1, Q6_K, F32, ...)."""
         return self._tensors[self._source(name).gguf_name].tensor_type.name
+
+    def default_dtype(self) -> torch.dtype:
+        """f32: every tensor is dequantized to f32 at load."""
+        return torch.float32
 
     def load(self, name: str) -> torch.Tensor:
         """Tensor `name` (HF naming and layout) as a new float32 tensor."""

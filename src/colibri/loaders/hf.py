@@ -48,6 +48,10 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 class HFCheckpoint:
+    """An HF model directory (loaders.checkpoint.Checkpoint): config.json, safetensors, tokenizer files."""
+
+    format = "huggingface"
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg_path = self.path / "config.json"
@@ -91,6 +95,11 @@ class HFCheckpoint:
 
     def tensor_dtype(self, name: str) -> str:
         return self._index[name][1]["dtype"]
+
+    def default_dtype(self) -> torch.dtype:
+        """bf16 for weights stored in bf16/f16 (memory as on disk), else f32."""
+        name = self.config.get("torch_dtype") or self.config.get("dtype")
+        return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
     def load(self, name: str) -> torch.Tensor:
         if name not in self._index:

@@ -1,0 +1,61 @@
+"""The `colibri` command on a tiny MoE container given a word-level tokenizer: what `run` and `chat` leave
+behind once they return (closing the model saves the expert usage it learned)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import colibri.model
+import colibri.models
+from colibri import cli
+from colibri import convert as conv
+
+WORDS = [f"w{i}" for i in range(300)]
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+
+
+@pytest.fixture(scope="module")
+def moe_container(tiny_model_dir, tmp_path_factory):
+    """qwen3_moe with a tokenizer (ids below the tiny vocabulary) and a chat template, as a q4 container."""
+    root = tmp_path_factory.mktemp("cli_tiny")
+    src = root / "src"
+    shutil.copytree(tiny_model_dir("qwen3_moe"), src)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    out = root / "c"
+    conv.convert(src, out, conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1))
+    return out
+
+
+def streaming_limit(path) -> str:
+    """Every dense page pinned, room for a few experts: the rest stream, so the store learns usage."""
+    ckpt = colibri.models.open_model(path)[0]
+    pages = ckpt.pages
+    ckpt.close()
+    dense = sum(p.nbytes for p in pages if p.kind != "expert")
+    expert = max(p.nbytes for p in pages if p.kind == "expert")
+    _, reserve, _ = colibri.model.plan(path, None)
+    return str(reserve.total + dense + 4 * expert)
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_a_short_run_saves_expert_usage(moe_container, tmp_path, command, monkeypatch, capsys):
+    path = tmp_path / "c"
+    shutil.copytree(moe_container, path)
+    (path / "usage.json").unlink(missing_ok=True)
+    options = ["--model", str(path), "--memory-limit", streaming_limit(path), "--max-tokens", "3"]
+    if command == "run":
+        argv = ["run", "--raw", "--prompt", "w5 w6 w7 w8", *options]
+    else:
+        argv = ["chat", *options]
+        monkeypatch.setattr("sys.stdin", io.StringIO("w5 w6 w7\n"))
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    usage = json.loads((path / "usage.json").read_text())  # written when the command closed the model
+    assert sum(map(sum, usage["counts"])) > 0
