@@ -20,7 +20,7 @@ if real_models.smollm2_gguf() is None:
 
 @pytest.fixture(scope="module")
 def container():
-    from colibri.defaults import default_container
+    from colibri.convert import default_container
     return str(default_container())
 
 

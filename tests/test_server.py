@@ -36,7 +36,7 @@ def streaming_limit(path) -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    from colibri.defaults import default_container
+    from colibri.convert import default_container
     path = default_container()
     s = Server(["--model", str(path), "--model-name", "smollm2", "--memory-limit", str(streaming_limit(path)),
                 "--max-sequences", "8", "--max-queue", "2", "--threads", "1"],
@@ -75,7 +75,7 @@ def test_models_list_and_api_key(server):
 
 
 def test_chat_greedy_equals_colibri_run_streamed_or_not(server):
-    from colibri.defaults import default_container
+    from colibri.convert import default_container
     run = subprocess.run(colibri_cmd() + ["run", "--model", str(default_container()), "--prompt", QUESTION,
                                           "--max-tokens", "16", "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
