@@ -12,7 +12,7 @@ from colibri import convert as conv
 from colibri.errors import InputError, StorageError
 import torch
 
-from colibri import streaming
+from colibri import placement
 from colibri.streaming import PageState
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
@@ -139,7 +139,7 @@ def bf16_containers(tiny_model_dir, tmp_path_factory):
                                          ("gemma3", "bf16"), ("llama", "bf16")])
 def test_tables_read_by_rows_and_blocks(containers, bf16_containers, monkeypatch, family, kind):
     """Embedding lookups read only their rows and the head streams its rows in blocks: same tokens, same logits."""
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)  # tiny tables: force several blocks
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # tiny tables: force several blocks
     path = (containers if kind == "q4" else bf16_containers)(family)
     ref = colibri.load(path, batch_size=1)  # same pass shapes: bf16 results depend on them
     want_ids = ref.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids

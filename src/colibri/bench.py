@@ -46,7 +46,7 @@ from colibri.metrics import GenerationMetrics
 from colibri.models.base import Batch, rms_norm, rope_cos_sin
 from colibri.ops import linear
 from colibri.store import RamStore
-from colibri.streaming import block_rows, fmt_bytes, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
+from colibri.placement import block_rows, fmt_bytes, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
 
 KINDS = ("embedding", "attention", "ffn", "expert", "shared_expert", "head")
 PROBE_PASSES = 20  # single-token passes timed per layer shape

@@ -174,12 +174,18 @@ def reserve(args, ctx: int, batch: int, dtype: torch.dtype, kv: KVPlan | None = 
     quantized weights keep (quant.SCRATCH_BYTES)."""
     if int(batch) < 1:
         raise InputError(f"--batch-size must be at least 1 (got {batch})")
-    from colibri.quant import SCRATCH_BYTES
     kv = kv or kv_plan(args, ctx, dtype, None)
     held = kv.ram_bytes - (0 if limited else kv.prefix_ram)
-    scratch = SCRATCH_BYTES if quantized else 0
     T = min(batch, ctx)
-    return Reserve(ctx, batch, held, activation_bytes(args, T, ctx, dtype, min(T, sequences)) + scratch)
+    return Reserve(ctx, batch, held, pass_bytes(args, dtype, quantized, T, ctx, min(T, sequences)))
+
+
+def pass_bytes(args, dtype: torch.dtype, quantized: bool, tokens: int, ctx: int, rows: int) -> int:
+    """What one pass needs besides the weights and the KV cache: its activations, and the dequantize scratch
+    quantized weights keep (quant.SCRATCH_BYTES). The reserve holds it for the largest pass; the elastic budget
+    asks it of each pass run."""
+    from colibri.quant import SCRATCH_BYTES
+    return activation_bytes(args, tokens, ctx, dtype, rows) + (SCRATCH_BYTES if quantized else 0)
 
 
 @dataclass

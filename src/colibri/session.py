@@ -90,7 +90,7 @@ def model_identity(model: "Model") -> str:
     file or an HF directory, the file names, sizes and a checksum of their first and last MiB."""
     ckpt = model.checkpoint
     if hasattr(ckpt, "manifest"):
-        from colibri.streaming import ExpertUsage
+        from colibri.usage import ExpertUsage
         return "container:" + ExpertUsage.identity_of(ckpt)
     path = model.path
     files = [path] if path.is_file() else sorted(p for p in path.iterdir()
