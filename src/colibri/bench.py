@@ -753,6 +753,8 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
     m = load(path, memory_limit=memory_limit, dtype=dtype, io_threads=io_threads, prefetch_depth=prefetch_depth,
              ctx_length=ctx_length, batch_size=batch_size)
     load_s = time.perf_counter() - t0
+    if hasattr(m.store, "hold"):
+        m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
     try:
         # a model without a tokenizer (test models) gets fixed token ids unless given a prompt
         ids = m.prompt_ids(prompt or (PROMPT if m.tokenizer else PROMPT_IDS))

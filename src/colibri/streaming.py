@@ -202,6 +202,12 @@ class StreamingStore:
         """Pinned page bytes now: the placement's and the elastic pins'."""
         return self.placement.pinned_bytes + sum(self.pages[pid]["nbytes"] for pid in self._extra)
 
+    def streamed_bytes(self) -> int:
+        """What a dense pass reads of whole-read pages now (the placement's figure, less the elastic pins)."""
+        tied = self.args.tie_word_embeddings
+        return sum(self.pages[pid]["nbytes"] * len(scopes_of(self.pages[pid], self.num_layers, tied))
+                   for pid in self._streamed)
+
     def weight_bytes(self) -> int:
         """What the weights hold now against the budget: pinned pages with what they derive, and the staging."""
         return self._fixed + self._extra_bytes
@@ -229,11 +235,22 @@ class StreamingStore:
                 self._unstream(pid)
                 try:
                     self._extra[pid] = self._pin_page(pid)
+                except StorageError:  # a pin only saves reads: the page streams, and a pass needing it reports
+                    self.state[pid] = PageState.ON_DISK
+                    self._restream(pid)
+                    return
                 except BaseException:
+                    self.state[pid] = PageState.ON_DISK
                     self._restream(pid)
                     raise
                 self._extra_bytes += self._cost[pid]
                 self.pins += 1
+
+    def hold(self) -> None:
+        """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
+        while self._extra:
+            self._unpin(next(reversed(self._extra)))
+        self._candidates = []
 
     def _unpin(self, pid: int) -> None:
         del self._extra[pid]  # with the tensors built over it, the buffer is unmapped
