@@ -136,6 +136,7 @@ def test_a_truncated_file_is_refused(good, tmp_path, seed, capsys):
 def test_read_errors_at_random_reads_fail_one_request(good, reference, seed):
     rng = random.Random(300 + seed)
     with colibri.load(good, memory_limit=limit_of(good), prefetch_depth=rng.randrange(3)) as m:
+        m.store.hold()  # the placement's own pins: the rest streams, through the faulty reads
         streamed = m.store.placement.streamed
         page = m.checkpoint.pages[rng.choice(streamed)]
         at = page["offset"] + rng.randrange(page["nbytes"]) // 4096 * 4096

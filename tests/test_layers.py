@@ -170,7 +170,7 @@ LAYERS = [
     ["quant", "quantfit"],
     ["container"],
     ["loaders", "loaders.checkpoint", "loaders.hf", "loaders.gguf", "gguf_tokenizer"],
-    ["io", "store", "streaming"],
+    ["placement", "usage", "io", "store", "streaming"],
     ["models", "models.base", "models.*"],
     ["convert", "calibrate", "mixed", "tied"],
     ["kv", "prefix", "swap", "session"],
@@ -178,6 +178,7 @@ LAYERS = [
     ["engine", "engine.*", "generate", "sampling", "tokenizer"],
     ["model"],
     ["perf", "perf.*"],
+    ["server", "server.*", "batch"],
     ["cli", "evaluate"],
 ]
 

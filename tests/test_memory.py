@@ -65,6 +65,25 @@ print(json.dumps({"tokens": [r.token_ids for r in reqs], "errors": [repr(r.error
 """
 
 
+# A conversation that grows turn by turn: the elastic budget pins weight pages while the KV cache is small and
+# unpins them (they stream again) as it grows, within the same limit
+CHILD_ELASTIC = r"""
+import json, sys, colibri
+from colibri.metrics import peak_rss_bytes
+path, limit, ctx, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+m = colibri.load(path, memory_limit=None if limit == "none" else int(limit), ctx_length=ctx, batch_size=batch)
+ids, turns = list(range(100, 116)), []
+for turn in range(4):
+    out = m.generate(ids, max_tokens=n, ignore_eos=True)
+    st = m.stats()
+    turns.append({"tokens": out.token_ids, "pinned": st.get("pinned_bytes", 0), "kv": m.kv.ram_bytes(),
+                  "read": st.get("bytes_read", 0)})
+    ids = ids + out.token_ids + list(range(300 + 110 * turn, 410 + 110 * turn))
+floor = m.store.placement.pinned_bytes if hasattr(m.store, "placement") else 0
+print(json.dumps({"turns": turns, "baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "floor": floor}))
+"""
+
+
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
     root = tmp_path_factory.mktemp("memory")
@@ -138,3 +157,17 @@ def test_sixteen_sequences_stay_within_the_limit(container):
     # wait or are preempted to the swap file, none fails
     assert got["most_running"] >= 4
     assert got["peak"] <= 1.05 * (got["baseline"] + limit), (got["peak"], got["baseline"], limit)
+
+
+def test_elastic_budget_trades_pinned_weights_for_kv_as_a_conversation_grows(container):
+    ref = run_child(container, "none", CHILD_ELASTIC, tokens=8)
+    limit = sum(p.stat().st_size for p in container.glob("data-*.bin")) // 4
+    got = run_child(container, limit, CHILD_ELASTIC, tokens=8)
+    assert [t["tokens"] for t in got["turns"]] == [t["tokens"] for t in ref["turns"]]  # tokens never change
+    pinned, kv = [t["pinned"] for t in got["turns"]], [t["kv"] for t in got["turns"]]
+    # a short prompt pins more than the placement sized for the whole context; as the KV cache grows the pins fall
+    assert pinned[0] > got["floor"] and pinned[-1] < pinned[0], (pinned, got["floor"])
+    # (the KV ring grows by doubling up to the context: its RAM steps up, then stays)
+    assert all(a >= b for a, b in zip(pinned, pinned[1:])) and all(a <= b for a, b in zip(kv, kv[1:])), (pinned, kv)
+    assert kv[-1] > kv[0]
+    assert got["peak"] <= 1.05 * (got["baseline"] + limit), (got["peak"] - got["baseline"], limit)  # as above

@@ -10,8 +10,8 @@ import torch
 import colibri
 import tiny_models
 from colibri import convert as conv
-from colibri import streaming
-from colibri.models import open_model
+from colibri import placement
+from colibri.model import open_model
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 EMBED = "model.embed_tokens.weight"
@@ -64,8 +64,8 @@ def test_tied_table_is_stored_once(tied_pair):
 def test_tied_logits_equal_untied_storage(tied_pair, monkeypatch, dtype):
     """Resident and streamed (rows for the lookup, row blocks for the head), tied storage computes the same
     logits as the table stored twice."""
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)  # tiny tables: several head blocks...
-    monkeypatch.setattr(streaming, "HEAD_BUFFERS", 1)  # ...through buffers smaller than the 16 KiB table
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # tiny tables: several head blocks...
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)  # ...through buffers smaller than the 16 KiB table
     tied, untied = tied_pair
     want = colibri.load(untied, dtype=dtype, batch_size=1).logits(PROMPT)
     for path in (tied, untied):
@@ -78,8 +78,8 @@ def test_tied_logits_equal_untied_storage(tied_pair, monkeypatch, dtype):
 
 
 def test_q4_row_lookup_equals_dequantize_then_index(tied_pair, monkeypatch):
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)
-    monkeypatch.setattr(streaming, "HEAD_BUFFERS", 1)
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
     tied, _ = tied_pair
     table = colibri.load(tied, dtype="float32").store.get(EMBED)
     assert table.kind.name == "q4"

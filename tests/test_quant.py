@@ -221,9 +221,9 @@ def test_quantize_in_row_chunks_is_identical(monkeypatch, kind, group_size):
 @pytest.mark.parametrize("kind,group_size", [("q4", 32), ("q8", 0), ("q8", 32)])
 def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
     """After f32 and bf16 passes of every size (kernel and dequantize paths), a weight with f32-stored scales
-    keeps at most a bf16 copy of its scales for the decode kernels, which streaming.resident_extra charges to
+    keeps at most a bf16 copy of its scales for the decode kernels, which placement.resident_extra charges to
     its page; no f32 copies stay behind (they cost the q4 bytes a third again, outside the budget)."""
-    from colibri.streaming import resident_extra
+    from colibri.placement import resident_extra
     w = quantize(_randn(192, 256), kind, group_size)
     name = "scales_zeros" if kind == "q4" else "scales"
     bufs = w.buffers()

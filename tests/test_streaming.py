@@ -12,7 +12,7 @@ from colibri import convert as conv
 from colibri.errors import InputError, StorageError
 import torch
 
-from colibri import streaming
+from colibri import placement
 from colibri.streaming import PageState
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
@@ -58,6 +58,10 @@ def test_placement_never_changes_tokens(containers, family):
     for limit, io_threads, depth in configs:
         m = colibri.load(path, memory_limit=limit, io_threads=io_threads, prefetch_depth=depth)
         assert m.store.placement.streamed, "the limit must force streaming"
+        got = m.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids  # with the elastic pins
+        assert got == ref, (limit, io_threads, depth)
+        m.store.hold()  # the placement's own pins: the rest streams on every token
+        m.kv.clear()
         got = m.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids
         assert got == ref, (limit, io_threads, depth)
         assert m.store.stats.bytes_read > size  # streamed pages were read again on later tokens
@@ -67,6 +71,8 @@ def test_placement_never_changes_tokens(containers, family):
 def test_dense_sweep_reads_exactly_the_streamed_bytes(containers):
     m = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25),
                      prefetch_depth=0)
+    m.store.hold()  # the placement's own pins (the elastic ones are read at load and vary with the KV cache)
+    m.store.stats.bytes_read = m.store.placement.pinned_bytes  # as if only those had been read
     p = m.store.placement
     start = m.store.stats.bytes_read  # the pinned pages
     assert start == p.pinned_bytes
@@ -107,6 +113,7 @@ def test_read_error_names_page_and_file_and_engine_recovers(containers):
     path = containers("qwen3_moe")
     ref = colibri.load(path).generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
     m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)
+    m.store.hold()  # the placement's own pins: the rest streams, through the faulty reads
     streamed = m.store.placement.streamed[0]
     page = m.checkpoint.pages[streamed]
     m.store.reader.inject_error(page["file"], page["offset"])
@@ -139,7 +146,7 @@ def bf16_containers(tiny_model_dir, tmp_path_factory):
                                          ("gemma3", "bf16"), ("llama", "bf16")])
 def test_tables_read_by_rows_and_blocks(containers, bf16_containers, monkeypatch, family, kind):
     """Embedding lookups read only their rows and the head streams its rows in blocks: same tokens, same logits."""
-    monkeypatch.setattr(streaming, "BLOCK_BYTES", 4096)  # tiny tables: force several blocks
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # tiny tables: force several blocks
     path = (containers if kind == "q4" else bf16_containers)(family)
     ref = colibri.load(path, batch_size=1)  # same pass shapes: bf16 results depend on them
     want_ids = ref.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids

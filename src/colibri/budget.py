@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from dataclasses import dataclass
 
 import torch
 
 from colibri.config import DEFAULT_BATCH, EngineConfig  # noqa: F401 - DEFAULT_BATCH re-exported
 from colibri.errors import InputError
+from colibri.metrics import rss_bytes  # noqa: F401 - budget.rss_bytes, where callers measure the baseline
 
 LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front...
 KV_SHARE = 0.25  # ...and halved (down to MIN_CTX) while that KV cache would take more of the limit than this
 MIN_CTX = 256
-# Allocator slack on top of the activation estimate: temporaries of the quantized kernels and glibc's own.
+# Allocator slack on top of the activation estimate: temporaries of the quantized kernels and glibc's own...
 SLACK = 1.25
+PASS_FIXED = 4 << 20  # ...and what any pass touches besides its tensors (kernel threads' scratch, heap growth)
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -41,27 +42,29 @@ def kv_bytes(args, ctx: int, dtype: torch.dtype, quant: str | None = None) -> in
     return kv_layout(args, dtype, quant).token_bytes * ctx
 
 
-def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype) -> int:
-    """Peak of one forward pass over `batch` tokens attending to `ctx` positions (the largest moment: one layer's
-    attention or FFN, with the residual stream alive), with allocator slack."""
+def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype, rows: int = 1) -> int:
+    """Peak of one forward pass over `batch` tokens attending to `ctx` positions, `rows` of them getting logits
+    (the largest moment: one layer's attention and FFN, or the head, with the residual stream alive), with
+    allocator slack. The terms are the tensors the pass allocates (models.base, ops, the kernels); the KV cache
+    and its assembly scratch are the KV plan's."""
     b = element_size(dtype)
     T, S, d = batch, ctx, args.hidden_size
     H, Hkv, Dh = args.num_heads, args.num_kv_heads, args.head_dim
-    residual = 4 * T * d * b  # x, the normed input, the branch output, the sum
-    qkv = 2 * T * (H + 2 * Hkv) * Dh * b  # projections and their roped/transposed copies
-    # models.base.attend: f32 copies of K and V (none when the cache is f32); the f32 query, its per-chunk grouped
-    # copy and the f32 output; f32 scores and probabilities of one query chunk; the mask and its negation; the
-    # output cast back
-    from colibri.models.base import attention_chunk
-    kv32 = 2 * Hkv * S * Dh * 4 if b < 4 else 0
-    attn = kv32 + 3 * T * H * Dh * 4 + 2 * H * min(T, attention_chunk(H, S)) * S * 4 + 2 * T * S + T * H * Dh * b
+    residual = 5 * T * d * b  # the embedded rows, x, the normed input, the branch output, the sum
+    qkv = T * (H + 2 * Hkv) * Dh * b
+    rope = 3 * T * (H + Hkv) * Dh * b  # apply_rope's rotated copy and two products beside q and k
+    # ops.attend: the output [H, T, Dh] (empty_like q), the kernel's f32 result and its cast, the transposed copy
+    # for o_proj; the torch fallback adds an f32 query and one query's f32 copies of its visible keys and values
+    attn = T * H * Dh * (3 * b + 4) + T * H * Dh * 4 + 2 * Hkv * S * Dh * 4
     inter = max(args.intermediate_size if not all(args.moe_layers) else 0,
                 (args.moe_intermediate_size or 0) + (args.shared_expert_intermediate_size or 0))
-    # routed experts' outputs are kept until summed in expert order: T x top_k rows
-    ffn = 3 * T * inter * b + (T * args.num_experts * 4 * 3 + T * args.top_k * d * b if args.num_experts else 0)
-    # logits of the last position (generation); `Model.logits()` returns [T, V] on top of the budget
-    head = 2 * args.vocab_size * 4 + T * d * b
-    return int(SLACK * (residual + max(qkv + attn, ffn, head)))
+    # gate, up, act(gate) and the product; routed experts' outputs are kept until summed in expert order
+    ffn = 4 * T * inter * b + (T * args.num_experts * 4 * 3 + T * args.top_k * d * b if args.num_experts else 0)
+    # the head's rows: its output blocks, their concatenation and the f32 logits the sampler reads
+    head = rows * args.vocab_size * (2 * b + 4) + rows * d * b
+    # attention's and the FFN's temporaries are counted together: the small ones freed after attention stay in
+    # the heap while the FFN allocates (measured on SmolLM2: a layer peaks above either alone)
+    return int(SLACK * (residual + max(qkv + rope + attn + ffn, head))) + PASS_FIXED
 
 
 def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch.dtype,
@@ -165,16 +168,24 @@ class Reserve:
 
 
 def reserve(args, ctx: int, batch: int, dtype: torch.dtype, kv: KVPlan | None = None,
-            limited: bool = True, quantized: bool = False) -> Reserve:
+            limited: bool = True, quantized: bool = False, sequences: int = 1) -> Reserve:
     """The KV plan's RAM (without a limit, the prefix cache's default share is not a reservation) and the
-    activations of one pass, plus the dequantize scratch quantized weights keep (quant.SCRATCH_BYTES)."""
+    activations of one pass of `batch` tokens with logits for one row per sequence, plus the dequantize scratch
+    quantized weights keep (quant.SCRATCH_BYTES)."""
     if int(batch) < 1:
         raise InputError(f"--batch-size must be at least 1 (got {batch})")
-    from colibri.quant import SCRATCH_BYTES
     kv = kv or kv_plan(args, ctx, dtype, None)
     held = kv.ram_bytes - (0 if limited else kv.prefix_ram)
-    scratch = SCRATCH_BYTES if quantized else 0
-    return Reserve(ctx, batch, held, activation_bytes(args, min(batch, ctx), ctx, dtype) + scratch)
+    T = min(batch, ctx)
+    return Reserve(ctx, batch, held, pass_bytes(args, dtype, quantized, T, ctx, min(T, sequences)))
+
+
+def pass_bytes(args, dtype: torch.dtype, quantized: bool, tokens: int, ctx: int, rows: int) -> int:
+    """What one pass needs besides the weights and the KV cache: its activations, and the dequantize scratch
+    quantized weights keep (quant.SCRATCH_BYTES). The reserve holds it for the largest pass; the elastic budget
+    asks it of each pass run."""
+    from colibri.quant import SCRATCH_BYTES
+    return activation_bytes(args, tokens, ctx, dtype, rows) + (SCRATCH_BYTES if quantized else 0)
 
 
 @dataclass
@@ -189,12 +200,12 @@ class Settings:
 def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = False,
              floor: int | None = None) -> Settings:
     """Resolve a config's memory settings for a model: limit, context, KV plan and reserve. `floor`: the weights'
-    minimum working set under a limit (streaming.minimum_staging); given, a limit is accepted iff reserve + floor
+    minimum working set under a limit (placement.minimum_staging); given, a limit is accepted iff reserve + floor
     fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
     found with the same test."""
     limit, ram = config.limit_bytes, config.kv_ram_bytes
     options = (args, dtype, config.ctx_length, config.batch_size, ram, config.kv_quant, config.kv_block, quantized,
-               floor)
+               config.max_sequences, floor)
     conf = _resolve(limit, *options)
     if limit is not None and floor is not None and not _accepted(conf, floor):
         least = minimum_limit(options, limit)
@@ -212,7 +223,7 @@ def _accepted(conf: Settings, floor: int) -> bool:
     return conf.limit >= conf.reserve.total + floor
 
 
-def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized,
+def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized, sequences,
              floor) -> Settings:
     """The settings a limit gets. The automatic context (none asked for, under a limit) is the largest of
     LIMITED_CTX, halved down to MIN_CTX, whose KV cache is at most KV_SHARE of the limit and whose reserve fits
@@ -224,11 +235,11 @@ def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, k
         while ladder[-1] > MIN_CTX:
             ladder.append(ladder[-1] // 2)
     for i, ctx in enumerate(ladder):
-        act = reserve(args, ctx, batch, dtype, None, limit is not None, quantized).activation_bytes
+        act = reserve(args, ctx, batch, dtype, None, limit is not None, quantized, sequences).activation_bytes
         spare = None if limit is None or floor is None else limit - floor - act
         kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None,
                      spare=spare)
-        conf = Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized))
+        conf = Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized, sequences))
         last = i == len(ladder) - 1
         if last or (kv_bytes(args, ctx, dtype, kv_quant) <= KV_SHARE * limit
                     and (floor is None or _accepted(conf, floor))):
@@ -257,15 +268,6 @@ def minimum_limit(options: tuple, upper: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process (Linux; 0 where /proc is absent)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def warm_up(dtype: torch.dtype) -> None:

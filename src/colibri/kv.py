@@ -179,12 +179,16 @@ class KVCache:
             base, extra = self._out[0], 0
             cap = self._cap_for(self.window if base else min(self.window, align_up(self.length, lay.block)), 0)
         held = self.length + tokens - base
-        cap = self._cap_for(min(self.window, held), cap)
+        grown = self._cap_for(min(self.window, held), cap)
+        if grown > cap and cap:
+            extra += cap * lay.token_bytes // lay.num_layers // 2  # while one layer's K (or V) is copied over
         if held > self.window and self._scratch is None:
-            # spilling starts: attention then assembles each layer's K/V in a scratch for the whole context
-            extra += 2 * lay.num_kv_heads * align_up(self.max_length, lay.block) * lay.head_dim * \
-                torch.empty((), dtype=lay.dtype).element_size()
-        return cap * lay.token_bytes + extra
+            # spilling starts: attention then assembles each layer's K/V in a scratch for the whole context and
+            # reads the blocks on disk through two buffers; blocks leave through a write buffer
+            full = align_up(self.max_length, lay.block)
+            extra += 2 * lay.num_kv_heads * full * lay.head_dim * torch.empty((), dtype=lay.dtype).element_size()
+            extra += 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes
+        return grown * lay.token_bytes + extra
 
     def _ensure_cap(self, need: int) -> None:
         if self.cap >= need:

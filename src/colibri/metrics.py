@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 from dataclasses import dataclass, field
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def peak_rss_bytes() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from pathlib import Path
@@ -42,7 +43,7 @@ def weights_floor(ckpt: Checkpoint, args, memory_limit, batch: int) -> int | Non
     nothing streams)."""
     if memory_limit is None or not isinstance(ckpt, ContainerCheckpoint):
         return None
-    from colibri.streaming import minimum_staging
+    from colibri.placement import minimum_staging
     return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
 
 
@@ -97,6 +98,8 @@ def describe(path: str | Path) -> dict[str, str]:
 class Model:
     """One loaded checkpoint: its weight store, KV space and the engine that runs every request on them."""
 
+    pass_bytes = None  # under a memory limit: (tokens, ctx, logit rows) -> bytes a pass needs besides weights and KV
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.closed = False
@@ -141,10 +144,15 @@ class Model:
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size,
                                         lookahead=config.lookahead)
+            # the elastic budget: what each pass needs beside the weights, so the store pins what the KV pool
+            # and that pass leave of the limit
+            self.pass_bytes = functools.partial(budget.pass_bytes, self.args, self.dtype, quantized(ckpt))
+            self.store.baseline = self.baseline_rss_bytes
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
         self.engine = Engine(self)
+        self.engine.make_room(0, 1, 1, 1)  # pin what a short pass leaves of the limit, before the first request
 
     @property
     def pass_tokens(self) -> int:
@@ -276,7 +284,8 @@ class Model:
 def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
     """(Placement, Reserve, ModelArgs) that `load` with this config would use, without reading a weight.
     `plan(path, memory_limit, **options)` builds the config from keywords."""
-    from colibri.streaming import ExpertUsage, USAGE_FILE, plan as place
+    from colibri.placement import plan as place
+    from colibri.usage import USAGE_FILE, ExpertUsage
 
     if not isinstance(config, EngineConfig):
         config = EngineConfig.from_kwargs(config, memory_limit=memory_limit, **kwargs)

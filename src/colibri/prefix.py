@@ -122,9 +122,27 @@ class KVSpace:
         self._caches.add(cache)
         return cache
 
+    def acquire_bytes(self, ids: list[int]) -> int:
+        """RAM `acquire(ids)` adds: none when it reuses the live sequence, else a fresh cache holding the known
+        prefix (found the same way; nothing is allocated to find out)."""
+        B = self.layout.block
+        most = len(ids) - 1
+        from_trie = len(self._match(ids)[: most // B]) * B
+        live = self.live
+        if not self.live_busy and live is not None:
+            from_live = min(common_prefix(live.ids, ids), most)
+            if from_live >= from_trie and from_live > 0:
+                return 0
+        fresh = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows, initial=B)
+        return fresh.ram_after(from_trie)
+
     def ram_bytes(self) -> int:
         """RAM held by every sequence's cache and by the prefix cache's RAM blocks."""
         return sum(c.ram_bytes() for c in list(self._caches)) + self._ram
+
+    def prefix_room(self) -> int:
+        """RAM the prefix cache may still take (its share less what it holds)."""
+        return max(0, self.prefix_ram - self._ram)
 
     def drop_live(self) -> int:
         """Free the idle live sequence's RAM (its full blocks go to the prefix cache first); bytes freed."""

@@ -226,7 +226,7 @@ class _QuantWeight:
 
     def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A stored small buffer converted to `dtype` once and kept (the decode kernels want scales in the
-        activation dtype every token; streaming.resident_extra charges the copy to a pinned weight's page). The
+        activation dtype every token; placement.resident_extra charges the copy to a pinned weight's page). The
         f32 paths convert what they need per call instead: keeping f32 copies of every resident weight's scales
         cost a third of the q4 bytes again, outside the budget."""
         t = self._buffers[name]

@@ -92,7 +92,7 @@ def model_identity(ckpt: "Checkpoint") -> str:
     """What the KV values depend on in the weights: a container's fingerprint and page checksums; for a GGUF
     file or an HF directory, the file names, sizes and a checksum of their first and last MiB."""
     if isinstance(ckpt, ContainerCheckpoint):
-        from colibri.streaming import ExpertUsage
+        from colibri.usage import ExpertUsage
         return "container:" + ExpertUsage.identity_of(ckpt)
     path = ckpt.path
     files = [path] if path.is_file() else sorted(p for p in path.iterdir()

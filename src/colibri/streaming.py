@@ -1,25 +1,22 @@
 """Streaming weight store: a container larger than the memory budget, read from disk as the forward pass goes.
 
-Placement (decided once, at load, by `plan`): the budget first sets aside the KV cache and activations
-(budget.Reserve); then pages are PINNED (resident for the whole run) while the staging the remaining pages need
-still fits. Streamed pages are read with O_DIRECT into equal-size staging slots just before their scope and
-ahead of it (prefetch), and released when the scope ends. The pinned set is fixed, so a dense model's cyclic
-layer sweep reads exactly the streamed bytes once per forward pass: the optimum, with no LRU thrash.
-
-Three refinements:
-* Lookup and head tables (the token embedding, an untied lm_head) are never staged whole: the lookup reads only
-  the rows of the tokens in the pass, and the head streams its rows in blocks through two small buffers. Their
-  small companions (scales of a q8 table, the final norm) stay resident.
-* MoE experts: budget left after pinning becomes an expert cache (slots that keep experts resident after their
-  scope), evicting by decayed use count, then recency. A multi-token pass (prefill) only fills free cache slots:
-  it never evicts the decode working set. Routing counts persist beside the container (usage.json, written
-  atomically) and the next load pins the hottest experts from the start.
+The store carries out a placement (colibri.placement): pinned pages are read at load and stay resident;
+streamed pages are read with O_DIRECT into equal-size staging slots just before their scope and ahead of it
+(prefetch), and released when the scope ends. Three refinements:
+* Lookup and head tables read by rows: the lookup reads only the rows of the tokens in the pass, and the head
+  streams its rows in blocks through two small buffers; their small companions stay resident.
+* MoE experts: slots left after pinning are an expert cache that keeps experts resident after their scope,
+  evicting by decayed use count, then recency (colibri.usage). A multi-token pass (prefill) only fills free
+  cache slots: it never evicts the decode working set.
 * Every page's checksum is verified on its first read, on the I/O thread; a mismatch, a failed or short read, or
   a data file changed after load raises StorageError naming the page and file, and leaves the engine usable.
 
+Pins are elastic (`fit`): beyond the placement's own, streamed pages are pinned while the budget has room
+beside the KV cache and the activations of the pass at hand, and unpinned (they stream again) when those grow.
+
 Tiers: a page is ON_DISK, LOADING (a read in flight), RESIDENT (in a staging or cache slot, evictable) or PINNED.
-The plan assigns each page its tier once; a GPU tier would be one more pinned destination with its own budget
-(pages copied there at load, `get` returning device tensors), with the same scopes and the same disk path.
+A GPU tier would be one more pinned destination with its own budget (pages copied there at load, `get`
+returning device tensors), with the same scopes and the same disk path.
 
 Scopes (the model math opens them; see models/base.py): `layer(i)` for layer i's attention and dense FFN pages,
 `layer(num_layers)` for the head, `expert(i, e)` for one routed expert. A streamed page is held only inside
@@ -31,7 +28,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import enum
-import json
 import math
 import os
 import time
@@ -43,23 +39,14 @@ from typing import Iterable, Iterator
 
 import torch
 
-from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
-from colibri.errors import InputError, StorageError
-from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, align_up, huge_align,
-                        huge_page_bytes)
+from colibri import placement as place
 from colibri import quant
-
-# Every non-expert page is read once per token whatever its kind, so for a dense model each pinned byte saves
-# one byte of reading per token. The order pins the small every-token pages first (they are the largest share
-# of scopes), and experts last: each is needed by only top_k / num_experts of the tokens.
-PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
-BLOCK_BYTES = 4 << 20  # rows of the head read per block...
-HEAD_BUFFERS = 2  # ...through this many buffers (4 measured no faster on Qwen2.5-1.5B under 400M, noise +-15 %)
-ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4")  # storage kinds whose rows (q4: 64-row tiles) are contiguous bytes
-LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
-USAGE_FILE = "usage.json"
-USAGE_HALF_LIFE = 256  # tokens: the expert cache's use counts halve over this many routed tokens
-USAGE_SAVE_EVERY = 128  # forward passes between usage.json writes (also written at close)
+from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
+from colibri.errors import StorageError
+from colibri.io import ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, align_up, huge_page_bytes
+from colibri.placement import (block_rows, main_part, plan, row_bytes, row_tensor, scopes_of, side_ranges,
+                               stored_rows, unit_of)
+from colibri.usage import USAGE_FILE, USAGE_SAVE_EVERY, ExpertUsage
 
 
 class PageState(enum.Enum):
@@ -67,371 +54,6 @@ class PageState(enum.Enum):
     LOADING = "loading"
     RESIDENT = "resident"
     PINNED = "pinned"
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-# -------------------------------------------------------------------------------------------------- tables
-
-
-def row_tensor(page: dict, tensors: dict[str, dict]) -> str | None:
-    """The lookup/head table of an embedding or head page when its rows can be read on their own."""
-    name = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}.get(page["kind"])
-    t = tensors.get(name) if name else None
-    if t is None or t["kind"] not in ROW_KINDS or len(t["shape"]) != 2 or name not in page["tensors"]:
-        return None
-    return name
-
-
-def main_part(t: dict) -> str:
-    return "data" if t["kind"] in FLOAT_KINDS else "qweight"
-
-
-def row_bytes(t: dict) -> int:
-    """Bytes per stored row of the table's main part (q4: K/2, meaningful only over whole tiles)."""
-    p = t["parts"][main_part(t)]
-    return p["nbytes"] // p["shape"][0]
-
-
-def row_unit(t: dict) -> int:
-    """Rows that are read together: 1, or for q4 a 64-row tile (its nibbles interleave the tile's rows)."""
-    return quant.Q4_TILE if t["kind"] == "q4" else 1
-
-
-def stored_rows(t: dict) -> int:
-    """Rows of the main part on disk (q4 pads N to a multiple of 16; the last partial tile is read whole)."""
-    return t["parts"][main_part(t)]["shape"][0]
-
-
-def unit_of(t: dict, r: int) -> tuple[int, int]:
-    """The stored row range [r0, r1) that row r is read with: itself, or its q4 tile (the tail: to the end)."""
-    u = row_unit(t)
-    r0 = r // u * u
-    return r0, min(r0 + u, stored_rows(t))
-
-
-def side_ranges(page: dict, tensors: dict[str, dict], table: str) -> list[tuple[str, str | None, int, int]]:
-    """(tensor, part or None for the whole tensor, page-relative offset, nbytes) of what stays resident when a
-    table page is read by rows: the table's parts other than its rows (q8 scales) and every other tensor."""
-    out = []
-    for name in page["tensors"]:
-        t = tensors[name]
-        if name == table:
-            for pname, p in t["parts"].items():
-                if pname != main_part(t):
-                    out.append((name, pname, t["offset"] + p["offset"] - page["offset"], p["nbytes"]))
-        else:
-            out.append((name, None, t["offset"] - page["offset"], t["nbytes"]))
-    return out
-
-
-def scopes_of(page: dict, num_layers: int, tied: bool) -> list[tuple]:
-    """The scopes that read a page. A tied embedding serves the lookup and the head."""
-    if page["kind"] == "expert":
-        return [("expert", page["layer"], page["expert"])]
-    if page["kind"] == "embedding":
-        return [("embedding",), ("layer", num_layers)] if tied else [("embedding",)]
-    return [("layer", num_layers if page["kind"] == "head" else page["layer"])]
-
-
-def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool,
-                  prefetch_depth: int) -> tuple[int, int]:
-    """(slots, slot bytes) of the staging ring: equal slots the size of the largest streamed page (in whole huge
-    pages: reads into 4 KiB pages are slower, io.AlignedBuffer), as many as the largest scope has streamed pages,
-    plus `prefetch_depth` for reads ahead. Equal slots never fragment, so a demand read always finds room once
-    prefetched pages are dropped."""
-    count: dict[tuple, int] = {}
-    size = 0
-    for pid in streamed:
-        p = pages[pid]
-        for key in scopes_of(p, num_layers, tied):
-            count[key] = count.get(key, 0) + 1
-        size = max(size, p["nbytes"])
-    if not count:
-        return 0, 0
-    # An expert's scope opens inside its layer's: both are held at once.
-    nested = {key: n + (1 if any(k[0] == "expert" and k[1] == key[1] for k in count) else 0)
-              for key, n in count.items() if key[0] == "layer"}
-    return max([*count.values(), *nested.values()]) + prefetch_depth, huge_align(size)  # whole huge pages
-
-
-# -------------------------------------------------------------------------------------------------- planning
-
-
-@dataclass
-class Placement:
-    budget: int | None
-    reserve: int  # KV cache and activations (budget.Reserve), set aside before weights
-    pinned: list[int]
-    streamed: list[int]  # read whole through the staging slots
-    by_rows: list[int]  # tables read by rows (lookup) or row blocks (head)
-    side_bytes: int  # resident companions of the by-rows tables
-    slots: int  # staging slots, expert cache slots included
-    slot_bytes: int
-    cache_slots: int  # how many slots may keep experts resident after their scope
-    block_bytes: int  # the head's row-block buffers
-    lookup_bytes: int  # transient row buffers of one pass's embedding lookup
-    pinned_bytes: int
-    streamed_bytes: int  # what a dense pass reads of whole-read pages (a staged tied embedding twice: lookup, head)
-    minimum: int  # the smallest budget this container runs in
-    learned_pins: int = 0  # experts pinned because usage.json says they are the hottest
-    prefetch_depth: int = 0
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.slots * self.slot_bytes + self.block_bytes + self.lookup_bytes + self.side_bytes
-
-    def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget, "reserve_bytes": self.reserve, "pinned_bytes": self.pinned_bytes,
-                "streamed_bytes": self.streamed_bytes, "staging_bytes": self.staging_bytes,
-                "expert_cache_bytes": self.cache_slots * self.slot_bytes, "expert_cache_slots": self.cache_slots,
-                "pinned_pages": len(self.pinned), "streamed_pages": len(self.streamed),
-                "row_read_pages": len(self.by_rows), "learned_pins": self.learned_pins,
-                "prefetch_depth": self.prefetch_depth, "minimum_bytes": self.minimum}
-
-
-class _Costs:
-    """What a set of streamed pages needs besides itself: staging slots, and for by-rows tables their resident
-    companions, head block buffers and lookup row buffers."""
-
-    def __init__(self, pages, tensors, num_layers, tied, batch):
-        self.pages, self.num_layers, self.tied = pages, num_layers, tied
-        self.parts: dict[int, tuple[int, int, int]] = {}  # by-rows page -> (side, block, lookup) bytes
-        for p in pages:
-            table = row_tensor(p, tensors)
-            if table is None:
-                continue
-            t = tensors[table]
-            side = sum(align_up(n) for *_, n in side_ranges(p, tensors, table))
-            block = HEAD_BUFFERS * block_buffer_bytes(t) if p["kind"] == "head" or tied else 0
-            lookup = 0
-            if p["kind"] == "embedding":  # one aligned span per distinct token, never more than the table
-                main = t["parts"][main_part(t)]["nbytes"]
-                lookup = min(batch * row_span_bytes(t), align_up(main) + ALIGN)
-            if side + block + lookup < p["nbytes"]:  # else staging the whole page is cheaper (small tables)
-                self.parts[p["id"]] = (side, block, lookup)
-        self.rows = {i: sum(v) for i, v in self.parts.items()}
-
-    def need(self, streamed: Iterable[int], depth: int) -> int:
-        streamed = list(streamed)
-        slots, size = staging_slots(self.pages, [i for i in streamed if i not in self.rows], self.num_layers,
-                                    self.tied, depth)
-        return slots * size + sum(self.rows[i] for i in streamed if i in self.rows)
-
-
-def minimum_staging(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, batch: int) -> int:
-    """What the weights need under the smallest budget (every page streamed, nothing read ahead): a memory limit
-    must hold this beside the reserve (budget.settings' `floor`)."""
-    return _Costs(pages, tensors, num_layers, tied, batch).need(range(len(pages)), 0)
-
-
-def row_span_bytes(t: dict) -> int:
-    """The most bytes an aligned read of one row (q4: its tile) covers."""
-    rb = row_bytes(t) * row_unit(t)
-    base = t["offset"] + t["parts"][main_part(t)]["offset"]
-    straddles = not (base % ALIGN == 0 and (ALIGN % rb == 0 or rb % ALIGN == 0))
-    return align_up(rb) + (ALIGN if straddles else 0)
-
-
-def block_rows(t: dict) -> int:
-    """Rows per head block: about BLOCK_BYTES, a whole number of 4096-byte units when the rows allow it."""
-    rb = row_bytes(t)
-    unit = math.lcm(ALIGN // math.gcd(rb, ALIGN), row_unit(t))
-    rows = max(1, BLOCK_BYTES // rb)
-    return rows - rows % unit if rows >= unit else max(rows - rows % row_unit(t), row_unit(t))
-
-
-def block_buffer_bytes(t: dict) -> int:
-    """One head block buffer: its rows, plus a unit of slack when blocks do not start on 4096 boundaries."""
-    rows = min(block_rows(t), stored_rows(t))
-    base = t["offset"] + t["parts"][main_part(t)]["offset"]
-    aligned = base % ALIGN == 0 and (rows * row_bytes(t)) % ALIGN == 0
-    return huge_align(align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN))  # whole huge pages (io.py)
-
-
-def auto_depth(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
-    """Pages to read ahead by default: the most streamed pages one layer has, plus one. Prefetch counts pages
-    after the current scope, so with fewer than that, each layer's last page is read on demand, with compute
-    waiting (measured: Llama-2-7B q4 under 1 GiB, 3 pages a layer, depth 2 ran at 0.78 of the I/O bound and
-    depth 4 at 0.93)."""
-    count: dict[int, int] = {}
-    for pid in streamed:
-        if pages[pid]["kind"] not in ("expert", "embedding", "head"):
-            count[pages[pid]["layer"]] = count.get(pages[pid]["layer"], 0) + 1
-    return max(count.values(), default=1) + 1
-
-
-def resident_extra(page: dict, tensors: dict[str, dict], dtype: torch.dtype | None) -> int:
-    """Bytes a pinned page's weights hold besides the page: the scales the bf16 kernels need converted (kept,
-    since every decode token uses them) and, on CPUs whose int4 kernel wants another layout, the repacked q4."""
-    extra = 0
-    for name in page["tensors"]:
-        t = tensors[name]
-        if t["kind"] not in ("q4", "q8"):
-            continue
-        if dtype == torch.bfloat16:
-            scales = t["parts"]["scales_zeros" if t["kind"] == "q4" else "scales"]
-            if scales["dtype"] != "bfloat16" and (t["kind"] == "q4" or not t.get("group_size")):
-                extra += 2 * math.prod(scales["shape"])
-        if t["kind"] == "q4" and not quant.kernel_layout_is_stored_layout():
-            extra += math.prod(t["parts"]["qweight"]["shape"])  # uint8
-    return extra
-
-
-def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, budget: int | None,
-         prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
-         usage: dict[tuple[int, int], float] | None = None, dtype: torch.dtype | None = None) -> Placement:
-    """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
-    the staging the remaining pages need still fits, and give what is left to the expert cache. A pinned page
-    costs its bytes plus what its weights derive and keep (`resident_extra` for compute in `dtype`)."""
-    ids = list(range(len(pages)))
-    extra = {i: resident_extra(p, tensors, dtype) for i, p in enumerate(pages)}
-    cost = {i: p["nbytes"] + extra[i] for i, p in enumerate(pages)}
-    total = sum(p["nbytes"] for p in pages)
-    costs = _Costs(pages, tensors, num_layers, tied, batch)
-    minimum = reserve + costs.need(ids, 0)
-    if budget is None or budget >= reserve + sum(cost.values()):
-        return Placement(budget, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
-    if budget < minimum:
-        raise InputError(f"memory limit {fmt_bytes(budget)} is below this model's minimum working set of "
-                         f"{fmt_bytes(minimum)} ({fmt_bytes(reserve)} KV cache and activations, "
-                         f"{fmt_bytes(minimum - reserve)} staging for its largest layer); raise --memory-limit"
-                         " or lower --ctx-length / --batch-size")
-    room = budget - reserve
-    streamed = set(ids)
-    pinned_cost = 0  # pinned pages' bytes plus what their weights derive
-    if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
-        prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
-    # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
-    # Qwen2.5-Coder-1.5B q4 under 250M ran at 0.62 of the I/O bound with depth 0 (only 2 slots fit depth 3's 5)
-    while prefetch_depth > 0 and costs.need(streamed, prefetch_depth) > room:
-        prefetch_depth -= 1
-
-    def try_pin(pid: int, depth: int) -> bool:
-        nonlocal pinned_cost
-        rest = streamed - {pid}
-        if pinned_cost + cost[pid] + costs.need(rest, depth) <= room:
-            streamed.discard(pid)
-            pinned_cost += cost[pid]
-            return True
-        return False
-
-    untied_lookup = {i for i in costs.rows if pages[i]["kind"] == "embedding" and not tied}
-    dense = [i for i in ids if pages[i]["kind"] != "expert" and i not in untied_lookup]  # rows are cheap to read
-    for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
-        try_pin(pid, prefetch_depth)
-    depth = prefetch_depth if pinned_cost + costs.need(streamed, prefetch_depth) <= room else 0
-    if not any(pages[i]["kind"] != "expert" and i not in costs.rows for i in streamed):
-        depth = 0  # prefetch reads dense pages ahead; with none streamed its slots would sit idle
-    need = costs.need(streamed, depth)
-    experts = [i for i in streamed if pages[i]["kind"] == "expert"]
-    learned = 0
-    if experts and usage:
-        share = LEARNED_PIN_SHARE * (room - pinned_cost - need)
-        hot = sorted((i for i in experts if usage.get((pages[i]["layer"], pages[i]["expert"]), 0) > 0),
-                     key=lambda i: -usage[(pages[i]["layer"], pages[i]["expert"])])
-        spent = 0
-        for pid in hot:  # pinning an expert never raises the staging need: checked by bytes alone
-            if spent + cost[pid] > share:
-                break
-            streamed.discard(pid)
-            pinned_cost += cost[pid]
-            spent += cost[pid]
-            learned += 1
-        need = costs.need(streamed, depth)
-    normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i]["file"], pages[i]["offset"]))
-    slots, slot_bytes = staging_slots(pages, normal, num_layers, tied, depth)
-    cache_slots = 0
-    if any(pages[i]["kind"] == "expert" for i in normal) and slot_bytes:
-        cache_slots = max(0, (room - pinned_cost - need) // slot_bytes)
-    by_rows = sorted(i for i in streamed if i in costs.rows)
-    side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
-    pinned = sorted(set(ids) - streamed)
-    per_pass = sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
-    return Placement(budget, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
-                     block, lookup, sum(pages[i]["nbytes"] for i in pinned), per_pass, minimum, learned, depth)
-
-
-# -------------------------------------------------------------------------------------------------- expert usage
-
-
-class ExpertUsage:
-    """Decayed routing counts (the expert cache's eviction score) and per-run totals (persisted in usage.json).
-
-    Decay is lazy: a count is stored with the token clock at its last update and scaled by 2^(-age/half-life)
-    when read. Saved totals carry the previous runs' totals at half weight, so the file follows drift."""
-
-    def __init__(self, path: Path | None, num_layers: int, num_experts: int, identity: str):
-        self.path, self.identity = path, identity
-        self.shape = (num_layers, num_experts)
-        self.clock = 0
-        self.count: dict[tuple[int, int], float] = {}
-        self.stamp: dict[tuple[int, int], int] = {}
-        self.last_use: dict[tuple[int, int], int] = {}
-        self.run: dict[tuple[int, int], int] = {}
-        self.loaded = self._load()
-        self.saved_ok: bool | None = None
-
-    def _load(self) -> dict[tuple[int, int], float]:
-        if self.path is None or not self.path.is_file():
-            return {}
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("version") != 1 or data.get("container") != self.identity or \
-                    tuple(data.get("shape", ())) != self.shape:
-                return {}  # another container's counts (or an older layout): start afresh
-            return {(i, e): float(c) for i, row in enumerate(data["counts"]) for e, c in enumerate(row) if c > 0}
-        except (OSError, ValueError, KeyError, TypeError):
-            return {}
-
-    @staticmethod
-    def identity_of(ckpt: ContainerCheckpoint) -> str:
-        """Which container the counts belong to: its source fingerprint and page checksums."""
-        pages = ",".join(p["checksum"] for p in ckpt.pages)
-        return ckpt.manifest.get("source", {}).get("fingerprint", "") + "/" + f"{zlib.crc32(pages.encode()):08x}"
-
-    def tick(self, tokens: int) -> None:
-        self.clock += tokens
-
-    def record(self, layer: int, uses: dict[int, int]) -> None:
-        for e, n in uses.items():
-            key = (layer, e)
-            self.count[key] = self.score(key) + n
-            self.stamp[key] = self.last_use[key] = self.clock
-            self.run[key] = self.run.get(key, 0) + n
-
-    def score(self, key: tuple[int, int]) -> float:
-        c = self.count.get(key)
-        if c is None:
-            return 0.0
-        return c * 0.5 ** ((self.clock - self.stamp[key]) / USAGE_HALF_LIFE)
-
-    def rank(self, key: tuple[int, int]) -> tuple[float, int]:
-        """Eviction order: lowest decayed count first, then least recently used."""
-        return self.score(key), self.last_use.get(key, -1)
-
-    def save(self) -> None:
-        """Write totals atomically (temp file + rename); a read-only container directory is not an error."""
-        if self.path is None or not self.run:
-            return
-        layers, experts = self.shape
-        rows = [[round(0.5 * self.loaded.get((i, e), 0.0) + self.run.get((i, e), 0), 3) for e in range(experts)]
-                for i in range(layers)]
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps({"version": 1, "container": self.identity, "shape": list(self.shape),
-                                       "counts": rows}))
-            os.replace(tmp, self.path)
-            self.saved_ok = True
-        except OSError:
-            self.saved_ok = False
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 # -------------------------------------------------------------------------------------------------- the store
@@ -519,6 +141,18 @@ class StreamingStore:
         self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
         self.timeline: list[dict] = []
         pl = self.placement
+        # elastic pins: streamed dense pages pinned beyond the placement's while the budget has room (see `fit`);
+        # the staging was sized for the placement's streamed set, which holds every set left streaming then
+        self.budget = budget
+        self._cost = {pid: p["nbytes"] + place.resident_extra(p, self.tensors, dtype) for pid, p in
+                      enumerate(self.pages)}
+        self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
+        self._candidates = sorted((pid for pid in pl.streamed if self.pages[pid]["kind"] != "expert"),
+                                  key=lambda i: (place.PIN_ORDER.get(self.pages[i]["kind"], 9), self.pages[i]["offset"]))
+        self._extra: dict[int, AlignedBuffer] = {}  # elastic pins in the order they were made
+        self._extra_bytes = 0  # their cost (pages and what their weights derive)
+        self.pins = self.unpins = 0
+        self.baseline: int | None = None  # the runtime baseline RSS, set by the owner once measured
         self._free: list[AlignedBuffer] = [AlignedBuffer(pl.slot_bytes) for _ in range(pl.slots)]
         self._blocks: list[AlignedBuffer] = []
         self._load_pinned()
@@ -556,16 +190,99 @@ class StreamingStore:
 
     def _load_pinned(self) -> None:
         for pid in self.placement.pinned:
-            page = self.pages[pid]
-            buf = AlignedBuffer(page["nbytes"])
-            self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, DEMAND, label=f"page {pid}",
-                               verify=self._verifier(pid)).result()
-            self.stats.bytes_read += page["nbytes"]
-            for name in page["tensors"]:
-                t = self.tensors[name]
-                self._pinned[name] = self._as_compute(tensor_from_bytes(
-                    t, buf.tensor(t["offset"] - page["offset"], t["nbytes"])))
-            self.state[pid] = PageState.PINNED
+            self._pin_page(pid)
+
+    def _pin_page(self, pid: int) -> AlignedBuffer:
+        """Read page `pid` into a buffer of its own and keep its tensors resident."""
+        page = self.pages[pid]
+        buf = AlignedBuffer(page["nbytes"])
+        self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, DEMAND, label=f"page {pid}",
+                           verify=self._verifier(pid)).result()
+        self.stats.bytes_read += page["nbytes"]
+        for name in page["tensors"]:
+            t = self.tensors[name]
+            self._pinned[name] = self._as_compute(tensor_from_bytes(
+                t, buf.tensor(t["offset"] - page["offset"], t["nbytes"])))
+        self.state[pid] = PageState.PINNED
+        return buf
+
+    # -- elastic pins ----------------------------------------------------------------------------------------
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned page bytes now: the placement's and the elastic pins'."""
+        return self.placement.pinned_bytes + sum(self.pages[pid]["nbytes"] for pid in self._extra)
+
+    def streamed_bytes(self) -> int:
+        """What a dense pass reads of whole-read pages now (the placement's figure, less the elastic pins)."""
+        tied = self.args.tie_word_embeddings
+        return sum(self.pages[pid]["nbytes"] * len(scopes_of(self.pages[pid], self.num_layers, tied))
+                   for pid in self._streamed)
+
+    def weight_bytes(self) -> int:
+        """What the weights hold now against the budget: pinned pages with what they derive, and the staging."""
+        return self._fixed + self._extra_bytes
+
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        """Share the budget with the KV cache and the next pass: `held` bytes held now besides the weights (the KV
+        cache) and `extra` more the pass takes. Unpin elastic pins (the last made first; their pages stream
+        again) until the weights fit beside them, then (pin=True) pin streamed dense pages in placement order
+        while they fit. What is held is also measured (RSS above `baseline`, when set, less the weights): memory
+        the allocator kept from earlier passes counts as held. Called between passes; the placement's own pins,
+        sized for the whole context and a full pass, always fit."""
+        if self.budget is None:
+            return
+        if self.baseline is not None:
+            from colibri.metrics import rss_bytes
+            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
+        room = self.budget - self._fixed - held - extra
+        while self._extra and self._extra_bytes > room:
+            self._unpin(next(reversed(self._extra)))
+        if not pin:
+            return
+        for pid in self._candidates:
+            if pid not in self._extra and self._extra_bytes + self._cost[pid] <= room:
+                self._drop(pid)  # prefetched for the next pass: the pinned copy replaces it
+                self._unstream(pid)
+                try:
+                    self._extra[pid] = self._pin_page(pid)
+                except StorageError:  # a pin only saves reads: the page streams, and a pass needing it reports
+                    self.state[pid] = PageState.ON_DISK
+                    self._restream(pid)
+                    return
+                except BaseException:
+                    self.state[pid] = PageState.ON_DISK
+                    self._restream(pid)
+                    raise
+                self._extra_bytes += self._cost[pid]
+                self.pins += 1
+
+    def hold(self) -> None:
+        """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
+        while self._extra:
+            self._unpin(next(reversed(self._extra)))
+        self._candidates = []
+
+    def _unpin(self, pid: int) -> None:
+        del self._extra[pid]  # with the tensors built over it, the buffer is unmapped
+        for name in self.pages[pid]["tensors"]:
+            self._pinned.pop(name, None)
+        self._extra_bytes -= self._cost[pid]
+        self.state[pid] = PageState.ON_DISK
+        self._restream(pid)
+        self.unpins += 1
+
+    def _unstream(self, pid: int) -> None:
+        self._streamed.discard(pid)
+        self._order.remove(pid)
+        for key in scopes_of(self.pages[pid], self.num_layers, self.args.tie_word_embeddings):
+            self._scope_pages[key].remove(pid)
+
+    def _restream(self, pid: int) -> None:
+        self._streamed.add(pid)
+        bisect.insort(self._order, pid)
+        for key in scopes_of(self.pages[pid], self.num_layers, self.args.tie_word_embeddings):
+            bisect.insort(self._scope_pages.setdefault(key, []), pid)
 
     def _load_by_rows(self) -> None:
         """Verify each by-rows page once, reading it in blocks, and keep its small companions resident."""
@@ -601,8 +318,8 @@ class StreamingStore:
                     p = t["parts"][part]
                     self._side.setdefault(name, {})[part] = side.tensor(d, nb).view(DTYPES[p["dtype"]]).view(p["shape"])
         if any(self.pages[i]["kind"] == "head" or self.args.tie_word_embeddings for i in self.placement.by_rows):
-            size = self.placement.block_bytes // HEAD_BUFFERS
-            self._blocks = [AlignedBuffer(size) for _ in range(HEAD_BUFFERS)]
+            size = self.placement.block_bytes // place.HEAD_BUFFERS
+            self._blocks = [AlignedBuffer(size) for _ in range(place.HEAD_BUFFERS)]
 
     def _as_compute(self, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
@@ -796,14 +513,15 @@ class StreamingStore:
         self._slots.clear()
 
     def nbytes(self) -> int:
-        return self.placement.pinned_bytes + self.placement.staging_bytes
+        return self.pinned_bytes + self.placement.staging_bytes
 
     def counters(self) -> dict:
         """Cumulative counters (GenerationMetrics takes differences) and the placement's resident bytes."""
         io = self.reader.stats()
         cached = sum(1 for s in self._slots.values() if s.cached)
         return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
-                "pinned_bytes": self.placement.pinned_bytes, "cached_bytes": cached * self.placement.slot_bytes,
+                "pinned_bytes": self.pinned_bytes, "elastic_pinned_bytes": self.pinned_bytes - self.placement.pinned_bytes,
+                "elastic_pins": self.pins, "elastic_unpins": self.unpins, "cached_bytes": cached * self.placement.slot_bytes,
                 "staging_bytes": self.placement.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
                 "reserve_bytes": self.placement.reserve,
                 "lookahead_recall_by_layer": [round(c / r, 4) if r else None for c, r in self.lookahead_layers]}
@@ -1018,10 +736,16 @@ class StreamingStore:
             s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
             return buf.tensor(off + a - s, (r1 - r0) * rb)
 
-        if t["kind"] == "q4":  # dequantize the tiles that hold the rows, then pick the rows
-            tiles = {u: self._table(name, *u, at_file(*u)).dequantize() for u in units}
-            vals = torch.stack([tiles[unit_of(t, r)][r - unit_of(t, r)[0]] for r in uniq.tolist()])
-            return vals[inverse].to(self.dtype)
+        if t["kind"] == "q4":  # dequantize the tiles that hold the rows one at a time, picking their rows
+            vals = torch.empty(len(uniq), t["shape"][1], dtype=self.dtype)
+            by_tile: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for j, r in enumerate(uniq.tolist()):
+                by_tile.setdefault(unit_of(t, r), []).append((j, r))
+            for u, members in by_tile.items():
+                tile = self._table(name, *u, at_file(*u)).dequantize()
+                for j, r in members:
+                    vals[j] = tile[r - u[0]]
+            return vals[inverse]
         got = [at_file(r, r + 1) for r in uniq.tolist()]
         p = t["parts"][main_part(t)]
         rows = torch.stack(got).view(DTYPES[p["dtype"]]).view(len(got), *p["shape"][1:])
@@ -1034,7 +758,7 @@ class StreamingStore:
         return vals[inverse].to(self.dtype)
 
     def _stream_blocks(self, name: str) -> Iterator:
-        """Rows of a head table in blocks through HEAD_BUFFERS buffers: the next blocks read while one computes."""
+        """Rows of a head table in blocks through place.HEAD_BUFFERS buffers: the next blocks read while one computes."""
         t = self.tensors[name]
         page = self.pages[self._page_of[name]]
         base = t["offset"] + t["parts"][main_part(t)]["offset"]

@@ -49,6 +49,10 @@ class Engine:
         self.batch_tokens = model.pass_tokens
         self.max_sequences = model.max_sequences
         self.pool_bytes = model.kv_pool_bytes
+        # the elastic budget: before a pass, the weight store unpins (or pins) pages so that they, the KV pool's
+        # RAM and that pass's activations share the limit (None: a store without a limit)
+        self.pass_bytes = getattr(model, "pass_bytes", None)
+        self._fit = getattr(self.store, "fit", None) if self.pass_bytes is not None else None
         self.waiting: deque[Request] = deque()  # preempted ones first, then new ones in arrival order
         self.running: list[Request] = []
         self.steps = 0
@@ -130,6 +134,9 @@ class Engine:
                 return []
             t0 = time.perf_counter()
             decode_only = all(req.pending == 1 for req, _ in plan)
+            grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
+            rows = sum(n - req.pending + 1 if n >= req.pending else 1 for req, n in plan)  # n counts the drafts
+            self.make_room(grow, sum(n for _, n in plan), max(req.cache.length + n for req, n in plan), rows)
             io0, kv0 = self._io(), self.space.counters()
             parts, served = [], []
             for req, n in plan:
@@ -213,6 +220,13 @@ class Engine:
         if not req.finished and req.cache.length > len(req.ids) - 1:
             req.cache.truncate(len(req.ids) - 1)
 
+    def make_room(self, kv_grow: int, tokens: int, ctx: int, rows: int, pin: bool = True) -> None:
+        """Let the weight store share the limit with the KV pool (its RAM now plus `kv_grow`) and a pass of
+        `tokens` tokens over `ctx` positions with `rows` logit rows; pin=False only ever unpins."""
+        if self._fit is not None:
+            kv = self.space.ram_bytes() + self.space.prefix_room()  # the prefix cache's RAM share is kept for it
+            self._fit(kv, kv_grow + self.pass_bytes(tokens, ctx, rows), pin)
+
     def _io(self) -> dict | None:
         counters = getattr(self.store, "counters", None)  # streaming store; absent when all is in RAM
         return counters() if counters else None
@@ -224,8 +238,10 @@ class Engine:
             if req.state == PREEMPTED:
                 if self.running and not self._fits(req.cache.ram_after(1)):
                     return
+                self.make_room(req.cache.ram_after(1), 1, req.cache.length + 1, 1, pin=False)
                 req.cache.swap_in()
             else:
+                self.make_room(self.space.acquire_bytes(req.prompt_ids), 1, len(req.ids), 1, pin=False)
                 cache, reused = self.space.acquire(req.prompt_ids)
                 grow = cache.ram_after(min(len(req.ids) - reused, self._chunk(cache))) - cache.ram_bytes()
                 if self.running and not self._fits(grow):
@@ -324,6 +340,9 @@ class Engine:
             for s in range(0, len(ids), step):
                 part = ids[s:s + step]
                 with self.lock:
+                    # logits of every row are the caller's, outside the budget: the pass is charged one
+                    self.make_room(cache.ram_after(len(part)) - cache.ram_bytes(), len(part),
+                                   cache.length + len(part), 1)
                     cache.reserve(len(part))
                     logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
                     cache.advance(len(part), part)

@@ -199,15 +199,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# Attention keeps f32 scores and probabilities for a chunk of queries; chunks keep them under this size.
-ATTN_SCORES_BYTES = 32 << 20
-
-
-def attention_chunk(heads: int, keys: int) -> int:
-    """Queries per attention chunk so scores and probabilities stay within ATTN_SCORES_BYTES."""
-    return max(1, ATTN_SCORES_BYTES // (heads * keys * 8))
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
            scale: float, softcap: float | None) -> torch.Tensor:
     """Attention, q: [H, T, Dh] at `positions` [T], k/v: [Hkv, S, Dh] (key j at position j) -> [H, T, Dh] in q's

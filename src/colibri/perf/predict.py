@@ -27,7 +27,7 @@ from colibri.budget import Reserve
 from colibri.container import PageEntry, TensorEntry, read_manifest, records
 from colibri.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
 from colibri.models.base import ModelArgs
-from colibri.streaming import Placement, block_rows, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
+from colibri.placement import Placement, block_rows, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
 
 KINDS = ("embedding", "attention", "ffn", "expert", "shared_expert", "head")
 BASELINE_NOTE = ("the runtime baseline (Python, torch, tokenizer, manifest) is outside --memory-limit; the limit "

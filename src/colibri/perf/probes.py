@@ -32,7 +32,7 @@ from colibri.ops import linear
 from colibri.perf.predict import WAKE_GAP_S
 from colibri.sampling import Sampler, SamplingParams
 from colibri.store import RamStore
-from colibri.streaming import row_bytes
+from colibri.placement import row_bytes
 
 PROBE_PASSES = 20  # single-token passes timed per layer shape
 PROBE_SECONDS = 0.6  # at most this long per layer shape (at least 5 passes)

@@ -18,7 +18,7 @@ from colibri.metrics import GenerationMetrics
 from colibri.perf.predict import (BASELINE_NOTE, EXPERT_ASSUMPTION, PIPELINE_MODEL, Layout, bounds, layout,
                                   simulate)
 from colibri.perf.probes import compute_probe, disk_probe
-from colibri.streaming import fmt_bytes
+from colibri.placement import fmt_bytes
 
 PIPELINE_SHORT = "reads overlap compute only as far as the store's prefetch reaches"
 PROMPT = "The history of the printing press begins"
@@ -201,6 +201,8 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
     m = load(path, memory_limit=memory_limit, dtype=dtype, io_threads=io_threads, prefetch_depth=prefetch_depth,
              ctx_length=ctx_length, batch_size=batch_size)
     load_s = time.perf_counter() - t0
+    if hasattr(m.store, "hold"):
+        m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
     try:
         ids = m.prompt_ids(prompt or (PROMPT if m.tokenizer else PROMPT_IDS))
         counters = getattr(m.store, "counters", None)
