@@ -36,7 +36,7 @@ def child(a: argparse.Namespace) -> None:
     from colibri.sampling import SamplingParams
 
     m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads,
-                     max_sequences=max(a.batches), ctx_length=a.ctx_length)
+                     max_sequences=max(a.batches), ctx_length=a.ctx_length, draft_tokens=a.draft_tokens)
     eng, store = m.engine, m.store
     counters = getattr(store, "counters", None)
     for B in a.batches:
@@ -44,8 +44,9 @@ def child(a: argparse.Namespace) -> None:
         reqs = [eng.add_request(p, SamplingParams(max_tokens=a.tokens, ignore_eos=True)) for p in prompts]
         while any(not r.token_ids for r in reqs):
             eng.step()  # prefill
-        steps, wall, wait, nbytes, read_s = 0, 0.0, 0.0, 0, 0.0
+        steps, wall, wait, nbytes, read_s, made = 0, 0.0, 0.0, 0, 0.0, 0
         while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs):
+            before = sum(len(r.token_ids) for r in reqs)
             c0 = counters() if counters else None
             t0 = time.perf_counter()
             eng.step()
@@ -57,11 +58,12 @@ def child(a: argparse.Namespace) -> None:
                 read_s += c1["read_active_s"] - c0["read_active_s"]
             steps += 1
             wall += dt
+            made += sum(len(r.token_ids) for r in reqs) - before  # B a step, more where drafts stood
         eng.run(reqs)
         print(json.dumps({"batch": B, "decode_steps": steps, "step_s": round(wall / steps, 5),
                           "read_wait_s_per_step": round(wait / steps, 5),
                           "compute_s_per_step": round((wall - wait) / steps, 5),
-                          "aggregate_tokens_per_s": round(B * steps / wall, 3),
+                          "aggregate_tokens_per_s": round(made / wall, 3), "tokens_per_step": round(made / steps, 3),
                           "bytes_read_per_step": nbytes // steps,
                           "read_gb_per_s": round(nbytes / read_s / 1e9, 3) if read_s else None,
                           "peak_rss_bytes": int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
@@ -78,6 +80,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-length", type=int, default=None)
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="speculation: None = the engine's default (adaptive), 0 = off")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -88,7 +92,8 @@ def main() -> int:
         return 2
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--memory-limit",
            str(a.memory_limit), "--batches", ",".join(map(str, a.batches)), "--tokens", str(a.tokens),
-           "--threads", str(a.threads)] + (["--ctx-length", str(a.ctx_length)] if a.ctx_length else [])
+           "--threads", str(a.threads)] + (["--ctx-length", str(a.ctx_length)] if a.ctx_length else []) \
+        + (["--draft-tokens", str(a.draft_tokens)] if a.draft_tokens is not None else [])
     cg = MemCG(own_memcg(), f"colibri-batch-{os.getpid()}", parse_size(a.cgroup_limit))
     try:
         drop_caches()

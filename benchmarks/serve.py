@@ -1,7 +1,7 @@
 """Throughput through `colibri serve` and `colibri batch`, against the engine's own figure, in a memory cgroup.
 
     python benchmarks/serve.py --model DIR [--cgroup-limit 800M] [--memory-limit 500M] [--clients 1,4,8,16]
-                               [--tokens 32] [--batch-lines 64] [--threads 2]
+                               [--tokens 32] [--batch-lines 64] [--threads 2] [--draft-tokens 0]
 
 1. The engine alone: `benchmarks/batch.py --batches 16` (its own cgroup), the B = 16 aggregate decode tok/s.
 2. A `colibri serve` process in a fresh memory cgroup (benchmarks/limited.py: `--cgroup-limit` caps the process,
@@ -51,7 +51,7 @@ def prompt(i: int) -> str:
 def engine_b16(a) -> dict:
     cmd = [sys.executable, str(HERE / "batch.py"), "--model", a.model, "--cgroup-limit", a.cgroup_limit,
            "--memory-limit", a.memory_limit, "--batches", str(max(a.clients)), "--tokens", str(a.tokens),
-           "--threads", str(a.threads)]
+           "--threads", str(a.threads), "--draft-tokens", str(a.draft_tokens)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     print(p.stdout.strip().splitlines()[0] if p.stdout.strip() else p.stderr[-2000:], file=sys.stderr)
     return json.loads(p.stdout.strip().splitlines()[-1])["rows"][0]
@@ -124,7 +124,8 @@ def serve_part(a) -> tuple[list[dict], dict]:
     try:
         drop_caches()
         cmd = colibri() + ["serve", "--model", a.model, "--model-name", "m", "--port", str(port), "--memory-limit",
-                           a.memory_limit, "--max-sequences", str(max(a.clients)), "--threads", str(a.threads)]
+                           a.memory_limit, "--max-sequences", str(max(a.clients)), "--threads", str(a.threads),
+                           "--draft-tokens", str(a.draft_tokens)]
         proc = subprocess.Popen(cmd, preexec_fn=in_cgroup(cg), stderr=log, stdout=subprocess.DEVNULL)
         try:
             while True:
@@ -162,7 +163,8 @@ def batch_part(a) -> dict:
             drop_caches()
             cmd = colibri() + ["batch", "--model", a.model, "--input", str(src), "--output", str(dst),
                                "--memory-limit", a.memory_limit, "--max-sequences", str(max(a.clients)),
-                               "--threads", str(a.threads), "--max-tokens", str(a.tokens)]
+                               "--threads", str(a.threads), "--max-tokens", str(a.tokens),
+                               "--draft-tokens", str(a.draft_tokens)]
             t0 = time.perf_counter()
             p = subprocess.run(cmd, preexec_fn=in_cgroup(cg), capture_output=True, text=True)
             wall = time.perf_counter() - t0
@@ -188,6 +190,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch-lines", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-tokens", type=int, default=0,
+                    help="speculation in every part (default 0 = off: a streamed chunk then carries one token, so"
+                         " chunk arrivals count tokens; speculation is measured by benchmarks/spec.py)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root and the cgroup-v1 memory controller", file=sys.stderr)
