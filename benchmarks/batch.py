@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limited import MemCG, drop_caches, own_memcg, parse_size  # noqa: E402
+from limited import MemCG, own_memcg, parse_size, run_child  # noqa: E402
 
 PROMPTS = ["def quicksort(arr):", "class LinkedList:", "import os\n\ndef walk(path):", "# Parse a CSV file\n",
            "def fibonacci(n):", "SELECT name FROM users WHERE", "function debounce(fn, ms) {", "fn main() {"]
@@ -60,6 +59,8 @@ def child(a: argparse.Namespace) -> None:
             wall += dt
             made += sum(len(r.token_ids) for r in reqs) - before  # B a step, more where drafts stood
         eng.run(reqs)
+        if not steps:
+            raise SystemExit(f"B={B}: no step had every sequence decoding (all finished first); raise --tokens")
         print(json.dumps({"batch": B, "decode_steps": steps, "step_s": round(wall / steps, 5),
                           "read_wait_s_per_step": round(wait / steps, 5),
                           "compute_s_per_step": round((wall - wait) / steps, 5),
@@ -96,18 +97,7 @@ def main() -> int:
         + (["--draft-tokens", str(a.draft_tokens)] if a.draft_tokens is not None else [])
     cg = MemCG(own_memcg(), f"colibri-batch-{os.getpid()}", parse_size(a.cgroup_limit))
     try:
-        drop_caches()
-        procs = str(cg.path / "cgroup.procs")
-
-        def enter() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        print(f"loadavg before: {os.getloadavg()[0]:.2f} (a shared machine distorts timings)", file=sys.stderr)
-        p = subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True)
-        rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-        if p.returncode != 0:
-            print(p.stderr[-3000:], file=sys.stderr)
+        rows, rc = run_child(cmd, cg)
         base = rows[0]["aggregate_tokens_per_s"] if rows else None
         for r in rows:
             print(f"B={r['batch']:>2}: {r['aggregate_tokens_per_s']:7.2f} tok/s aggregate "
@@ -118,7 +108,7 @@ def main() -> int:
         print(json.dumps({"cgroup_limit": a.cgroup_limit, "memory_limit": a.memory_limit,
                           "max_usage_bytes": int(cg.read("memory.max_usage_in_bytes")),
                           "failcnt": int(cg.read("memory.failcnt")), "oom_kills": cg.oom_kills(), "rows": rows}))
-        return p.returncode
+        return rc
     finally:
         cg.remove()
 

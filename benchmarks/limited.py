@@ -143,6 +143,18 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def run_child(cmd: list[str], cg: "MemCG | None") -> tuple[list[dict], int]:
+    """Run a benchmark's child process (inside `cg` after a page-cache drop, if given); return the JSON objects it
+    printed, one per line, and its exit status (its stderr tail is shown if it failed)."""
+    if cg is not None:
+        drop_caches()
+    print(f"loadavg before: {os.getloadavg()[0]:.2f} (a shared machine distorts timings)", file=sys.stderr)
+    p = subprocess.run(cmd, preexec_fn=cg.entering() if cg is not None else None, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(p.stderr[-3000:], file=sys.stderr)
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")], p.returncode
+
+
 class MemCG:
     """A child memory cgroup of ours; removed on exit (processes in it are killed first)."""
 
@@ -178,6 +190,15 @@ class MemCG:
             if k == "oom_kill":
                 return int(v)
         return -1  # older kernels do not count
+
+    def entering(self):
+        """A preexec_fn that moves the forked child into this cgroup before exec: all its memory is charged here."""
+        procs = str(self.path / "cgroup.procs")
+
+        def enter() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        return enter
 
     def remove(self) -> None:
         if not self.path.exists():
@@ -220,15 +241,9 @@ def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | Non
     cg = MemCG(own_memcg(), f"colibri-limited-{os.getpid()}-{idx}", cg_limit)
     try:
         drop_caches()
-        procs = str(cg.path / "cgroup.procs")
-
-        def enter_cgroup() -> None:  # runs in the forked child before exec: all of its memory is charged here
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=enter_cgroup)
+                             preexec_fn=cg.entering())
         peak = {"rss": 0, "cache": 0, "shmem": 0}
         out_err: dict = {}
 

@@ -107,15 +107,6 @@ def clients(url: str, count: int, tokens: int) -> dict:
             "read_gb_per_s": round(nbytes / read_s / 1e9, 3) if read_s else None}
 
 
-def in_cgroup(cg: MemCG):
-    procs = str(cg.path / "cgroup.procs")
-
-    def enter() -> None:
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-    return enter
-
-
 def serve_part(a) -> tuple[list[dict], dict]:
     port = 8700 + os.getpid() % 200
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +117,7 @@ def serve_part(a) -> tuple[list[dict], dict]:
         cmd = colibri() + ["serve", "--model", a.model, "--model-name", "m", "--port", str(port), "--memory-limit",
                            a.memory_limit, "--max-sequences", str(max(a.clients)), "--threads", str(a.threads),
                            "--draft-tokens", str(a.draft_tokens)]
-        proc = subprocess.Popen(cmd, preexec_fn=in_cgroup(cg), stderr=log, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, preexec_fn=cg.entering(), stderr=log, stdout=subprocess.DEVNULL)
         try:
             while True:
                 assert proc.poll() is None, "colibri serve exited"
@@ -166,7 +157,7 @@ def batch_part(a) -> dict:
                                "--threads", str(a.threads), "--max-tokens", str(a.tokens),
                                "--draft-tokens", str(a.draft_tokens)]
             t0 = time.perf_counter()
-            p = subprocess.run(cmd, preexec_fn=in_cgroup(cg), capture_output=True, text=True)
+            p = subprocess.run(cmd, preexec_fn=cg.entering(), capture_output=True, text=True)
             wall = time.perf_counter() - t0
             if p.returncode != 0:
                 print(p.stderr[-3000:], file=sys.stderr)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limited import MemCG, drop_caches, own_memcg, parse_size  # noqa: E402
+from limited import MemCG, own_memcg, parse_size, run_child  # noqa: E402
 
 CODE = '''def summarize_orders(orders, tax_rate, currency="EUR"):
     """Total, average and largest order of a list of orders, tax included."""
@@ -162,20 +161,7 @@ def main() -> int:
             return 2
         cg = MemCG(own_memcg(), f"colibri-spec-{os.getpid()}", limit)
     try:
-        enter = None
-        if cg is not None:
-            drop_caches()
-            procs = str(cg.path / "cgroup.procs")
-
-            def enter() -> None:
-                with open(procs, "w") as f:
-                    f.write(str(os.getpid()))
-
-        print(f"loadavg before: {os.getloadavg()[0]:.2f} (a shared machine distorts timings)", file=sys.stderr)
-        p = subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True)
-        rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-        if p.returncode != 0:
-            print(p.stderr[-3000:], file=sys.stderr)
+        rows, rc = run_child(cmd, cg)
         for r in rows:
             on, off = r["on"], r["off"]
             if r["task"] == "moe_lookahead":
@@ -194,7 +180,7 @@ def main() -> int:
         if cg is not None:
             print(f"cgroup max usage {int(cg.read('memory.max_usage_in_bytes')) / 2**20:.0f} MiB, failcnt "
                   f"{cg.read('memory.failcnt').strip()}")
-        return 0 if p.returncode == 0 and rows and all(r["tokens_identical"] for r in rows) else 1
+        return 0 if rc == 0 and rows and all(r["tokens_identical"] for r in rows) else 1
     finally:
         if cg is not None:
             cg.remove()
