@@ -259,3 +259,26 @@ def test_router_lookahead_guesses_the_next_layer_and_never_changes_tokens(correl
     assert off[2].get("lookahead_predicted", 0) == 0
     json.dumps(c)  # every counter is a plain number
     assert all(isinstance(v, (int, float)) for v in c.values())
+
+
+def test_drafter_memory_estimate_bounds_what_it_allocates():
+    """The engine counts the drafter's indexes in the KV pool's budget by `nbytes()`: it must not undercount."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(5)
+    for n in (1, 4, 8):
+        ids = [rng.randrange(50000) for _ in range(2000)]
+        tracemalloc.start()
+        st = SequenceDrafts(n)
+        st.extend_index(ids)
+        used = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert used <= st.nbytes(), (n, used, st.nbytes())
+    tracemalloc.start()
+    cache = NgramCache(20000, 4)
+    for _ in range(12):
+        cache.add([rng.randrange(50000) for _ in range(1500)])
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(cache) == 20000 and used <= cache.nbytes(), (used, cache.nbytes())

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk
-from colibri.engine.speculate import Speculator
+from colibri.engine.speculate import CACHE_ENTRY_BYTES, Speculator
 from colibri.errors import ColibriError, InputError
 from colibri.models.base import Batch
 from colibri.sampling import SamplingParams
@@ -60,6 +60,8 @@ class Engine:
         self._ids = 0
         conf = getattr(model, "config", None)
         self.spec = Speculator() if conf is None else Speculator(conf.draft_tokens, conf.ngram, conf.ngram_cache_size)
+        if self.pool_bytes is not None:  # the shared n-gram cache counts in the KV pool: at most an eighth of it
+            self.spec.cache.entries = min(self.spec.cache.entries, self.pool_bytes // (8 * CACHE_ENTRY_BYTES))
         self.decode_bytes = self.decode_tokens = 0  # weight bytes read in decode steps, and the tokens they yielded
         self.lock = threading.RLock()
 
@@ -224,7 +226,7 @@ class Engine:
         """Let the weight store share the limit with the KV pool (its RAM now plus `kv_grow`) and a pass of
         `tokens` tokens over `ctx` positions with `rows` logit rows; pin=False only ever unpins."""
         if self._fit is not None:
-            kv = self.space.ram_bytes() + self.space.prefix_room()  # the prefix cache's RAM share is kept for it
+            kv = self._pool_used() + self.space.prefix_room()  # the prefix cache's RAM share is kept for it
             self._fit(kv, kv_grow + self.pass_bytes(tokens, ctx, rows), pin)
 
     def _io(self) -> dict | None:
@@ -258,13 +260,18 @@ class Engine:
     def _chunk(self, cache: "KVCache") -> int:
         return min(self.batch_tokens, cache.max_pass)
 
+    def _pool_used(self) -> int:
+        """What the KV pool's budget holds now: every sequence's KV in RAM, the cached prefixes, and the drafter's
+        n-gram indexes (they grow with the tokens, as KV does)."""
+        return self.space.ram_bytes() + self.spec.nbytes()
+
     def _fits(self, extra: int) -> bool:
         if self.pool_bytes is None:
             return True
-        if self.space.ram_bytes() + extra <= self.pool_bytes:
+        if self._pool_used() + extra <= self.pool_bytes:
             return True
         self.space.drop_live()  # the last conversation's idle KV goes first (its blocks to the prefix cache)
-        return self.space.ram_bytes() + extra <= self.pool_bytes
+        return self._pool_used() + extra <= self.pool_bytes
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens) for this pass: every decoding sequence, then prompt chunks, within batch_tokens;
