@@ -451,13 +451,7 @@ class StreamingStore:
         if self._multi or self.usage is None:
             return False
         cached = [p for p in self._cached() if p not in self._held]
-        if not cached:
-            return False
-        victim = min(cached, key=lambda p: self.usage.rank(self._key(p)))
-        if self.usage.rank(self._key(victim)) >= self.usage.rank(self._key(pid)):
-            return False
-        self._drop(victim)
-        return True
+        return bool(cached) and self._drop_lower(cached, pid)
 
     def _note_guess(self, i: int, uses: dict[int, int], started: set[int]) -> None:
         self.stats.lookahead_reads += len(started)
@@ -608,6 +602,10 @@ class StreamingStore:
             return True
         if self._multi:
             return False
+        return self._drop_lower(cached, pid)
+
+    def _drop_lower(self, cached: list[int], pid: int) -> bool:
+        """Drop the lowest-ranked of the `cached` experts if it ranks below `pid`'s (its slot is then free)."""
         victim = min(cached, key=lambda i: self.usage.rank(self._key(i)))
         if self.usage.rank(self._key(victim)) >= self.usage.rank(self._key(pid)):
             return False
