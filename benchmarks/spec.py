@@ -96,6 +96,11 @@ def lookahead_child(a: argparse.Namespace) -> None:
           flush=True)
 
 
+def pins(m) -> tuple[int, int]:
+    c = m.store.counters() if hasattr(m.store, "counters") else {}
+    return c.get("elastic_pins", 0), c.get("elastic_unpins", 0)
+
+
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
     quiet_openmp(argparse.Namespace(model=None if a.model == "smollm2" else a.model, memory_limit=a.memory_limit))
@@ -112,19 +117,23 @@ def child(a: argparse.Namespace) -> None:
         runs = {}
         for mode, draft in [("off", 0), ("on", None)] * a.repeat:  # alternating: a drifting machine hits both
             m.engine.spec = Speculator(draft, m.config.ngram, m.config.ngram_cache_size)
+            pins0 = pins(m)
             r = m.generate(ids, max_tokens=a.tokens, ignore_eos=True)
             s = r.stats
+            churn = [b - a for a, b in zip(pins0, pins(m))]  # elastic pins and unpins during the run
             if mode in runs:  # a repeat: decode tok/s over all runs of the mode (total tokens / total time)
                 old = runs[mode]
                 n = len(r.token_ids) - 1
                 old["decode_s"] += s["decode_s"]
                 old["runs"] += 1
                 old["decode_tokens_per_s"] = round(old["runs"] * n / old["decode_s"], 3)
+                old["elastic_pins_unpins"] = [x + y for x, y in zip(old["elastic_pins_unpins"], churn)]
                 continue
             runs[mode] = {"runs": 1, "decode_tokens_per_s": s["decode_tokens_per_s"], "tokens_per_pass": s["tokens_per_pass"],
                           "draft_tokens": s["draft_tokens"], "accepted_tokens": s["accepted_tokens"],
                           "weight_bytes_per_token": s["weight_bytes_per_token"], "read_gb_per_s": s["read_gb_per_s"],
-                          "decode_s": s["decode_s"], "token_ids": r.token_ids,
+                          "decode_s": s["decode_s"], "token_ids": r.token_ids, "elastic_pins_unpins": churn,
+                          "cut_for_memory": m.engine.spec.cut,
                           "gate": {k: v for k, v in m.engine.spec.counters().items() if k.startswith("decode_pass")}}
         same = runs["on"]["token_ids"] == runs["off"]["token_ids"]
         for v in runs.values():

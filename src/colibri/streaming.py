@@ -86,6 +86,7 @@ class StreamStats:
     lookahead_routed: int = 0  # routed experts of the layers that had a guess (recall = correct / routed)
     lookahead_reads: int = 0  # expert pages read early for a guess
     lookahead_wasted_bytes: int = 0  # of those, bytes read for experts the layer did not route to
+    lookahead_useful_reads: int = 0  # of those, pages of experts the layer did route to (reads moved earlier)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -134,7 +135,22 @@ class StreamingStore:
         self._lookahead = {self.pages[i]["layer"] for i in self._streamed
                            if self.pages[i]["kind"] == "expert"} if lookahead else set()
         self._guess: dict[int, tuple[set[int], set[int]]] = {}
+        # Staging reserved for guesses, taken from the expert cache (at most half of it), so a guess finds a free
+        # slot under a tight budget instead of competing with cached experts it ranks below: the pages of a
+        # decode pass's top_k guessed experts, plus those of the top_k - 1 routed experts a decode layer reads
+        # beyond the staging's own slot (its demand reads are issued first and take free slots first). A
+        # guess's page is never cached before it is used, so a demand read can always take its slot.
+        per_expert: dict[tuple[int, int], int] = {}
+        for i in self._streamed:
+            if self.pages[i]["kind"] == "expert":
+                key = (self.pages[i]["layer"], self.pages[i]["expert"])
+                per_expert[key] = per_expert.get(key, 0) + 1
+        pages = max(per_expert.values(), default=0)
+        want = (2 * args.top_k - 1) * pages if self._lookahead and self.usage else 0
+        self.lookahead_slots = min(want, self.placement.cache_slots // 2)
+        self._cache_cap = self.placement.cache_slots - self.lookahead_slots
         self._stale: set[int] = set()  # pages of wrong guesses still being read: freed once done
+        self._soon: set[int] = set()  # pages of the experts the layer in progress routed to
         self.lookahead_layers = [[0, 0] for _ in range(num_layers)]  # per layer: [correct, routed]
         self._multi = False  # the current pass prefills several tokens of a sequence: it must not evict cached experts
         self._passes = 0
@@ -232,10 +248,7 @@ class StreamingStore:
         sized for the whole context and a full pass, always fit."""
         if self.budget is None:
             return
-        if self.baseline is not None:
-            from colibri.metrics import rss_bytes
-            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
-        room = self.budget - self._fixed - held - extra
+        room = self._room(held) - extra
         while self._extra and self._extra_bytes > room:
             self._unpin(next(reversed(self._extra)))
         if not pin:
@@ -256,6 +269,18 @@ class StreamingStore:
                     raise
                 self._extra_bytes += self._cost[pid]
                 self.pins += 1
+
+    def _room(self, held: int) -> int:
+        """The budget less the placement's weights and what is held (measured as `fit` says)."""
+        if self.baseline is not None:
+            from colibri.metrics import rss_bytes
+            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
+        return self.budget - self._fixed - held
+
+    def spare(self, held: int) -> int | None:
+        """Bytes a pass may take beside `held` without unpinning anything (None: no budget). Optional work, such
+        as speculative drafts, is cut to this rather than make pages stream again."""
+        return None if self.budget is None else self._room(held) - self._extra_bytes
 
     def hold(self) -> None:
         """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
@@ -393,8 +418,9 @@ class StreamingStore:
         missing ones now so they load concurrently, and order them resident first (compute overlaps the reads)."""
         if self.usage:
             self.usage.record(i, uses)
+        self._soon = {self._page_of[n] for e in uses for n in names[e]}  # this layer's routed experts' pages
         if self._stale:  # a wrong guess's page that is routed to after all is kept for this use
-            self._stale.difference_update(self._page_of[n] for e in uses for n in names[e])
+            self._stale.difference_update(self._soon)
         if i in self._guess:
             self._settle_guess(i, set(uses))
         self.stats.expert_pinned_uses += sum(
@@ -428,19 +454,21 @@ class StreamingStore:
         return self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"])))
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
-        """Layer i's experts guessed ahead (expert -> tokens): read the guessed ones not resident, most used
-        first, at prefetch priority (behind every demand read), into a free slot (one is kept free for demand
+        """Layer i's experts guessed ahead (expert -> tokens, most likely first among equal counts): read the
+        guessed ones not resident, most used first, at prefetch priority (behind every demand read), into the
+        slots reserved for guesses (`lookahead_slots`), then into a free slot (one is kept free for demand
         reads) or, in a decode pass, over a cached expert that ranks lower (the guess enters the cache early)."""
         if i not in self._lookahead:
             return
         self._reap()
         self.stats.lookahead_predicted += len(uses)
         started = set()
-        for e in sorted(uses, key=lambda e: (-uses[e], e)):
+        for e in sorted(uses, key=lambda e: -uses[e]):  # stable: the router's order breaks ties
             for pid in sorted({self._page_of[n] for n in names[e]}):
                 if self.state[pid] != PageState.ON_DISK or pid not in self._streamed:
                     continue
-                if len(self._free) <= 1 and not self._evict_for(pid):
+                reserved = self._free and len(started) < self.lookahead_slots
+                if not reserved and len(self._free) <= 1 and not self._evict_for(pid):
                     return self._note_guess(i, uses, started)
                 self._start(pid, PREFETCH)
                 started.add(pid)
@@ -469,9 +497,11 @@ class StreamingStore:
             self.stats.lookahead_routed += len(routed)
             self.lookahead_layers[i][0] += hit
             self.lookahead_layers[i][1] += len(routed)
-        cap = self.placement.cache_slots if self.usage is not None else 0
+        cap = self._cache_cap if self.usage is not None else 0
         for pid in pids:
             slot = self._slots.get(pid)
+            if slot is not None and self.pages[pid]["expert"] in routed:
+                self.stats.lookahead_useful_reads += 1
             if slot is None or self.pages[pid]["expert"] in routed or slot.cached or pid in self._held:
                 continue
             if slot.future.done() and slot.future.exception() is None and len(self._cached()) < cap:
@@ -517,7 +547,7 @@ class StreamingStore:
                 "pinned_bytes": self.pinned_bytes, "elastic_pinned_bytes": self.pinned_bytes - self.placement.pinned_bytes,
                 "elastic_pins": self.pins, "elastic_unpins": self.unpins, "cached_bytes": cached * self.placement.slot_bytes,
                 "staging_bytes": self.placement.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
-                "reserve_bytes": self.placement.reserve,
+                "reserve_bytes": self.placement.reserve, "lookahead_slots": self.lookahead_slots,
                 "lookahead_recall_by_layer": [round(c / r, 4) if r else None for c, r in self.lookahead_layers]}
 
     # -- streaming -------------------------------------------------------------------------------------------
@@ -594,7 +624,7 @@ class StreamingStore:
     def _admit(self, pid: int) -> bool:
         """Keep an expert resident after its scope? Into a free cache slot always; over a cached expert only in
         a single-token pass (decode), and only when that expert ranks lower."""
-        cap = self.placement.cache_slots
+        cap = self._cache_cap
         if cap == 0 or self.usage is None:
             return False
         cached = self._cached()
@@ -632,18 +662,25 @@ class StreamingStore:
         self.stats.page_reads += 1
 
     def _make_room(self, keep: set[int]) -> None:
-        """Free a slot for a demand read: drop prefetched pages (farthest ahead first), then, if still needed,
-        the lowest-ranked cached expert."""
+        """Free a slot for a demand read: drop prefetched pages (farthest ahead first) other than those of the
+        layer's routed experts still to run (read early by a guess), then, if still needed, the lowest-ranked
+        cached expert, then those."""
         if self._free:
             return
-        for pid in sorted((p for p, s in self._slots.items() if not s.cached), key=self._distance, reverse=True):
-            if pid not in self._held and pid not in keep:
-                self._drop(pid)
-                if self._free:
-                    return
+        loose = sorted((p for p, s in self._slots.items() if not s.cached and p not in self._held and p not in keep),
+                       key=self._distance, reverse=True)
+        for pid in [p for p in loose if p not in self._soon]:
+            self._drop(pid)
+            if self._free:
+                return
         cached = [p for p in self._cached() if p not in keep]
         if cached and self.usage:
             self._drop(min(cached, key=lambda i: self.usage.rank(self._key(i))))
+            return
+        for pid in [p for p in loose if p in self._soon]:
+            self._drop(pid)
+            if self._free:
+                return
 
     def _distance(self, pid: int) -> int:
         return bisect.bisect_left(self._order, pid)

@@ -102,6 +102,15 @@ class _Levels:
                                         "Routed expert uses served without a read (cache hits and pinned)",
                                         value=(store.get("expert_hits", 0) + store.get("expert_pinned_uses", 0))
                                         / uses if uses else 0.0)
+            by_layer = store.get("lookahead_recall_by_layer") or []
+            if any(r is not None for r in by_layer):
+                recall = GaugeMetricFamily("colibri_lookahead_recall_by_layer",
+                                           "MoE router lookahead: routed experts that had been guessed, per layer",
+                                           labels=["layer"])
+                for i, r in enumerate(by_layer):
+                    if r is not None:
+                        recall.add_metric([str(i)], r)
+                yield recall
         for prefix, values in (("engine", snap["engine"]), ("store", store), ("kv", snap["kv"])):
             for key, value in sorted(values.items()):
                 if _numeric(value):
