@@ -73,10 +73,12 @@ def lookahead_child(a: argparse.Namespace) -> None:
     import colibri
     ids = list(range(1000, 1000 + 16))
     runs, tokens = {}, {}
+    if (Path(a.model) / "usage.json").exists():
+        raise SystemExit(f"{a.model}/usage.json exists: its learned pins would make the runs warm; move it away")
     for look in [True, False] * a.repeat:
-        (Path(a.model) / "usage.json").unlink(missing_ok=True)  # each run starts cold: no learned pins
         m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads, lookahead=look,
                          draft_tokens=0)
+        m.store.usage.path = None  # each run starts cold, and the container is left as it was (no usage.json)
         r = m.generate(ids, max_tokens=a.tokens, ignore_eos=True)
         s, c = r.stats, m.engine.counters()
         key = "on" if look else "off"
@@ -87,7 +89,9 @@ def lookahead_child(a: argparse.Namespace) -> None:
         old["decode_tokens_per_s"] = round(old["runs"] * (len(r.token_ids) - 1) / old["decode_s"], 3)
         old.update({k: s[k] for k in ("weight_bytes_per_token", "read_gb_per_s", "expert_hit_rate",
                                       "expert_resident_rate", "lookahead_recall", "io_wait_s")})
-        old.update({k: c.get(k, 0) for k in ("lookahead_reads", "lookahead_wasted_bytes")})
+        old.update({k: c.get(k, 0) for k in ("lookahead_reads", "lookahead_useful_reads", "lookahead_wasted_bytes",
+                                             "lookahead_slots")})
+        old["decode_weight_gb_per_token"] = round(c["weight_bytes_per_token"] / 1e9, 3)
         old["recall_by_layer"] = m.store.counters()["lookahead_recall_by_layer"]
         old["placement"] = {k: v for k, v in m.store.placement.as_dict().items() if k in
                             ("pinned_bytes", "streamed_bytes", "expert_cache_slots", "staging_bytes")}
@@ -176,7 +180,9 @@ def main() -> int:
             if r["task"] == "moe_lookahead":
                 print(f"lookahead decode {off['decode_tokens_per_s']:.2f} -> {on['decode_tokens_per_s']:.2f} tok/s |"
                       f" recall {on['lookahead_recall']:.3f} by layer {on['recall_by_layer']} | expert hit rate "
-                      f"{off['expert_hit_rate']:.3f} -> {on['expert_hit_rate']:.3f} | identical {r['tokens_identical']}")
+                      f"{off['expert_hit_rate']:.3f} -> {on['expert_hit_rate']:.3f} | early reads {on['lookahead_reads']} "
+                      f"({on['lookahead_useful_reads']} used) | GB read per token {off['decode_weight_gb_per_token']} -> "
+                      f"{on['decode_weight_gb_per_token']} | identical {r['tokens_identical']}")
                 print(json.dumps(r))
                 continue
             speed = on["decode_tokens_per_s"] / off["decode_tokens_per_s"] if off["decode_tokens_per_s"] else 0
