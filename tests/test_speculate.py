@@ -299,3 +299,26 @@ def test_drafter_memory_estimate_bounds_what_it_allocates():
     used = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert len(cache) == 20000 and used <= cache.nbytes(), (used, cache.nbytes())
+
+
+def test_metrics_export_speculation_and_lookahead_recall_per_layer():
+    """/metrics carries the engine's speculation counters as gauges and the lookahead's recall per layer."""
+    from colibri.server.metrics import ServerMetrics
+
+    class Worker:
+        state = "ready"
+        snapshot = {"queued": 0, "kv_pool_capacity_bytes": 0, "kv": {},
+                    "engine": {"spec_drafted_tokens": 5, "spec_acceptance_rate": 0.4, "lookahead_recall": 0.625},
+                    "store": {"expert_hits": 1, "expert_misses": 3, "lookahead_recall_by_layer": [None, 0.5, 0.75]}}
+
+        def rates(self):
+            return 0.0, 0.0
+
+    metrics = ServerMetrics()
+    metrics.attach(Worker())
+    text = metrics.render().decode()
+    for line in ('colibri_lookahead_recall_by_layer{layer="1"} 0.5', 'colibri_lookahead_recall_by_layer{layer="2"} 0.75',
+                 "colibri_engine_spec_drafted_tokens 5.0", "colibri_engine_spec_acceptance_rate 0.4",
+                 "colibri_engine_lookahead_recall 0.625", "colibri_expert_hit_rate 0.25"):
+        assert line in text, line
+    assert 'layer="0"' not in text  # layer 0 has no guess
