@@ -254,6 +254,7 @@ def test_router_lookahead_guesses_the_next_layer_and_never_changes_tokens(correl
     assert on[0] == off[0] == on[1][:2] and on[1] == off[1]
     c = on[2]
     assert c["lookahead_reads"] > 0 and c["lookahead_recall"] >= 0.75, c
+    assert 0 < c["lookahead_useful_reads"] <= c["lookahead_reads"], c  # guesses that the layer then used
     by_layer = on[3]
     assert by_layer[0] is None and all(r >= 0.6 for r in by_layer[1:]), by_layer  # layer 0 has no guess
     assert on[4]["lookahead_recall"] >= 0.6 and "expert_hit_rate" in on[4]
