@@ -8,7 +8,7 @@
 // Weights, unsigned operand: q4 codes q in [0, 15] as they are; q8 codes with the sign bit flipped (q + 128).
 // Per (row, column, group): A = sum(u * xq) - off * sum(xq) (off = 8 or 128: A = x~ . (q - 8), resp. x~ . q,
 // exact in int32), then in f32
-//   q4:            y += scale * (d * A) + zero * sum(x)
+//   q4:            y = sum over groups of scale * (d * A), plus (added last) the sum over groups of zero * sum(x)
 //   q8 grouped:    y += scale * (d * A)
 //   q8 per channel: y += d * A, and y *= scale at the end.
 // Invariance: the int32 sums are exact and the f32 steps run per (row, column) over the groups in K order, the
@@ -196,10 +196,11 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
 // ---- the register block --------------------------------------------------------------------------------------------
 
 // tot[R][64] += this group's terms for R rows: `steps` quads from `src`, x codes xq (row stride ldx), the rows'
-// group scale d, code sum qs and x sum xs (stride ldg), and the group's column parameters prm (scale[4], zero[4]).
+// group scale d and code sum qs (stride ldg), and the group's column scales prm[0..3].
+// Never inlined: inlined into the tile loop, GCC 12 spilled the accumulators on every step (2x slower).
 template <int R, int K, class Src>
-inline void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d, const int32_t* qs,
-                      const float* xs, int64_t ldg, const __m512* prm, float* tot) {
+__attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d, const int32_t* qs,
+                      int64_t ldg, const __m512* prm, float* tot) {
   constexpr int32_t off = K == kQ4 ? 8 : 128;
   __m512i c[R][4];  // start at -off * sum(xq): the offset of the unsigned codes, exact in int32
 #pragma GCC unroll 8
@@ -226,15 +227,14 @@ inline void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, c
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) _mm512_store_si512(sums[r] + 16 * j, c[r][j]);
   for (int r = 0; r < R; ++r) {
-    const __m512 dv = _mm512_set1_ps(d[r * ldg]), xv = _mm512_set1_ps(xs[r * ldg]);
+    const __m512 dv = _mm512_set1_ps(d[r * ldg]);
     for (int j = 0; j < 4; ++j) {
       const __m512i cj = _mm512_load_si512(sums[r] + 16 * j);
       const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), dv);
       float* o = tot + r * kCols + 16 * j;
       __m512 cur = _mm512_loadu_ps(o);
-      if constexpr (K == kQ4) cur = _mm512_add_ps(cur, _mm512_fmadd_ps(f, prm[j], _mm512_mul_ps(prm[4 + j], xv)));
-      else if constexpr (K == kQ8Grouped) cur = _mm512_fmadd_ps(f, prm[j], cur);
-      else cur = _mm512_add_ps(cur, f);
+      if constexpr (K == kQ8Channel) cur = _mm512_add_ps(cur, f);
+      else cur = _mm512_fmadd_ps(f, prm[j], cur);
       _mm512_storeu_ps(o, cur);
     }
   }
@@ -296,13 +296,14 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const Tables tb;
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * kCols);
+    std::vector<float> acc(t * kCols), zacc(K == kQ4 ? t * kCols : 0);  // q4: the zero terms apart
     constexpr int64_t span = K == kQ4 ? kSpan : kSpanQ8;
     alignas(64) static thread_local uint8_t buf[span / 4 * kQuad];
     alignas(64) static thread_local __m512 prm[span / 32][8];
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(zacc.begin(), zacc.end(), 0.f);
       const bool direct = K == kQ4 && cols == kCols && t <= kRowBlock;
       for (int64_t k0 = 0; k0 < k; k0 += span) {
         const int64_t kn = std::min(span, k - k0), ng = kn / xg;
@@ -329,18 +330,32 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
             float* tot = acc.data() + r0 * kCols;
             if (direct) {
               group_dot<rr, K>([&](int64_t p, __m512i* v) { q4_quads(tp + (kg + 4 * p) * 32, tb, v); }, xg / 4, xq,
-                               k, a.d.data() + off, a.qs.data() + off, a.xs.data() + off, groups, prm[i], tot);
+                               k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
             } else {
               const uint8_t* qb = buf + (kg - k0) / 4 * kQuad;
               group_dot<rr, K>(
                   [&](int64_t p, __m512i* v) {
                     for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(qb + p * kQuad + 64 * c);
                   },
-                  xg / 4, xq, k, a.d.data() + off, a.qs.data() + off, a.xs.data() + off, groups, prm[i], tot);
+                  xg / 4, xq, k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
             }
           }
         });
+        if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, for every row
+          for (int64_t r = 0; r < t; ++r) {
+            float* zr = zacc.data() + r * kCols;
+            __m512 zv[4];
+            for (int j = 0; j < 4; ++j) zv[j] = _mm512_loadu_ps(zr + 16 * j);
+            for (int64_t i = 0; i < ng; ++i) {
+              const __m512 xv = _mm512_set1_ps(a.xs[r * groups + (k0 + i * xg) / xg]);
+              for (int j = 0; j < 4; ++j) zv[j] = _mm512_fmadd_ps(prm[i][4 + j], xv, zv[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(zr + 16 * j, zv[j]);
+          }
       }
+      if constexpr (K == kQ4)
+        for (int64_t i = 0; i < t * kCols; i += 16)
+          _mm512_storeu_ps(acc.data() + i, _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), _mm512_loadu_ps(zacc.data() + i)));
       if constexpr (K == kQ8Channel)
         for (int64_t j = 0; j < cols; ++j) {
           const float s = scalar_of(w.sc, n0 + j, w.st);
