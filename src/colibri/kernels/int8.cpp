@@ -16,8 +16,8 @@
 // once to x's dtype.
 // Loop form: 64-column tiles (parallel), K in chunks of 256; the weights of a chunk are laid out as "quads" (4
 // consecutive k of 16 columns in one 32-bit lane each, 4 vectors per 64 columns): q4 tiles are turned into quads in
-// registers for passes of at most kRows rows, else into an L1 buffer once per chunk; q8 rows are transposed into
-// the buffer. Register blocks of up to kRows rows x 64 columns accumulate over it.
+// registers for passes of at most 4 rows, else into an L1 buffer once per chunk; q8 rows are transposed into
+// the buffer. Register blocks of up to kRowBlock rows x 64 columns accumulate over it.
 //
 // The VNNI code is compiled for that target only (the pragma below): the rest of the library loads on machines
 // without it, and Python uses these ops only where /proc/cpuinfo lists avx512_vnni.
@@ -304,7 +304,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(zacc.begin(), zacc.end(), 0.f);
-      const bool direct = K == kQ4 && cols == kCols && t <= kRowBlock;
+      // q4 quads straight from the tile for passes of at most 4 rows (measured: at 5-6 rows the unpacking in the
+      // register block costs more than the buffer); the same codes either way
+      const bool direct = K == kQ4 && cols == kCols && t <= 4;
       for (int64_t k0 = 0; k0 < k; k0 += span) {
         const int64_t kn = std::min(span, k - k0), ng = kn / xg;
         for (int64_t i = 0; i < ng; ++i) {
