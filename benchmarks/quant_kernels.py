@@ -12,8 +12,9 @@ Columns, ms per call, bf16 x throughout:
   q4 old      the previous default: int4mm below 128 rows, dequantize tiles + bf16 GEMM from 128 (not invariant)
   q4 new      colibri.kernels' native q4 kernel (the default)
   q8 int8mm   torch's `_weight_int8pack_mm` (per channel); q8 new: the native kernel
+  q4 i8, q8 i8  the LOSSY int8-activation kernels (VNNI; `--lossy-int8-activations`), where the CPU has them
   bf16 torch  F.linear on a dense bf16 weight (oneDNN; not row-invariant); bf16 new: the native dense kernel
-  x1 = q4 new at T / q4 new at T = 1;  /bf16 = q4 new / bf16 torch.
+  x1 = q4 new at T / q4 new at T = 1;  /bf16 = q4 new / bf16 torch; i8 x1, i8 /bf16: the same for q4 i8.
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ def clone_q(q):
     return lambda: type(q).from_buffers(q.shape, q.group_size, {k: v.clone() for k, v in q.buffers().items()})
 
 
-def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool) -> None:
+def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool, only: list[str] | None) -> None:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     wb = w.bfloat16()
     q4, q8 = quantize(w, "q4", 64), quantize(w, "q8", 0)
     nat = kernels.ops()
+    kernels.set_int8_activations(True)
+    int8 = kernels.int8_activations()  # the ops are called directly below; this only checks VNNI
 
     def q4_int4mm(q, x):
         b = q.buffers()
@@ -80,12 +83,24 @@ def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool) -> Non
         b = q.buffers()
         return nat.q8_linear(x, b["qweight"], b["scales"], 0)
 
+    def q4_i8(q, x):
+        b = q.buffers()
+        return nat.q4_linear_i8(x, b["qweight"], b["scales_zeros"], 64)
+
+    def q8_i8(q, x):
+        b = q.buffers()
+        return nat.q8_linear_i8(x, b["qweight"], b["scales"], 0)
+
     cols = {"q4 int4mm": (q4, q4_int4mm), "q4 old": (q4, q4_old), "q4 new": (q4, q4_new),
             "q8 int8mm": (q8, q8_int8mm), "q8 new": (q8, q8_new),
+            **({"q4 i8": (q4, q4_i8), "q8 i8": (q8, q8_i8)} if int8 else {}),
             "bf16 torch": (wb, lambda w_, x: F.linear(x, w_)), "bf16 new": (wb, lambda w_, x: nat.dense_linear(x, w_))}
+    if only:
+        cols = {c: v for c, v in cols.items() if c in only or c in ("q4 new", "bf16 torch", "q4 i8")}
     print(f"\n{n} x {k}, ms per call ({'thread CPU time' if cpu else 'wall'}, best of {repeat})")
-    print(f"{'T':>4} " + " ".join(f"{c:>10}" for c in cols) + f" {'x1':>6} {'/bf16':>6}")
-    t1 = None
+    extra = ["i8 x1", "i8 /bf16"] if int8 else []
+    print(f"{'T':>4} " + " ".join(f"{c:>10}" for c in cols) + " ".join(f" {c:>8}" for c in ["x1", "/bf16"] + extra))
+    t1 = t1i8 = None
     for t in rows:
         x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).bfloat16()
         row = {}
@@ -94,8 +109,12 @@ def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool) -> Non
             nbytes = wt.nbytes if isinstance(wt, torch.Tensor) else wt.nbytes
             row[name] = time_calls(make, nbytes, t, lambda w_: fn(w_, x), repeat, cpu)
         t1 = t1 or row["q4 new"]
-        print(f"{t:>4} " + " ".join(f"{row[c]:>10.3f}" for c in cols)
-              + f" {row['q4 new'] / t1:>6.2f} {row['q4 new'] / row['bf16 torch']:>6.2f}", flush=True)
+        ratios = [row["q4 new"] / t1, row["q4 new"] / row["bf16 torch"]]
+        if int8:
+            t1i8 = t1i8 or row["q4 i8"]
+            ratios += [row["q4 i8"] / t1i8, row["q4 i8"] / row["bf16 torch"]]
+        print(f"{t:>4} " + " ".join(f"{row[c]:>10.3f}" for c in cols) + " ".join(f" {r:>8.2f}" for r in ratios),
+              flush=True)
 
 
 def plain_to_tiled(p: torch.Tensor) -> torch.Tensor:
@@ -129,6 +148,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     ap.add_argument("--cpu-time", action="store_true", help="thread CPU time (use with --threads 1)")
     ap.add_argument("--repack", action="store_true", help="also time the q4 repack for these shapes")
+    ap.add_argument("--columns", nargs="+", help="only these columns (q4 new, bf16 torch and q4 i8 always)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.native():
@@ -136,7 +156,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{args.threads} threads, stored q4 layout is torch's: {kernel_layout_is_stored_layout()}")
     n, k = (int(v) for v in args.shape.split("x"))
-    kernel_table(n, k, args.rows, args.repeat, args.cpu_time)
+    kernel_table(n, k, args.rows, args.repeat, args.cpu_time, args.columns)
     if args.repack:
         repack_table([args.shape, "576x1536"], args.repeat)
 

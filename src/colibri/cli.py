@@ -66,6 +66,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                                                    " layer's experts with its router and read them"
                                                                    " early (default on; never changes tokens)"),
                   None),
+    "lossy_int8_activations": (dict(action="store_true", default=None,
+                                    help="LOSSY: q4/q8 weights multiply int8-quantized activations (AVX-512 VNNI),"
+                                         " faster prefill and batches at a small quality cost (docs/performance.md;"
+                                         " COLIBRI_LOSSY_INT8=1 does the same)"), None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=defaults.DEFAULT_MAX_TOKENS,
@@ -144,7 +148,7 @@ def check_bounds(args) -> None:
 
 
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
-          "debug"]
+          "lossy_int8_activations", "debug"]
 ENGINE = ["max_sequences", "draft_tokens", "ngram", "ngram_cache_size", "lookahead"]
 KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")

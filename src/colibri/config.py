@@ -38,7 +38,9 @@ class EngineConfig:
     draft_tokens: speculative decoding's draft length (None: adaptive, sized by measured acceptance and pass
     cost; 0: off; N: N whenever an n-gram matches). ngram: the longest n-gram matched. ngram_cache_size: entries
     of the n-gram cache shared by all sequences (0: prompt lookup only). lookahead: MoE under a memory limit,
-    predict the next layer's experts with its router and read them early (never changes tokens)."""
+    predict the next layer's experts with its router and read them early (never changes tokens).
+    lossy_int8_activations: LOSSY, q4 / q8 linears quantize activations to int8 per row and group (AVX-512 VNNI;
+    faster long passes, cost in docs/performance.md); process-wide once set (colibri.kernels)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
@@ -58,6 +60,7 @@ class EngineConfig:
     ngram: int = DEFAULT_NGRAM
     ngram_cache_size: int = DEFAULT_NGRAM_CACHE
     lookahead: bool = True
+    lossy_int8_activations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_sequences", "io_threads"):

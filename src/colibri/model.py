@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from colibri import budget
+from colibri import budget, kernels
 from colibri import generate as gen
 from colibri.config import EngineConfig
 from colibri.container import ContainerCheckpoint
@@ -105,6 +105,8 @@ class Model:
         self.closed = False
         if config.threads:
             torch.set_num_threads(int(config.threads))
+        if config.lossy_int8_activations:
+            kernels.set_int8_activations(True)
         self.path = config.model_path()
         self.checkpoint, self.args, self.arch = open_model(self.path)
         ckpt = self.checkpoint

@@ -265,6 +265,8 @@ class Q4Weight(_QuantWeight):
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
             b = self._buffers
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
+                return kernels.ops().q4_linear_i8(x, b["qweight"], b["scales_zeros"], self.group_size)
             return kernels.ops().q4_linear(x, b["qweight"], b["scales_zeros"], self.group_size)
         if x.dtype == torch.bfloat16:
             sz = self._buffer_as("scales_zeros", torch.bfloat16)
@@ -342,7 +344,10 @@ class Q8Weight(_QuantWeight):
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
-            return kernels.ops().q8_linear(x, self._buffers["qweight"], self._buffers["scales"], self.group_size)
+            op = kernels.ops().q8_linear
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
+                op = kernels.ops().q8_linear_i8
+            return op(x, self._buffers["qweight"], self._buffers["scales"], self.group_size)
         if self.group_size == 0 and x.dtype == torch.bfloat16:
             s = self._buffer_as("scales", torch.bfloat16)
             return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)

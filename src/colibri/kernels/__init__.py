@@ -16,6 +16,13 @@ OpenMP runtime beside torch's is a known trap (two pools oversubscribe the cores
 the build succeeds, else torch with a one-line notice) or `torch` (always the torch fallback). The fallback is
 batch-invariant too, by other means (fixed-size row blocks; see `blocked`), so its own runs agree with
 themselves; its tokens can differ from the native kernels' in the last bits.
+
+LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`, `--lossy-int8-activations`, or
+`COLIBRI_LOSSY_INT8=1`): q4 and q8 weights multiply activations quantized per row and per group to int8 with
+AVX-512 VNNI dot products, about twice the arithmetic rate of the exact bf16 kernels on long passes. Still
+batch-invariant; its quality cost is in docs/performance.md. Process-wide, like the kernel mode: once set, every
+model in the process uses it. Where the CPU lacks avx512_vnni (or the native kernels are off) a one-line notice
+says so and the exact kernels run.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from pathlib import Path
 import torch
 
 MODE_ENV = "COLIBRI_KERNELS"
-_SOURCES = ("linear.cpp", "attention.cpp")
+LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
+_SOURCES = ("linear.cpp", "attention.cpp", "int8.cpp")
 # -fopenmp: at::parallel_for is a header template whose OpenMP region compiles to a serial loop without it (the
 # kernels then used one core of two); the extension links the libgomp.so.1 torch has already loaded.
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vbmi",
@@ -131,3 +139,44 @@ def blocked(fn, x: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> to
         blk[:c] = x[r:r + c]
         out[r:r + c] = fn(blk)[:c]
     return out
+
+
+_int8_requested: bool | None = None  # set_int8_activations; None: COLIBRI_LOSSY_INT8 decides
+
+
+def set_int8_activations(on: bool | None) -> None:
+    """Turn the LOSSY int8-activation kernels on or off for this process (None: back to COLIBRI_LOSSY_INT8)."""
+    global _int8_requested
+    _int8_requested = None if on is None else bool(on)
+
+
+def _int8_env() -> bool:
+    v = os.environ.get(LOSSY_INT8_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{LOSSY_INT8_ENV}={v!r} is not understood; use 1 or 0")
+
+
+@functools.cache
+def _int8_usable() -> bool:
+    if "avx512_vnni" not in _cpu_flags():
+        _notice("lossy int8 activations need AVX-512 VNNI (avx512_vnni), which this CPU lacks; using the exact kernels")
+        return False
+    if not native():
+        _notice("lossy int8 activations need the native kernels; using the exact torch kernels")
+        return False
+    return True
+
+
+def int8_activations() -> bool:
+    """Whether q4 / q8 linears use the LOSSY int8-activation kernels now (requested, VNNI present, native on)."""
+    on = _int8_env() if _int8_requested is None else _int8_requested
+    return on and mode() == "native" and _int8_usable()
+
+
+def int8_supports(k: int, group_size: int) -> bool:
+    """Whether the int8 kernels take a weight with K inputs and this group size (0: q8 per channel); the exact
+    kernels run the others."""
+    return k % 64 == 0 and group_size in (0, 32, 64, 128, 256)

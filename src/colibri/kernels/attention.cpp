@@ -75,6 +75,107 @@ View view_of(const at::Tensor& t) {
   return View{static_cast<const char*>(t.data_ptr()), t.stride(0) * e, t.stride(1) * e};
 }
 
+struct Pass {  // what every task of one attend() call shares
+  View qv, kv, vv;
+  bool qb, kb, vb;
+  int64_t T, D, S, chunks, window;
+  const int64_t* pos;
+  float sc, cap, *out;
+};
+
+// The G query heads sharing KV head hk, at query t: each key and value row is loaded and widened once for all of
+// them (the per-head loop loaded it G times). Per head, every score, exponent, sum and output element is the same
+// arithmetic in the same order as the per-head loop of attend(), so the results are bit-identical to it.
+template <int G>
+void attend_group(const Pass& a, int64_t hk, int64_t t, std::vector<float>& scores, std::vector<__m512>& work) {
+  const int64_t p = a.pos[t], D = a.D, chunks = a.chunks;
+  const int64_t hi = std::min(p, a.S - 1), lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+  if (hi < lo) {
+    for (int g = 0; g < G; ++g) std::fill(a.out + ((hk * G + g) * a.T + t) * D, a.out + ((hk * G + g) * a.T + t + 1) * D, 0.f);
+    return;
+  }
+  const int64_t n = hi - lo + 1, ld = n + 16;
+  scores.resize(G * ld);
+  work.resize(G * chunks + chunks + G * 16);
+  __m512* qr = work.data();            // [G][chunks]
+  __m512* kr = qr + G * chunks;        // [chunks]: one key row, widened
+  __m512* d = kr + chunks;             // [G][16]: lane partials of 16 keys
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      qr[g * chunks + c] = load_row(a.qv.row(hk * G + g, t), a.qb, 16 * c, tail_mask(D - 16 * c));
+  __m512 mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-INFINITY);
+  for (int64_t jb = 0; jb < n; jb += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - jb);
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i >= nb) {
+        for (int g = 0; g < G; ++g) d[g * 16 + i] = _mm512_setzero_ps();
+        continue;
+      }
+      const void* row = a.kv.row(hk, lo + jb + i);
+      for (int64_t c = 0; c < chunks; ++c) kr[c] = load_row(row, a.kb, 16 * c, tail_mask(D - 16 * c));
+      for (int g = 0; g < G; ++g) {
+        const __m512* qg = qr + g * chunks;
+        __m512 acc = _mm512_mul_ps(qg[0], kr[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qg[c], kr[c], acc);
+        d[g * 16 + i] = acc;
+      }
+    }
+    const __mmask16 mk = tail_mask(nb);
+    for (int g = 0; g < G; ++g) {
+      __m512 sv = _mm512_mul_ps(reduce16(d + g * 16), _mm512_set1_ps(a.sc));
+      if (a.cap > 0) {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, sv);
+        for (int i = 0; i < 16; ++i) tmp[i] = std::tanh(tmp[i] / a.cap) * a.cap;
+        sv = _mm512_load_ps(tmp);
+      }
+      _mm512_mask_storeu_ps(scores.data() + g * ld + jb, mk, sv);
+      mx[g] = _mm512_mask_max_ps(mx[g], mk, mx[g], sv);
+    }
+  }
+  float l[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * ld;
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx[g]));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 mk = tail_mask(n - j);
+      _mm512_mask_storeu_ps(sg + j, mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + j), mv)));
+    }
+    l[g] = 0.f;
+    for (int64_t j = 0; j < n; ++j) l[g] += sg[j];
+  }
+  for (int64_t c0 = 0; c0 < chunks; c0 += 2) {  // two 16-lane chunks (one bf16 cache line) of every head at once
+    __m512 a0[G], a1[G];
+    for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    const __mmask16 m0 = tail_mask(D - 16 * c0), m1 = c0 + 1 < chunks ? tail_mask(D - 16 * (c0 + 1)) : 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const void* row = a.vv.row(hk, lo + j);
+      const __m512 v0 = load_row(row, a.vb, 16 * c0, m0), v1 = load_row(row, a.vb, 16 * (c0 + 1), m1);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * ld + j]);
+        a0[g] = _mm512_fmadd_ps(w, v0, a0[g]);
+        a1[g] = _mm512_fmadd_ps(w, v1, a1[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* o = a.out + ((hk * G + g) * a.T + t) * D;
+      const __m512 lv = _mm512_set1_ps(l[g]);
+      _mm512_mask_storeu_ps(o + 16 * c0, m0, _mm512_div_ps(a0[g], lv));
+      if (m1) _mm512_mask_storeu_ps(o + 16 * (c0 + 1), m1, _mm512_div_ps(a1[g], lv));
+    }
+  }
+}
+
+template <int G>
+void attend_groups(const Pass& a, int64_t hkv) {
+  at::parallel_for(0, hkv * a.T, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores;
+    std::vector<__m512> work;
+    for (int64_t task = b; task < e; ++task) attend_group<G>(a, task / a.T, task % a.T, scores, work);
+  });
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                   int64_t window, double scale, double softcap) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
@@ -92,6 +193,20 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // query heads sharing a KV head go together where that leaves a few tasks per thread (same results either way)
+  if (G >= 2 && G <= 8 && Hkv * T >= 4 * at::get_num_threads()) {
+    const Pass a{qv, kv, vv, qb, kb, vb, T, D, S, chunks, window, pp, sc, cap, op};
+    switch (G) {
+      case 2: attend_groups<2>(a, Hkv); break;
+      case 3: attend_groups<3>(a, Hkv); break;
+      case 4: attend_groups<4>(a, Hkv); break;
+      case 5: attend_groups<5>(a, Hkv); break;
+      case 6: attend_groups<6>(a, Hkv); break;
+      case 7: attend_groups<7>(a, Hkv); break;
+      default: attend_groups<8>(a, Hkv); break;
+    }
+    return out;
+  }
   at::parallel_for(0, H * T, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     __m512 qr[64], acc[64];

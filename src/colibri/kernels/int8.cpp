@@ -1,0 +1,419 @@
+// LOSSY linear kernels with int8 activations for the q4 and q8 layouts: AVX-512 VNNI `vpdpbusd` (64 multiply-adds
+// of u8 x s8 per instruction, twice the rate of bf16 dot products). Opt-in (EngineConfig.lossy_int8_activations,
+// COLIBRI_LOSSY_INT8=1); the exact bf16 kernels (linear.cpp) stay the default.
+//
+// Activations: each row is quantized on its own, per group of xg inputs (xg = the weight's group; 64 for q8 with
+// one scale per channel): d = max|x| / 127, xq = round(x / d) in [-127, 127], and per group the sum of xq and
+// the exact f32 sum of x.
+// Weights, unsigned operand: q4 codes q in [0, 15] as they are; q8 codes with the sign bit flipped (q + 128).
+// Per (row, column, group): A = sum(u * xq) - off * sum(xq) (off = 8 or 128: A = x~ . (q - 8), resp. x~ . q,
+// exact in int32), then in f32
+//   q4:            y = sum over groups of scale * (d * A), plus (added last) the sum over groups of zero * sum(x)
+//   q8 grouped:    y += scale * (d * A)
+//   q8 per channel: y += d * A, and y *= scale at the end.
+// Invariance: the int32 sums are exact and the f32 steps run per (row, column) over the groups in K order, the
+// same for every pass size; row blocks and K chunks only decide which accumulators are live. The output is rounded
+// once to x's dtype.
+// Loop form: 64-column tiles (parallel), K in chunks of 256; the weights of a chunk are laid out as "quads" (4
+// consecutive k of 16 columns in one 32-bit lane each, 4 vectors per 64 columns): q4 tiles are turned into quads in
+// registers for passes of at most 4 rows, else into an L1 buffer once per chunk; q8 rows are transposed into
+// the buffer. Register blocks of up to kRowBlock rows x 64 columns accumulate over it.
+//
+// The VNNI code is compiled for that target only (the pragma below): the rest of the library loads on machines
+// without it, and Python uses these ops only where /proc/cpuinfo lists avx512_vnni.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+namespace {
+
+constexpr int64_t kCols = 64;   // columns per tile (the q4 layout's tile)
+constexpr int kRowBlock = 6;    // x rows per register block: 6 x 4 int32 accumulators
+constexpr int64_t kSpan = 256;  // k per chunk: a 64-column chunk of quads is 16 KiB
+// q8 chunks are longer: the transpose then reads 1 KiB runs of each of 16 rows at a time (with 256-byte runs of
+// 64 rows, T = 1 took 2.8 ms for 4096 x 4096 against 1.6 ms of the exact kernel); the quads stay in L2
+constexpr int64_t kSpanQ8 = 1024;
+constexpr int64_t kQuad = 256;  // bytes of one quad step for 64 columns
+
+enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
+
+inline __m512 x16(const void* x, bool bf, int64_t i) {
+  if (!bf) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+float scalar_of(const void* p, int64_t i, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return static_cast<const float*>(p)[i];
+    case at::kBFloat16: return static_cast<float>(static_cast<const at::BFloat16*>(p)[i]);
+    default: return static_cast<float>(static_cast<const at::Half*>(p)[i]);
+  }
+}
+
+// Per-row, per-group int8 activations.
+struct Activations {
+  std::vector<int8_t> q;   // [T][K]
+  std::vector<float> d;    // [T][G] scale
+  std::vector<int32_t> qs; // [T][G] sum of q
+  std::vector<float> xs;   // [T][G] sum of x
+  int64_t groups;
+};
+
+Activations quantize_rows(const at::Tensor& x, int64_t xg) {
+  const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
+  Activations a{std::vector<int8_t>(t * k), std::vector<float>(t * groups), std::vector<int32_t>(t * groups),
+                std::vector<float>(t * groups), groups};
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const void* p = x.data_ptr();
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t base = r * k + gi * xg;
+        __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < xg; j += 16) {
+          const __m512 v = x16(p, bf, base + j);
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+          sum = _mm512_add_ps(sum, v);
+        }
+        const float m = _mm512_reduce_max_ps(amax);
+        const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+        __m512i qsum = _mm512_setzero_si512();
+        for (int64_t j = 0; j < xg; j += 16) {
+          __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x16(p, bf, base + j), inv));  // round to nearest even
+          qi = _mm512_min_epi32(_mm512_max_epi32(qi, lo), hi);
+          qsum = _mm512_add_epi32(qsum, qi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + base + j), _mm512_cvtepi32_epi8(qi));
+        }
+        a.d[r * groups + gi] = m / 127.f;
+        a.qs[r * groups + gi] = _mm512_reduce_add_epi32(qsum);
+        a.xs[r * groups + gi] = _mm512_reduce_add_ps(sum);
+      }
+  });
+  return a;
+}
+
+// ---- weights as quads --------------------------------------------------------------------------------------------
+
+struct Tables {
+  __m512i q4lo, q4hi, nib;  // q4: 4 tile rows (128 bytes) -> quads of columns 0-15 / 16-31, low nibble mask
+  __m512i ta[4], tb[4];     // 16 x 16 dword transpose, one pair of index vectors per stage
+  Tables() {
+    alignas(64) uint8_t lo[64], hi[64];
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) lo[4 * j + i] = static_cast<uint8_t>(32 * i + j), hi[4 * j + i] = lo[4 * j + i] + 16;
+    q4lo = _mm512_load_si512(lo);
+    q4hi = _mm512_load_si512(hi);
+    nib = _mm512_set1_epi8(0x0f);
+    for (int s = 0; s < 4; ++s) {
+      alignas(64) int32_t a[16], b[16];
+      const int bit = 1 << s;
+      for (int j = 0; j < 16; ++j) {
+        a[j] = (j & bit) ? 16 + (j ^ bit) : j;
+        b[j] = (j & bit) ? 16 + j : (j ^ bit);
+      }
+      ta[s] = _mm512_load_si512(a);
+      tb[s] = _mm512_load_si512(b);
+    }
+  }
+};
+
+// Tile rows k..k+3 of a full q4 tile (128 contiguous bytes: byte (k, j) = q[j, k] | q[32 + j, k] << 4) -> 4 quad
+// vectors for columns 0-15, 16-31, 32-47, 48-63.
+inline void q4_quads(const uint8_t* rows, const Tables& tb, __m512i w[4]) {
+  const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64);
+  const __m512i v0 = _mm512_permutex2var_epi8(a, tb.q4lo, b), v1 = _mm512_permutex2var_epi8(a, tb.q4hi, b);
+  w[0] = _mm512_and_si512(v0, tb.nib);
+  w[1] = _mm512_and_si512(v1, tb.nib);
+  w[2] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), tb.nib);
+  w[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), tb.nib);
+}
+
+// Quads of k in [k0, k0 + kn) of the q4 tile at column n0 into buf [kn/4][64 columns][4].
+void q4_chunk(const uint8_t* qw, int64_t np, int64_t k, int64_t n0, int64_t k0, int64_t kn, const Tables& tb,
+              uint8_t* buf) {
+  const int64_t cols = std::min(kCols, np - n0);
+  const uint8_t* tile = qw + n0 * (k / 2);
+  if (cols == kCols) {
+    for (int64_t s = 0; s < kn / 4; ++s) {
+      __m512i w[4];
+      q4_quads(tile + (k0 + 4 * s) * 32, tb, w);
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(buf + s * kQuad + 64 * c, w[c]);
+    }
+    return;
+  }
+  // the last tile of cols (16, 32 or 48) rows is stored as row pairs: byte (k, i) = q[2i, k] | q[2i + 1, k] << 4
+  std::memset(buf, 0, kn / 4 * kQuad);
+  for (int64_t kk = 0; kk < kn; ++kk)
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint8_t byte = tile[(k0 + kk) * (cols / 2) + j / 2];
+      buf[kk / 4 * kQuad + j * 4 + (kk & 3)] = (j & 1) ? byte >> 4 : byte & 15;
+    }
+}
+
+// 16 vectors of 16 dwords, transposed in place (stage s swaps bit s of the row and the column index).
+inline void transpose16(__m512i r[16], const Tables& tb) {
+  for (int s = 0; s < 4; ++s) {
+    const int bit = 1 << s;
+    for (int i = 0; i < 16; ++i) {
+      if (i & bit) continue;
+      const __m512i a = _mm512_permutex2var_epi32(r[i], tb.ta[s], r[i | bit]);
+      const __m512i b = _mm512_permutex2var_epi32(r[i], tb.tb[s], r[i | bit]);
+      r[i] = a;
+      r[i | bit] = b;
+    }
+  }
+}
+
+// q8 rows [n0, n0 + 64) (those below n), k in [k0, k0 + kn), as quads of q + 128 into buf.
+void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, int64_t kn, const Tables& tb,
+              uint8_t* buf) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < 4; ++c)
+    for (int64_t kk = 0; kk < kn; kk += 64) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = n0 + 16 * c + i;
+        r[i] = row < n ? _mm512_loadu_si512(qw + row * k + k0 + kk) : _mm512_setzero_si512();
+      }
+      transpose16(r, tb);
+      for (int m = 0; m < 16; ++m)
+        _mm512_store_si512(buf + (kk / 4 + m) * kQuad + 64 * c, _mm512_xor_si512(r[m], flip));
+    }
+}
+
+// ---- the register block --------------------------------------------------------------------------------------------
+
+// tot[R][64] += this group's terms for R rows: `steps` quads from `src`, x codes xq (row stride ldx), the rows'
+// group scale d and code sum qs (stride ldg), and the group's column scales prm[0..3].
+// Never inlined: inlined into the tile loop, GCC 12 spilled the accumulators on every step (2x slower).
+template <int R, int K, class Src>
+__attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d, const int32_t* qs,
+                      int64_t ldg, const __m512* prm, float* tot) {
+  constexpr int32_t off = K == kQ4 ? 8 : 128;
+  __m512i c[R][4];  // start at -off * sum(xq): the offset of the unsigned codes, exact in int32
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) c[r][j] = _mm512_set1_epi32(-off * qs[r * ldg]);
+  for (int64_t p = 0; p < steps; ++p) {
+    __m512i w[4];
+    src(p, w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xq + r * ldx + 4 * p, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) c[r][j] = _mm512_dpbusd_epi32(c[r][j], w[j], xb);
+    }
+  }
+  // the sums go through memory: with the f32 steps below working on the registers, GCC 12 kept a stack copy of
+  // every accumulator up to date on each step of the loop above (measured 2x slower)
+  alignas(64) int32_t sums[R][kCols];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_si512(sums[r] + 16 * j, c[r][j]);
+  for (int r = 0; r < R; ++r) {
+    const __m512 dv = _mm512_set1_ps(d[r * ldg]);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i cj = _mm512_load_si512(sums[r] + 16 * j);
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), dv);
+      float* o = tot + r * kCols + 16 * j;
+      __m512 cur = _mm512_loadu_ps(o);
+      if constexpr (K == kQ8Channel) cur = _mm512_add_ps(cur, f);
+      else cur = _mm512_fmadd_ps(f, prm[j], cur);
+      _mm512_storeu_ps(o, cur);
+    }
+  }
+}
+
+// f(first row, row count as a constant) over blocks of kRowBlock rows and one remainder block.
+template <typename F>
+void row_blocks(int64_t t, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + kRowBlock <= t; r0 += kRowBlock) f(r0, std::integral_constant<int, kRowBlock>{});
+  switch (t - r0) {
+    case 1: f(r0, std::integral_constant<int, 1>{}); break;
+    case 2: f(r0, std::integral_constant<int, 2>{}); break;
+    case 3: f(r0, std::integral_constant<int, 3>{}); break;
+    case 4: f(r0, std::integral_constant<int, 4>{}); break;
+    case 5: f(r0, std::integral_constant<int, 5>{}); break;
+    default: break;
+  }
+}
+
+struct Weight {
+  const uint8_t* qw;      // q4 tiles [Np, K/2] or q8 codes [N, K]
+  const void* sc;         // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
+  at::ScalarType st;
+  int64_t esz, cols, k, g;  // cols: output columns (q4: Np); g: the weight's group (q8 per channel: the x group)
+};
+
+// (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column).
+void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
+  alignas(64) float buf[2 * kCols] = {};
+  const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
+  const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2 * w.esz;
+  for (int64_t c = 0; c < 2 * cols / 16; ++c) {
+    if (w.st == at::kFloat) {
+      _mm512_store_ps(buf + 16 * c, _mm512_loadu_ps(p + 16 * c * 4));
+      continue;
+    }
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c * 2));
+    _mm512_store_ps(buf + 16 * c, w.st == at::kBFloat16
+                                      ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                      : _mm512_cvtph_ps(h));
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int c = 0; c < 4; ++c) {
+    const __m512 a = _mm512_load_ps(buf + 32 * c), b = _mm512_load_ps(buf + 32 * c + 16);
+    prm[c] = _mm512_permutex2var_ps(a, even, b);
+    prm[4 + c] = _mm512_permutex2var_ps(a, odd, b);
+  }
+}
+
+template <int K>
+at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
+  const int64_t t = x.size(0), k = w.k;
+  at::Tensor y = at::empty({t, w.cols}, x.options());
+  if (t == 0) return y;
+  const Activations a = quantize_rows(x, xg);
+  const int64_t groups = a.groups;
+  const Tables tb;
+  const int64_t tiles = (w.cols + kCols - 1) / kCols;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * kCols), zacc(K == kQ4 ? t * kCols : 0);  // q4: the zero terms apart
+    constexpr int64_t span = K == kQ4 ? kSpan : kSpanQ8;
+    alignas(64) static thread_local uint8_t buf[span / 4 * kQuad];
+    alignas(64) static thread_local __m512 prm[span / 32][8];
+    for (int64_t tile = b; tile < e; ++tile) {
+      const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(zacc.begin(), zacc.end(), 0.f);
+      // q4 quads straight from the tile for passes of at most 4 rows (measured: at 5-6 rows the unpacking in the
+      // register block costs more than the buffer); the same codes either way
+      const bool direct = K == kQ4 && cols == kCols && t <= 4;
+      for (int64_t k0 = 0; k0 < k; k0 += span) {
+        const int64_t kn = std::min(span, k - k0), ng = kn / xg;
+        for (int64_t i = 0; i < ng; ++i) {
+          const int64_t gi = (k0 + i * xg) / xg;
+          if constexpr (K == kQ4) {
+            q4_params(w, gi, n0, prm[i]);
+          } else if constexpr (K == kQ8Grouped) {
+            alignas(64) float s[kCols] = {};
+            for (int64_t j = 0; j < cols; ++j) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
+            for (int c = 0; c < 4; ++c) prm[i][c] = _mm512_load_ps(s + 16 * c);
+          }
+        }
+        if (!direct) {
+          if constexpr (K == kQ4) q4_chunk(w.qw, w.cols, k, n0, k0, kn, tb, buf);
+          else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, tb, buf);
+        }
+        const uint8_t* tp = w.qw + n0 * (k / 2);
+        row_blocks(t, [&](int64_t r0, auto R) {
+          constexpr int rr = decltype(R)::value;
+          for (int64_t i = 0; i < ng; ++i) {
+            const int64_t kg = k0 + i * xg, gi = kg / xg, off = r0 * groups + gi;
+            const int8_t* xq = a.q.data() + r0 * k + kg;
+            float* tot = acc.data() + r0 * kCols;
+            if (direct) {
+              group_dot<rr, K>([&](int64_t p, __m512i* v) { q4_quads(tp + (kg + 4 * p) * 32, tb, v); }, xg / 4, xq,
+                               k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
+            } else {
+              const uint8_t* qb = buf + (kg - k0) / 4 * kQuad;
+              group_dot<rr, K>(
+                  [&](int64_t p, __m512i* v) {
+                    for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(qb + p * kQuad + 64 * c);
+                  },
+                  xg / 4, xq, k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
+            }
+          }
+        });
+        if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, for every row
+          for (int64_t r = 0; r < t; ++r) {
+            float* zr = zacc.data() + r * kCols;
+            __m512 zv[4];
+            for (int j = 0; j < 4; ++j) zv[j] = _mm512_loadu_ps(zr + 16 * j);
+            for (int64_t i = 0; i < ng; ++i) {
+              const __m512 xv = _mm512_set1_ps(a.xs[r * groups + (k0 + i * xg) / xg]);
+              for (int j = 0; j < 4; ++j) zv[j] = _mm512_fmadd_ps(prm[i][4 + j], xv, zv[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(zr + 16 * j, zv[j]);
+          }
+      }
+      if constexpr (K == kQ4)
+        for (int64_t i = 0; i < t * kCols; i += 16)
+          _mm512_storeu_ps(acc.data() + i, _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), _mm512_loadu_ps(zacc.data() + i)));
+      if constexpr (K == kQ8Channel)
+        for (int64_t j = 0; j < cols; ++j) {
+          const float s = scalar_of(w.sc, n0 + j, w.st);
+          for (int64_t r = 0; r < t; ++r) acc[r * kCols + j] *= s;
+        }
+      const int64_t ldy = w.cols;
+      for (int64_t r = 0; r < t; ++r)
+        for (int64_t j = 0; j < cols; j += 16) {
+          const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
+          const __m512 v = _mm512_maskz_loadu_ps(m, acc.data() + r * kCols + j);
+          if (y.scalar_type() == at::kFloat) {
+            _mm512_mask_storeu_ps(y.data_ptr<float>() + r * ldy + n0 + j, m, v);
+          } else {
+            uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * ldy + n0 + j;
+            _mm256_mask_storeu_epi16(out, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));  // RNE
+          }
+        }
+    }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
+  TORCH_CHECK(k % 64 == 0, name, ": K must be a multiple of 64");
+}
+
+at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
+                        int64_t group_size) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2, g = group_size;
+  check_x(x, k, "q4_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
+              np % 16 == 0 && g % 16 == 0 && kSpan % g == 0 && k % g == 0,
+              "q4_linear_i8: shapes do not match the stored layout");
+  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(),
+           static_cast<int64_t>(scales_zeros.element_size()), np, k, g};
+  return linear_i8<kQ4>(x, w, g);
+}
+
+at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8_linear_i8");
+  const int64_t xg = group_size ? group_size : 64;
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && kSpan % xg == 0 && k % xg == 0,
+              "q8_linear_i8: group size must divide 256 and K");
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
+           static_cast<int64_t>(scales.element_size()), n, k, xg};
+  return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+  m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
+  m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
+}
