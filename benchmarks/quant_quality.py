@@ -52,11 +52,7 @@ def windowed(model, ids: list[int], windows: int) -> tuple[float, int]:
         chunk = ids[w * WINDOW:(w + 1) * WINDOW]
         if len(chunk) < WINDOW:
             break
-        cache = model.new_cache()
-        try:
-            logits = model.arch.forward(model.store, torch.tensor(chunk), cache, all_logits=True).float()
-        finally:
-            cache.release()
+        logits = torch.cat(list(model.engine.score(chunk, WINDOW)))  # [WINDOW, V], a fresh cache per window
         half = WINDOW // 2
         target = torch.tensor(chunk[half + 1:])
         total += torch.nn.functional.cross_entropy(logits[half:-1], target, reduction="sum").item()
