@@ -27,7 +27,7 @@ ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
 FLOAT_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-QUANT_KINDS = ("q4", "q8", "q4k", "q8k")
+QUANT_KINDS = quant.QUANT_KINDS_ALL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
           "int8": torch.int8, "int32": torch.int32}
 
@@ -469,4 +469,7 @@ def tensor_from_bytes(t: TensorEntry, buf: torch.Tensor):
         views[pname] = buf[p.offset:p.offset + p.nbytes].view(DTYPES[p.dtype]).view(p.shape)
     if t.kind in FLOAT_KINDS:
         return views["data"]
+    if t.kind not in QUANT_KINDS:
+        raise ModelLoadError(f"tensor {t.name!r} is stored as {t.kind!r}, a kind this Colibri does not know; "
+                             "upgrade Colibri or reconvert the model")
     return quant.from_buffers(t.kind, tuple(t.shape), t.group_size, views)

@@ -41,6 +41,7 @@ from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 K_KINDS = ("q4k", "q8k")  # GGUF Q4_K / Q6_K kept exactly (colibri.kquant)
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
 TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
