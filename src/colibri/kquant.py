@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from colibri import kernels
-from colibri.quant import GGUF_K_EXACT, Q4Weight, Q8Weight, QuantKind, _pack_q4, _round16
+from colibri.quant import _TILE, GGUF_K_EXACT, Q4Weight, Q8Weight, QuantKind, _pack_q4, _round16
 
 SUPER = 256  # values per K-quant super-block
 Q4K, Q8K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
@@ -49,7 +49,8 @@ class Q4KWeight(Q4Weight):
     codes_offset = 0  # the dequantizing helpers of Q4Weight see the codes q, not q - 8
 
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
-        super(Q4Weight, self).__init__(kind, shape, buffers)  # no int4 repack: torch's kernel cannot take it
+        # skips Q4Weight's int4 repack: torch's int4 kernel cannot take two-level scales (the fallback dequantizes)
+        super(Q4Weight, self).__init__(kind, shape, buffers)
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
@@ -68,8 +69,7 @@ class Q4KWeight(Q4Weight):
         return sup[..., 0] * sc[..., 0], -(sup[..., 1] * sc[..., 1])
 
     def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from colibri.quant import _TILE
-
+        """As Q4Weight's, [tiles, K/32, 1, 64] each, built per dequantize step from the two-level codes."""
         k = self.shape[1]
         s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
         p = torch.stack([s, z]).view(2, k // 32, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()

@@ -16,6 +16,7 @@ q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0
   elsewhere (`from_buffers` keeps both then).
 q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
+q4k / q8k: GGUF Q4_K / Q6_K kept exactly, two-level scales (colibri.kquant; q4k uses the q4 tile layout).
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -73,7 +74,8 @@ class QuantKind:
 
     @property
     def bits(self) -> int:
-        return 4 if self.name == "q4" else 8
+        """Bits per stored code."""
+        return 4 if self.name in TILED_KINDS else 8
 
 
 def _kind(kind: QuantKind | str, group_size: int | None) -> QuantKind:
