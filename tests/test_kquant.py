@@ -80,10 +80,11 @@ def test_other_k_quants_are_not_imported():
         from_gguf(np.zeros((4, 176), np.uint8), QT.Q5_K, (4, 256))
 
 
-def k_gguf(path, embedding_as_head: bool = False):
+def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
     """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K matrices as llama.cpp's Q4_K_M
     writes them, and a tied table stored twice: output.weight Q6_K, token_embd the same matrix as Q4_0 (or, with
-    `embedding_as_head`, output.weight's own blocks: the model a one-table container computes)."""
+    `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
+    the file stores one Q4_K table (no output.weight: tied)."""
     d, f, v, heads, kv = 256, 512, 2048, 4, 2
     w = GGUFWriter(path, "llama")
     w.add_block_count(1)
@@ -96,11 +97,14 @@ def k_gguf(path, embedding_as_head: bool = False):
     w.add_rope_freq_base(10000.0)
     out = k_blocks(QT.Q6_K, v, d, seed=10, scale=2e-3)
     table = np.ascontiguousarray(gguf_dequantize(out, QT.Q6_K), dtype=np.float32).reshape(v, d)
-    if embedding_as_head:
+    if one_q4k_table:
+        w.add_tensor("token_embd.weight", k_blocks(QT.Q4_K, v, d, seed=11, scale=2e-3), raw_dtype=QT.Q4_K)
+    elif embedding_as_head:
         w.add_tensor("token_embd.weight", out, raw_dtype=QT.Q6_K)
     else:
         w.add_tensor("token_embd.weight", gguf_quantize(table, QT.Q4_0), raw_dtype=QT.Q4_0)
-    w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
+    if not one_q4k_table:
+        w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
     mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q4_K), "attn_v": (d // heads * kv, d, QT.Q6_K),
             "attn_output": (d, d, QT.Q4_K), "ffn_gate": (f, d, QT.Q4_K), "ffn_up": (f, d, QT.Q4_K),
@@ -166,3 +170,22 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(ContainerCheckpoint(out.with_name("old")).load(q).dequantize(),
                            ContainerCheckpoint(out).load(q).dequantize())
+
+
+def test_q4k_table_is_read_by_tiles(tmp_path, monkeypatch):
+    """A tied Q4_K table (q4k): the lookup reads 64-row tiles, the head streams whole tiles in row blocks, and
+    the logits equal the resident container's and, within the kernels' tolerance, the GGUF's."""
+    src = k_gguf(tmp_path / "t.gguf", one_q4k_table=True)
+    out = tmp_path / "c"
+    conv.convert(src, out, conv.ConvertOptions(quant="q4", page_size_mb=1))
+    assert ContainerCheckpoint(out).tensors["model.embed_tokens.weight"].kind == "q4k"
+    ids = list(range(0, 2048, 37))
+    got = colibri.load(out, dtype="float32").logits(ids)
+    want = colibri.load(src, dtype="float32").logits(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
+    minimum = colibri.model.plan(out, None, dtype=torch.float32, batch_size=1)[0].minimum
+    m = colibri.load(out, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
+    assert {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows} == {"embedding"}
+    assert torch.equal(m.logits(ids), got)
