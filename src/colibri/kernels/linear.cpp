@@ -14,6 +14,7 @@
 //     (row, column), register blocks of up to 6 x 4, reduced at the end by the same fixed shuffle tree.
 // Compiled with -ffp-contract=off so a * b + c stays two roundings where written so (the dequantization
 // matches colibri.quant's dequantize()).
+// The pieces of both forms (the q4 tile driver, dot_block, row stores) live in tiles.h, shared with kquant.cpp.
 
 #include "tiles.h"
 
