@@ -4,8 +4,11 @@
 
 Rows, all scored by colibri itself with f32 activations (only the stored weights differ):
   source        the GGUF dequantized (colibri.load of the .gguf)
-  old q4        `colibri convert` (`--calibration none`: v_proj/down_proj and the tables at q8, plain fit)
-  new           `colibri convert --calibration builtin` (calibrated mix within the Q4_K_M-equivalent budget)
+  new           `colibri convert` (the default: Q4_K / Q6_K kept exactly as q4k / q8k, the tied table once,
+                other block types by the fixed policy)
+  old           `colibri convert --requantize` (the fixed policy for every tensor: v_proj/down_proj and the
+                tables at q8, the rest q4-g64, plain fit; the default before exact K-quant import)
+  calibrated    `colibri convert --requantize --calibration builtin` (calibrated mix within the Q4_K_M budget)
   llama.cpp     llama-quantize Q4_K_M (no imatrix) of an f16 GGUF of the dequantized source, loaded by colibri
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
@@ -52,11 +55,7 @@ def windowed(model, ids: list[int], windows: int) -> tuple[float, int]:
         chunk = ids[w * WINDOW:(w + 1) * WINDOW]
         if len(chunk) < WINDOW:
             break
-        cache = model.new_cache()
-        try:
-            logits = model.arch.forward(model.store, torch.tensor(chunk), cache, all_logits=True).float()
-        finally:
-            cache.release()
+        logits = torch.cat(list(model.engine.score(chunk, WINDOW)))  # [WINDOW, V], a fresh cache per window
         half = WINDOW // 2
         target = torch.tensor(chunk[half + 1:])
         total += torch.nn.functional.cross_entropy(logits[half:-1], target, reduction="sum").item()
@@ -104,7 +103,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="512-token windows per text (default 4)")
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
-    ap.add_argument("--rows", nargs="*", default=["source", "old", "new", "llama.cpp"])
+    ap.add_argument("--rows", nargs="*", default=["source", "new", "old", "llama.cpp"],
+                    help="of source, new, old, calibrated, llama.cpp")
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
@@ -112,7 +112,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
     paths = {"source": a.gguf, "old": a.work / "old-q4", "new": a.work / "new-default",
-             "llama.cpp": a.work / "llamacpp-q4_k_m.gguf"}
+             "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf"}
+    builds = {"new": ConvertOptions(quant="q4"), "old": ConvertOptions(quant="q4", requantize=True),
+              "calibrated": ConvertOptions(quant="q4", requantize=True, calibration="builtin")}
     seconds = {}
     for extra in a.container:
         label, path = extra.split("=", 1)
@@ -120,10 +122,8 @@ def main() -> None:
         a.rows.append(label)
     for row in a.rows:
         t0 = time.perf_counter()
-        if row == "old" and not paths[row].exists():
-            convert(a.gguf, paths[row], ConvertOptions(quant="q4", calibration="none"))
-        elif row == "new" and not paths[row].exists():
-            convert(a.gguf, paths[row], ConvertOptions(quant="q4", calibration="builtin"))
+        if row in builds and not paths[row].exists():
+            convert(a.gguf, paths[row], builds[row])
         elif row == "llama.cpp" and not paths[row].exists():
             f16 = a.work / "source-f16.gguf"
             if not f16.exists():

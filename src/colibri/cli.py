@@ -107,6 +107,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "mix": (dict(default="measured", choices=["measured", "fixed"],
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
+    "requantize": (dict(action="store_true",
+                        help="GGUF input: re-quantize its Q4_K / Q6_K tensors by the q4 policy (lossy, the policy"
+                             " before exact K-quant import) instead of keeping them exactly (default)"), None),
     "host": (dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"), None),
     "port": (dict(type=int, default=8000, help="TCP port (default 8000)"), None),
     "api_key": (dict(help="require 'Authorization: Bearer KEY' on /v1 requests"), "COLIBRI_API_KEY"),
@@ -188,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
-        "bits_per_weight", "mix", "force", "debug")
+        "bits_per_weight", "mix", "requantize", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", help="container directory")
     add(ver, "debug")
@@ -380,7 +383,7 @@ def cmd_convert(args) -> int:
     from colibri.convert import ConvertOptions, convert
     opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
                           calibration=args.calibration, bits_per_weight=args.bits_per_weight,
-                          calibration_tokens=args.calibration_tokens, mix=args.mix)
+                          calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
     with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:

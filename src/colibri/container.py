@@ -21,12 +21,13 @@ from colibri import quant
 from colibri.errors import ModelLoadError, UnsupportedModelError
 
 FORMAT = "colibri-container"
-VERSION = 1
+VERSION = 2  # written when a container holds the K-quant kinds (q4k, q8k), which version-1 readers cannot take
+READS = (1, 2)  # version 1: the same layout without those kinds
 ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
 FLOAT_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-QUANT_KINDS = ("q4", "q8")
+QUANT_KINDS = quant.QUANT_KINDS_ALL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
           "int8": torch.int8, "int32": torch.int32}
 
@@ -169,10 +170,14 @@ def forward_groups(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, int | 
 SENSITIVE = ("self_attn.v_proj.", "down_proj.", ".w2.")
 
 
-def policy_for(quant_kind: str) -> dict:
-    """Which kind each class of tensor is stored as (docs/format.md, "Quantization policy")."""
+def policy_for(quant_kind: str, requantize: bool = False) -> dict:
+    """Which kind each class of tensor is stored as (docs/format.md, "Quantization policy"). `gguf_exact`: the
+    GGUF block types kept exactly (the K-quants too unless `requantize`)."""
     edge = "q8" if quant_kind in QUANT_KINDS else quant_kind
     policy = {"linear": quant_kind, "small": "f32", "embedding": edge, "lm_head": edge}
+    if quant_kind in QUANT_KINDS:
+        policy["gguf_exact"] = {**{t: k.name for t, k in quant.GGUF_EXACT.items()},
+                                **({} if requantize else {t: k.name for t, k in quant.GGUF_K_EXACT.items()})}
     if quant_kind == "q4":
         policy["sensitive"] = {"kind": "q8", "names": list(SENSITIVE)}
     return policy
@@ -182,7 +187,7 @@ def tensor_kind(name: str, role: str, ndim: int, policy: dict, source_type: str 
     if ndim == 1 or role == "router":
         return policy["small"]
     if source_type is not None and policy["linear"] in QUANT_KINDS:
-        exact = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}.get(source_type)
+        exact = policy.get("gguf_exact", {}).get(source_type)
         if exact:
             return exact  # GGUF block types kept bit-exact
     if role == "embedding":
@@ -213,12 +218,12 @@ def part_layout(kind: str, shape: tuple[int, ...], group_size: int | None,
 def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str, group_size: int,
                 page_size: int, source_types: dict[str, str] | None = None,
                 max_file_size: int = 1 << 40, kinds: dict[str, tuple[str, int]] | None = None,
-                ) -> tuple[list[TensorEntry], list[PageEntry], list[int]]:
+                requantize: bool = False) -> tuple[list[TensorEntry], list[PageEntry], list[int]]:
     """Assign every tensor a kind, an aligned extent and a page. Returns (tensors, pages, file sizes).
 
     `kinds` (name -> (kind, group size), from a calibrated mixed-precision plan) overrides the policy for the
-    tensors it names; GGUF blocks kept exact stay exact."""
-    policy = policy_for(quant_kind)
+    tensors it names; GGUF blocks kept exact stay exact (K-quants: unless `requantize`)."""
+    policy = policy_for(quant_kind, requantize)
     source_types = source_types or {}
     kinds = kinds or {}
     tensors: list[TensorEntry] = []
@@ -246,9 +251,11 @@ def plan_layout(shapes: dict[str, tuple[int, ...]], tied: bool, quant_kind: str,
             role = tensor_role(name, kind, len(shape))
             src = source_types.get(name)
             tk = tensor_kind(name, role, len(shape), policy, src)
-            exact = src if tk in QUANT_KINDS and src in quant.GGUF_EXACT else None
-            # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32.
-            gs = 32 if exact else (0 if tk == "q8" else group_size)
+            exact = src if tk in QUANT_KINDS and src in policy.get("gguf_exact", {}) else None
+            # q8 is per output channel (its kernel is the fast path); q4 uses --group-size; GGUF blocks: 32
+            # (K-quants: their own inner groups).
+            gs = quant.GGUF_K_EXACT[exact].group_size if exact in quant.GGUF_K_EXACT else \
+                32 if exact else (0 if tk == "q8" else group_size)
             if name in kinds and not exact and len(shape) == 2 and tk in QUANT_KINDS:
                 tk, gs = kinds[name]
             if tk == "q4" and not quant.supports(tk, shape, gs):  # K not divisible: the largest group that fits
@@ -287,9 +294,9 @@ def read_manifest(path: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise ModelLoadError(f"{mf}: not a Colibri container manifest (format {manifest.get('format')!r})")
     version = manifest.get("version")
-    if version != VERSION:
+    if version not in READS:
         raise ModelLoadError(f"{mf}: container format version {version} is not supported by this Colibri (reads"
-                             f" version {VERSION}); upgrade Colibri or reconvert the model")
+                             f" versions {', '.join(map(str, READS))}); upgrade Colibri or reconvert the model")
     if "checksum" in manifest and manifest["checksum"] != manifest_checksum(manifest):
         raise ModelLoadError(f"{mf}: the manifest fails its checksum (damaged file); reconvert the model")
     check_manifest(manifest, mf)
@@ -462,4 +469,7 @@ def tensor_from_bytes(t: TensorEntry, buf: torch.Tensor):
         views[pname] = buf[p.offset:p.offset + p.nbytes].view(DTYPES[p.dtype]).view(p.shape)
     if t.kind in FLOAT_KINDS:
         return views["data"]
+    if t.kind not in QUANT_KINDS:
+        raise ModelLoadError(f"tensor {t.name!r} is stored as {t.kind!r}, a kind this Colibri does not know; "
+                             "upgrade Colibri or reconvert the model")
     return quant.from_buffers(t.kind, tuple(t.shape), t.group_size, views)

@@ -41,7 +41,8 @@ SPACE_MARGIN = 64 << 20
 @dataclass
 class ConvertOptions:
     """`calibration` (q4 only): "builtin" (CPython's own prose and source), a UTF-8 text file, or "none" (the
-    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). `mix`: "measured" (q8 for the
+    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). A GGUF's Q4_K / Q6_K tensors are
+    kept exactly (kinds q4k / q8k) unless `requantize`, so the policy only decides the others. `mix`: "measured" (q8 for the
     tensors with the most measured sensitivity per byte, within `bits_per_weight`, default what llama.cpp's
     Q4_K_M would take for the same tensors) or "fixed" (the fixed names, with the calibrated fit)."""
 
@@ -52,6 +53,7 @@ class ConvertOptions:
     bits_per_weight: float | None = None
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"
+    requantize: bool = False  # GGUF Q4_K / Q6_K: re-quantized by the policy (lossy) instead of kept exactly
 
     @property
     def calibrated(self) -> bool:
@@ -129,7 +131,8 @@ def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
     of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
     if entry.kind in container.QUANT_KINDS and ckpt.format == "gguf":
         qtype, raw, shape = ckpt.raw_tensor(entry.name)
-        if qtype.name in quant.GGUF_EXACT and quant.GGUF_EXACT[qtype.name].name == entry.kind:
+        exact = {**quant.GGUF_EXACT, **quant.GGUF_K_EXACT}.get(qtype.name)
+        if exact is not None and exact.name == entry.kind:
             return quant.from_gguf(raw, qtype, tuple(shape))
     if cal is not None and entry.kind == "q4":
         q = cal.quantized.pop(entry.name, None)
@@ -210,7 +213,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     An interrupted run's partial directory is resumed (`fresh`: discarded), its journaled pages checked first."""
     t0 = time.perf_counter()
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
-                                        source_types, kinds=kinds)
+                                        source_types, kinds=kinds, requantize=opts.requantize)
     total = sum(sizes)
     work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
     fds: list[int] = []
@@ -265,12 +268,13 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             os.close(fd)
 
     manifest = {
-        "format": FORMAT, "version": VERSION, "created_by": f"colibri {__version__}",
+        "format": FORMAT, "version": VERSION if any(t.kind in quant.K_KINDS for t in tensors) else 1,
+        "created_by": f"colibri {__version__}",
         "source": {**source, "fingerprint": fingerprint},
         "config": config,
         "tokenizer": tokenizer_fn(work),
         "quant": {"kind": opts.quant, "group_size": opts.group_size,
-                  "policy": policy or container.policy_for(opts.quant)},
+                  "policy": policy or container.policy_for(opts.quant, opts.requantize)},
         "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
         "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
         "tensors": [asdict(t) for t in tensors],

@@ -94,11 +94,12 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
     (the conversion's partial directory) so that a resumed conversion does not measure again."""
     from colibri import calibrate, container, quant
 
-    tensors, _, _ = container.plan_layout(shapes, tied, "q4", opts.group_size, opts.page_size_mb << 20, source_types)
+    tensors, _, _ = container.plan_layout(shapes, tied, "q4", opts.group_size, opts.page_size_mb << 20, source_types,
+                                          requantize=opts.requantize)
     candidates, fixed, policy_kinds = {}, 0, {}
     for t in tensors:
         policy_kinds[t.name] = (t.kind, t.group_size)
-        exact = source_types.get(t.name) in quant.GGUF_EXACT
+        exact = source_types.get(t.name) in quant.GGUF_EXACT or t.kind in quant.K_KINDS
         g = q4_group(t.shape, opts.group_size) if len(t.shape) == 2 else None
         if t.kind in container.QUANT_KINDS and not exact and t.role != "router" and g is not None:
             candidates[t.name] = (tuple(t.shape), ("q4", g))

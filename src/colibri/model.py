@@ -56,6 +56,8 @@ def policy_entry(key: str, value) -> str:
     if key == "mixed":  # a calibrated conversion's measured mix
         return (f"mixed={value['mix']} ({len(value['q8'])} tensors q8, {value['bits_per_weight']} bits/weight,"
                 f" calibrated on {value['calibration']['tokens']} tokens)")
+    if key == "gguf_exact":  # GGUF block types kept exactly, and the kind each became
+        return "kept exactly: " + ", ".join(f"{t}->{k}" for t, k in value.items())
     if isinstance(value, dict):
         return f"{key}={value['kind']} ({', '.join(n.strip('.') for n in value['names'])})"
     return f"{key}={value}"

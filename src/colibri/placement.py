@@ -29,7 +29,8 @@ from colibri.io import ALIGN, align_up, huge_align
 PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
 BLOCK_BYTES = 4 << 20  # rows of the head read per block...
 HEAD_BUFFERS = 2  # ...through this many buffers (4 measured no faster on Qwen2.5-1.5B under 400M, noise +-15 %)
-ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4")  # storage kinds whose rows (q4: 64-row tiles) are contiguous bytes
+ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4", "q8k", "q4k")  # kinds whose rows (q4, q4k: 64-row tiles) are
+# contiguous bytes
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
 
 
@@ -64,7 +65,7 @@ def row_bytes(t: dict) -> int:
 
 def row_unit(t: dict) -> int:
     """Rows that are read together: 1, or for q4 a 64-row tile (its nibbles interleave the tile's rows)."""
-    return quant.Q4_TILE if t["kind"] == "q4" else 1
+    return quant.Q4_TILE if t["kind"] in quant.TILED_KINDS else 1
 
 
 def stored_rows(t: dict) -> int:

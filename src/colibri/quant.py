@@ -16,6 +16,7 @@ q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0
   elsewhere (`from_buffers` keeps both then).
 q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
+q4k / q8k: GGUF Q4_K / Q6_K kept exactly, two-level scales (colibri.kquant; q4k uses the q4 tile layout).
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -40,6 +41,9 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
+K_KINDS = ("q4k", "q8k")  # GGUF Q4_K / Q6_K kept exactly (colibri.kquant)
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
+TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
@@ -70,7 +74,8 @@ class QuantKind:
 
     @property
     def bits(self) -> int:
-        return 4 if self.name == "q4" else 8
+        """Bits per stored code."""
+        return 4 if self.name in TILED_KINDS else 8
 
 
 def _kind(kind: QuantKind | str, group_size: int | None) -> QuantKind:
@@ -80,7 +85,11 @@ def _kind(kind: QuantKind | str, group_size: int | None) -> QuantKind:
         return QuantKind("q4", 64 if group_size is None else group_size, torch.bfloat16)
     if kind == "q8":
         return QuantKind("q8", 0 if group_size is None else group_size, torch.bfloat16)
-    raise ValueError(f"unknown quant kind {kind!r} (expected 'q4' or 'q8')")
+    from colibri import kquant
+
+    if kind in kquant.KINDS:
+        return kquant.KINDS[kind]
+    raise ValueError(f"unknown quant kind {kind!r} (expected 'q4', 'q8', 'q4k' or 'q8k')")
 
 
 def _round16(n: int) -> int:
@@ -90,6 +99,10 @@ def _round16(n: int) -> int:
 def _check_shape(kind: QuantKind, shape: tuple[int, int]) -> tuple[int, int]:
     n, k = (int(s) for s in shape)
     g = kind.group_size
+    if kind.name in K_KINDS:  # GGUF K-quants: fixed groups inside 256-value super-blocks
+        if n <= 0 or k <= 0 or k % 256:
+            raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by 256")
+        return n, k
     if kind.name == "q4" and g not in Q4_GROUP_SIZES:
         raise ValueError(f"q4 group size must be one of {Q4_GROUP_SIZES}, got {g}")
     if kind.name == "q8" and g < 0:
@@ -104,6 +117,10 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
     """The on-disk pieces of a weight of logical `shape` [N, K]: name -> (dtype, shape), in storage order."""
     kind = _kind(kind, group_size)
     n, k = _check_shape(kind, shape)
+    if kind.name in K_KINDS:
+        from colibri import kquant
+
+        return kquant.buffer_layout(kind, n, k)
     if kind.name == "q4":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)),
@@ -119,7 +136,8 @@ def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> 
         t = buffers.get(name)
         if t is None:
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
-        if tuple(t.shape) != want or (name == "qweight" and t.dtype != dtype) or not t.is_contiguous():
+        exact_dtype = name == "qweight" or kind.name in K_KINDS
+        if tuple(t.shape) != want or (exact_dtype and t.dtype != dtype) or not t.is_contiguous():
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
                              f"expected contiguous {dtype} {want}")
 
@@ -258,6 +276,8 @@ class _QuantWeight:
 class Q4Weight(_QuantWeight):
     """4-bit weight, asymmetric per group of `group_size` inputs: w = (q - 8) * scale + zero."""
 
+    codes_offset = -8  # w = (q + codes_offset) * scale + zero (kquant.Q4KWeight: 0)
+
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
         super().__init__(kind, shape, buffers)
         self._packed = repack_for_kernel(self._buffers["qweight"])
@@ -304,6 +324,8 @@ class Q4Weight(_QuantWeight):
                 lo, hi = _signed_nibbles(tiles[i:i + c])
                 w[..., :32].copy_(lo)
                 w[..., 32:].copy_(hi)
+                if self.codes_offset != -8:
+                    w.add_(self.codes_offset + 8)
                 w4 = w.view(c, k // g, g, _TILE)
                 torch.addcmul(z, w4, s, out=w4)  # (q - 8) * scale + zero, one rounding
                 if x.dtype != torch.float32:
@@ -320,6 +342,8 @@ class Q4Weight(_QuantWeight):
         q = _unpack_q4(qw[r0:r1]) if r0 % _TILE == 0 and (r1 - r0) % _TILE == 0 else _unpack_q4(qw)[r0:r1]
         scale, zero = self._scales_zeros_f32(r0, r1)
         w = q.float().view(r1 - r0, k // g, g)
+        if self.codes_offset != -8:
+            w.add_(self.codes_offset + 8)
         torch.addcmul(zero.T.unsqueeze(-1), w, scale.T.unsqueeze(-1), out=w)
         return w.view(r1 - r0, k)
 
@@ -357,24 +381,26 @@ class Q8Weight(_QuantWeight):
         """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
         n, k = self.shape
         qw = self._buffers["qweight"]
-        s = self._buffers["scales"]
-        g = self.group_size or k
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
         step = max(1, _CHUNK_BYTES // (k * 4))
         for r in range(0, n, step):
             c = min(step, n - r)
             w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
-            w.view(c, k // g, g).mul_(s[r:r + c].float().view(c, -1, 1))
+            s = self._scales_f32(r, r + c)
+            w.view(c, s.shape[1], -1).mul_(s.unsqueeze(-1))
             if x.dtype != torch.float32:
                 w = _scratch(x.dtype, c, k).copy_(w)
             y[:, r:r + c] = x @ w.T
         return y
 
+    def _scales_f32(self, r0: int, r1: int) -> torch.Tensor:
+        """Scales of rows [r0, r1) as f32 [r1 - r0, groups] (one group per channel: [rows, 1])."""
+        return self._buffers["scales"][r0:r1].float().view(r1 - r0, -1)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        s = self._buffers["scales"].float()
-        g = self.group_size or k
-        return (self._buffers["qweight"].float().view(n, k // g, g) * s.view(n, -1, 1)).view(n, k).to(dtype)
+        s = self._scales_f32(0, n)
+        return (self._buffers["qweight"].float().view(n, s.shape[1], -1) * s.unsqueeze(-1)).view(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
@@ -493,7 +519,8 @@ def _gguf_type_name(gguf_type) -> str:
 
 
 def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | Q8Weight:
-    """Re-express GGUF Q4_0 / Q4_1 (-> q4, group 32) or Q8_0 (-> q8, group 32) blocks without loss.
+    """Re-express GGUF Q4_0 / Q4_1 (-> q4, group 32) or Q8_0 (-> q8, group 32) blocks without loss; Q4_K and
+    Q6_K become the two-level kinds q4k / q8k (colibri.kquant).
 
     raw: uint8 [N, K / 32 * block_bytes] (rows in HF order), shape: [N, K]. `dequantize()` of the result equals
     `gguf.quants.dequantize` bit for bit in f32. Scales stay f16 where that is exact (Q4_0, Q8_0); Q4_1's zero
@@ -501,6 +528,10 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
     """
     name = _gguf_type_name(gguf_type)
     n, k = (int(s) for s in shape)
+    if name in ("Q4_K", "Q6_K"):
+        from colibri import kquant
+
+        return kquant.from_gguf(raw, name, n, k)
     bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
     if bytes_per_block is None:
         raise ValueError(f"from_gguf: {name} blocks are not supported (only Q4_0, Q4_1, Q8_0)")
@@ -539,6 +570,8 @@ GGUF_EXACT = {
     "Q4_1": QuantKind("q4", 32, torch.float32),
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
+# ... and the K-quants, kept exactly unless a conversion asks to re-quantize them (the old policy)
+GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q8k", 16, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -553,5 +586,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
-    cls = {"q4": Q4Weight, "q8": Q8Weight}[kind]
+    from colibri import kquant
+
+    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": kquant.Q4KWeight, "q8k": kquant.Q8KWeight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)

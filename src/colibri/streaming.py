@@ -727,7 +727,7 @@ class StreamingStore:
         rows = data.view(DTYPES[p["dtype"]]).view(r1 - r0, *p["shape"][1:])
         if t["kind"] in FLOAT_KINDS:
             return rows
-        if t["kind"] == "q4":  # whole tiles; scales_zeros [G, Np, 2] -> this block's [G, r1 - r0, 2]
+        if t["kind"] in quant.TILED_KINDS:  # whole tiles; side parts [G, Np, 2] -> this block's [G, r1 - r0, 2]
             side = {n: v[:, r0:r1].contiguous() for n, v in self._side.get(name, {}).items()}
             n = min(r1, t["shape"][0]) - r0  # the last block carries the padding rows
         else:
@@ -771,7 +771,7 @@ class StreamingStore:
             s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
             return buf.tensor(off + a - s, (r1 - r0) * rb)
 
-        if t["kind"] == "q4":  # dequantize the tiles that hold the rows one at a time, picking their rows
+        if t["kind"] in quant.TILED_KINDS:  # dequantize the tiles that hold the rows one at a time, picking rows
             vals = torch.empty(len(uniq), t["shape"][1], dtype=self.dtype)
             by_tile: dict[tuple[int, int], list[tuple[int, int]]] = {}
             for j, r in enumerate(uniq.tolist()):

@@ -70,13 +70,15 @@ def random_weight(entry: TensorEntry | None, shape, dtype: torch.dtype):
     """A weight of `shape` as the store would hand it to the math: a quantized object of the manifest entry's
     kind, group size and scale dtypes, or a float tensor in the compute dtype (norms: ones)."""
     kind = entry.kind if entry else "float"
-    if kind not in ("q4", "q8"):
+    if kind not in quant.QUANT_KINDS_ALL:
         return _filled(dtype, shape, 1.0 if len(shape) == 1 else None)
     scales = {n: DTYPES[p.dtype] for n, p in entry.parts.items()}
     buffers = {}
     for name, (dt, pshape) in quant.buffer_layout(kind, tuple(shape), entry.group_size).items():
         dt = scales.get(name, dt)
-        if name == "scales_zeros":
+        if kind in quant.K_KINDS:  # random codes and scale codes, small f16 super-scales
+            buffers[name] = _filled(dt, pshape, None)
+        elif name == "scales_zeros":
             sz = torch.zeros(pshape, dtype=dt)
             sz[..., 0] = 0.01
             buffers[name] = sz

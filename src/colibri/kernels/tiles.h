@@ -1,0 +1,430 @@
+// Shared pieces of the batch-invariant linear kernels (linear.cpp, kquant.cpp): scale loads, the q4 code
+// tiles and their outer-form driver, the dot form. See linear.cpp for the invariance argument.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {  // internal linkage: each kernel file gets its own copy
+
+constexpr int kTile = 64;   // q4 tile columns (the stored layout)
+constexpr int kRows = 6;    // x rows per register block
+constexpr int kChunk = 256; // k per dequantized q4 chunk: 32 KiB of bf16 pairs / 64 KiB of f32
+constexpr int kCols = 4;    // weight rows per dot-form register block
+
+inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline uint16_t f32_to_bf16(float f) {  // RNE, as vcvtneps2bf16 for normal numbers
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// 16 scales of any stored dtype -> f32.
+inline __m512 load16(const void* p, at::ScalarType t) {
+  if (t == at::kFloat) return _mm512_loadu_ps(p);
+  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return t == at::kBFloat16 ? bf16x16_to_f32(h) : _mm512_cvtph_ps(h);
+}
+
+inline float load1(const void* p, int64_t i, at::ScalarType t) {
+  if (t == at::kFloat) return static_cast<const float*>(p)[i];
+  if (t == at::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<float>(static_cast<const at::Half*>(p)[i]);
+}
+
+inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// ---- outer form: q4 -------------------------------------------------------------------------------------------
+// bf16 x: per group, A = x . (q - 8) by vdpbf16ps over exact bf16 codes, then y += scale * A + zero * sum(x),
+// the group sum of x computed once per row. f32 x: w = (q - 8) * scale + zero in f32, then fma.
+
+struct Q4 {
+  const uint8_t* qw;  // [Np, K/2] stored tiles
+  const uint8_t* sz;  // [G, Np, 2] (scale, zero)
+  at::ScalarType st;
+  int64_t esz, np, k, g;
+};
+
+// (scale, zero) of group gi for the columns [n0, n0 + 64) of a tile as 4 + 4 vectors (0 past the last column).
+inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __m512 z[4]) {
+  alignas(64) float buf[2 * kTile];
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  const uint8_t* p = w.sz + (gi * w.np + n0) * 2 * w.esz;
+  if (cols == kTile) {
+    for (int c = 0; c < 8; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c * w.esz, w.st));
+  } else {
+    for (int64_t i = 0; i < 2 * kTile; ++i) buf[i] = i < 2 * cols ? load1(p, i, w.st) : 0.f;
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int c = 0; c < 4; ++c) {
+    __m512 a = _mm512_load_ps(buf + 32 * c), b = _mm512_load_ps(buf + 32 * c + 16);
+    s[c] = _mm512_permutex2var_ps(a, even, b);
+    z[c] = _mm512_permutex2var_ps(a, odd, b);
+  }
+}
+
+// The code q of column j, row k, of the tile at column n0 (full tiles and the row-pair tail tile).
+inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {
+  const uint8_t* base = w.qw + n0 * (w.k / 2);
+  if (cols == kTile) {
+    uint8_t byte = base[k * 32 + (j & 31)];
+    return j < 32 ? byte & 15 : byte >> 4;
+  }
+  uint8_t byte = base[k * (cols / 2) + j / 2];
+  return (j & 1) ? byte >> 4 : byte & 15;
+}
+
+struct QPairTables {  // constants of q4_qpair
+  __m512i lut, order;
+  QPairTables() {
+    alignas(64) uint16_t l[32];
+    alignas(64) uint8_t o[64];
+    for (int i = 0; i < 32; ++i) l[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
+    for (int j = 0; j < 32; ++j) o[2 * j] = static_cast<uint8_t>(j), o[2 * j + 1] = static_cast<uint8_t>(32 + j);
+    lut = _mm512_load_si512(l);
+    order = _mm512_load_si512(o);
+  }
+};
+
+// Rows k, k + 1 of a full tile (64 contiguous bytes) -> 4 vectors of 16 columns x (q[k] - 8, q[k + 1] - 8) as
+// bf16 (exact): one byte shuffle interleaves the rows, vpermw maps 5 index bits through a table repeated twice.
+inline void q4_qpair(const uint8_t* rows, const QPairTables& tb, __m512i p[4]) {
+  __m512i il = _mm512_permutexvar_epi8(tb.order, _mm512_loadu_si512(rows));
+  __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(il));        // columns 0-15 | 32-47 (high nibbles)
+  __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(il, 1));  // columns 16-31 | 48-63
+  p[0] = _mm512_permutexvar_epi16(lo, tb.lut);
+  p[1] = _mm512_permutexvar_epi16(hi, tb.lut);
+  p[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(lo, 4), tb.lut);
+  p[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(hi, 4), tb.lut);
+}
+
+// Codes of k in [k0, k0 + kn) of the tile at n0 as bf16 pairs [kn/2][64][2] (the tail tile zero-padded).
+void q4_codes_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, const QPairTables& tb, uint16_t* buf) {
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  if (cols == kTile) {
+    const uint8_t* tile = w.qw + n0 * (w.k / 2);
+    for (int64_t k = k0; k < k0 + kn; k += 2) {
+      __m512i p[4];
+      q4_qpair(tile + k * 32, tb, p);
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(buf + (k - k0) / 2 * 128 + 32 * c, p[c]);
+    }
+    return;
+  }
+  for (int64_t k = 0; k < kn; ++k)
+    for (int64_t j = 0; j < kTile; ++j)
+      buf[((k / 2) * kTile + j) * 2 + (k & 1)] =
+          j < cols ? f32_to_bf16(static_cast<float>(q4_code(w, n0, cols, j, k0 + k) - 8)) : 0;
+}
+
+// tot[R][64] += s * A + z * xsum for one group, A = x[R rows] . (q - 8) over `npairs` code pairs from `src`.
+template <int R, class Src>
+inline void q4_group(Src&& src, int64_t npairs, const uint16_t* x, int64_t ldx, const float* xs, int64_t ldxs,
+                     const __m512 s[4], const __m512 z[4], float* tot) {
+  __m512 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) c[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    __m512i w[4];
+    src(p, w);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], (__m512bh)w[j], xb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = _mm512_set1_ps(xs[r * ldxs]);
+    for (int j = 0; j < 4; ++j) {
+      float* o = tot + r * kTile + 16 * j;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_fmadd_ps(c[r][j], s[j], _mm512_mul_ps(z[j], xv))));
+    }
+  }
+}
+
+// Weights w = (q + off) * scale + zero (exact f32, as dequantize()) of k in [k0, k0 + kn): f32 [kn][64], with
+// params(group, n0, scale[4], zero[4]) giving a group's parameters (q4: off = -8, its stored scale and zero).
+template <class Params>
+void q4_weights_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float* buf, Params&& params, int off) {
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  const __m512 lut = _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                   _mm512_set1_ps(static_cast<float>(off)));
+  const uint8_t* tile = w.qw + n0 * (w.k / 2);
+  __m512 s[4], z[4];
+  for (int64_t g0 = k0; g0 < k0 + kn; g0 += w.g) {  // chunks start on group boundaries (kChunk % g == 0)
+    params(g0 / w.g, n0, s, z);
+    for (int64_t k = g0; k < g0 + w.g; ++k) {
+      __m512 f[4];
+      if (cols == kTile) {
+        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * 32));
+        __m512i i0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));       // columns 0-15 | 32-47
+        __m512i i1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));  // columns 16-31 | 48-63
+        f[0] = _mm512_permutexvar_ps(i0, lut);  // vpermps reads 4 index bits
+        f[1] = _mm512_permutexvar_ps(i1, lut);
+        f[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), lut);
+        f[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), lut);
+      } else {
+        alignas(64) float q[kTile];
+        for (int64_t j = 0; j < kTile; ++j) q[j] = j < cols ? static_cast<float>(q4_code(w, n0, cols, j, k) + off) : 0.f;
+        for (int c = 0; c < 4; ++c) f[c] = _mm512_load_ps(q + 16 * c);
+      }
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(buf + (k - k0) * kTile + 16 * c, _mm512_add_ps(_mm512_mul_ps(f[c], s[c]), z[c]));
+    }
+  }
+}
+
+template <int R>
+void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float* acc, bool first) {
+  __m512 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) c[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * kTile + 16 * j);
+  for (int64_t k = 0; k < kn; ++k) {
+    const float* wk = buf + k * kTile;
+    __m512 w0 = _mm512_load_ps(wk), w1 = _mm512_load_ps(wk + 16), w2 = _mm512_load_ps(wk + 32),
+           w3 = _mm512_load_ps(wk + 48);
+    for (int r = 0; r < R; ++r) {
+      __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      c[r][0] = _mm512_fmadd_ps(xb, w0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(xb, w1, c[r][1]);
+      c[r][2] = _mm512_fmadd_ps(xb, w2, c[r][2]);
+      c[r][3] = _mm512_fmadd_ps(xb, w3, c[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kTile + 16 * j, c[r][j]);
+}
+
+// Rows in ceil(t / kRows) blocks of balanced sizes (t = 8: 4 + 4, not 6 + 2): a block's row count only sets
+// how many accumulators share each weight load, never the arithmetic of a row.
+template <typename F>
+void for_rows(int64_t t, F&& f) {
+  const int64_t blocks = (t + kRows - 1) / kRows;
+  int64_t r0 = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t n = t / blocks + (i < t % blocks ? 1 : 0);
+    switch (n) {
+      case 1: f(r0, std::integral_constant<int, 1>{}); break;
+      case 2: f(r0, std::integral_constant<int, 2>{}); break;
+      case 3: f(r0, std::integral_constant<int, 3>{}); break;
+      case 4: f(r0, std::integral_constant<int, 4>{}); break;
+      case 5: f(r0, std::integral_constant<int, 5>{}); break;
+      default: f(r0, std::integral_constant<int, kRows>{}); break;
+    }
+    r0 += n;
+  }
+}
+
+// acc [T][lda] f32 -> y[:, n0 : n0 + cols] in y's dtype (bf16: rounded once, RNE)
+void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
+  int64_t ldy = y.size(1);
+  if (y.scalar_type() == at::kFloat) {
+    float* out = y.data_ptr<float>();
+    for (int64_t r = 0; r < t; ++r) std::memcpy(out + r * ldy + n0, acc + r * lda, cols * 4);
+    return;
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 m = tail_mask16(cols - j);
+      __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, acc + r * lda + j)));
+      _mm256_mask_storeu_epi16(out + r * ldy + n0 + j, m, h);
+    }
+}
+
+// Group sums of bf16 x: [T][K/g] f32, 16-lane partials in k order then the fixed reduction.
+std::vector<float> group_sums(const uint16_t* x, int64_t t, int64_t k, int64_t g) {
+  std::vector<float> out(t * (k / g));
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t gi = 0; gi < k / g; ++gi) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 16)
+        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_maskz_loadu_epi16(tail_mask16((gi + 1) * g - k0), x + r * k + k0)));
+      out[r * (k / g) + gi] = hsum(a);
+    }
+  return out;
+}
+
+// The outer-form driver over 64-column code tiles (q4 and the two-level q4k): bf16 x uses
+// params_bf16(group, n0, s, z) for w ~ (q - 8) * s + z (the exact codes in the dot product, s and z in
+// f32 after it); f32 x multiplies the exact weights of q4_weights_chunk(params_f32, off).
+template <class PB, class PF>
+at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, PF&& params_f32, int off) {
+  const int64_t t = x.size(0), k = w.k, np = w.np, g = w.g;
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({t, np}, x.options());
+  const int64_t tiles = (np + kTile - 1) / kTile, groups = k / g;
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const std::vector<float> xs = bf ? group_sums(xb, t, k, g) : std::vector<float>();
+  const QPairTables tb;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * kTile + 16);
+    alignas(64) static thread_local float buf[kChunk * kTile];  // 64 KiB: f32 weights or (2x) bf16 code pairs
+    alignas(64) static thread_local __m512 params[kChunk / 32][8];
+    for (int64_t tile = b; tile < e; ++tile) {
+      const int64_t n0 = tile * kTile;
+      const bool full = np - n0 >= kTile;
+      if (bf) std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+        const int64_t kn = std::min<int64_t>(kChunk, k - k0), ng = kn / g;
+        if (!bf) {
+          q4_weights_chunk(w, n0, k0, kn, buf, params_f32, off);
+          for_rows(t, [&](int64_t r0, auto R) {
+            outer_f32<decltype(R)::value>(buf, kn, x.data_ptr<float>() + r0 * k + k0, k, acc.data() + r0 * kTile,
+                                          k0 == 0);
+          });
+          continue;
+        }
+        for (int64_t i = 0; i < ng; ++i) params_bf16(k0 / g + i, n0, params[i], params[i] + 4);
+        if (full && t <= kRows) {  // decode: codes straight from the tile, no buffer (same values, same order)
+          const uint8_t* tp = w.qw + n0 * (k / 2);
+          for_rows(t, [&](int64_t r0, auto R) {
+            for (int64_t i = 0; i < ng; ++i) {
+              const int64_t kg = k0 + i * g;
+              q4_group<decltype(R)::value>([&](int64_t p, __m512i* v) { q4_qpair(tp + (kg + 2 * p) * 32, tb, v); },
+                                           g / 2, xb + r0 * k + kg, k, xs.data() + r0 * groups + kg / g, groups,
+                                           params[i], params[i] + 4, acc.data() + r0 * kTile);
+            }
+          });
+          continue;
+        }
+        uint16_t* cb = reinterpret_cast<uint16_t*>(buf);
+        q4_codes_chunk(w, n0, k0, kn, tb, cb);
+        for_rows(t, [&](int64_t r0, auto R) {
+          for (int64_t i = 0; i < ng; ++i) {
+            const int64_t kg = k0 + i * g;
+            const uint16_t* gb = cb + i * g * kTile;
+            q4_group<decltype(R)::value>(
+                [&](int64_t p, __m512i* v) {
+                  for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(gb + p * 128 + 32 * c);
+                },
+                g / 2, xb + r0 * k + kg, k, xs.data() + r0 * groups + kg / g, groups, params[i], params[i] + 4,
+                acc.data() + r0 * kTile);
+          }
+        });
+      }
+      store_rows(acc.data(), kTile, t, std::min<int64_t>(kTile, np - n0), y, n0);
+    }
+  });
+  return y;
+}
+
+// ---- dot form: dense rows, q8 ----------------------------------------------------------------------------------
+
+// 32 weights as bf16: stored bf16, or q8 codes widened exactly (|q| <= 127 fits bf16's 8 bits).
+inline __m512bh load_w32(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
+  __m256i b = _mm256_maskz_loadu_epi8(m, p);
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn (32 bf16 per step), the tail masked.
+template <int R, int C, typename W>
+void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
+  __m512 c[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
+  for (int64_t k0 = 0; k0 < kn; k0 += 32) {
+    const __mmask32 m = kn - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (kn - k0)) - 1);
+    __m512bh wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = load_w32(w + j * ldw + k0, m);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + k0);
+      for (int j = 0; j < C; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], wv[j], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
+}
+
+template <int R, int C>
+void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
+  __m512 c[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
+  for (int64_t k0 = 0; k0 < kn; k0 += 16) {
+    const __mmask16 m = kn - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (kn - k0)) - 1);
+    __m512 wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k0);
+    for (int r = 0; r < R; ++r) {
+      __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k0);
+      for (int j = 0; j < C; ++j) c[r][j] = _mm512_fmadd_ps(xv, wv[j], c[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
+}
+
+constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in L1 (6 x 2-4 KiB)
+
+// y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols, K] for one block of at most 64 weight rows: register
+// blocks of R rows x C weight rows walk K in chunks, their lane partials kept in `acc` between chunks (the same
+// accumulation as one pass over K), then reduced by the fixed shuffle tree of _mm512_reduce_add_ps.
+template <typename E, typename W = E>
+void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+  alignas(64) __m512 acc[16][kRows * kCols];
+  for_rows(t, [&](int64_t r0, auto R) {
+    constexpr int rr = decltype(R)::value;
+    for (int64_t k0 = 0; k0 < k; k0 += kDotChunk) {
+      const int64_t kn = std::min(kDotChunk, k - k0);
+      for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
+        auto run = [&](auto C) {
+          constexpr int c = decltype(C)::value;
+          if constexpr (std::is_same_v<E, uint16_t>)
+            dot_bf16<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+          else
+            dot_f32<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+        };
+        switch (std::min<int64_t>(kCols, cols - j)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, kCols>{}); break;
+        }
+      }
+    }
+    for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
+      const int64_t c = std::min<int64_t>(kCols, cols - j);
+      for (int r = 0; r < rr; ++r)
+        for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = hsum(acc[gi][r * c + i]);
+    }
+  });
+}
+
+// Weight rows per parallel block: they stay in L2 (about 512 KiB) while every x row passes over them.
+int64_t block_rows(int64_t k, int64_t esz) {
+  int64_t rows = (512 << 10) / std::max<int64_t>(1, k * esz);
+  return std::max<int64_t>(kCols, std::min<int64_t>(64, rows / kCols * kCols));
+}
+
+// q8 rows [n0, n0 + cols) dequantized (q * scale, exact in f32) into f32 rows, or bf16 rows (RNE).
+inline void q8_store16(const int8_t* src, __m512 s, __mmask16 m, bool bf, void* out, int64_t off) {
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, src + off))), s);
+  if (bf)
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  else
+    _mm512_mask_storeu_ps(static_cast<float*>(out) + off, m, v);
+}
+
+}  // namespace

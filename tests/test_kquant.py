@@ -1,0 +1,191 @@
+"""GGUF K-quants kept exactly (colibri.kquant): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
+GGUF converted by default into a container with one tied table."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+import colibri
+from colibri import convert as conv
+from colibri import kernels, placement
+from colibri.container import ContainerCheckpoint
+from colibri.quant import from_gguf
+
+BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210}
+
+
+def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
+    """Valid random blocks [n, k / 256 * block bytes]: random codes and scales, sane positive f16 super-scales."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, BLOCK[qtype]), dtype=np.uint8)
+    d = rng.uniform(0.2, 1.0, (n, k // 256, 2 if qtype == QT.Q4_K else 1)).astype(np.float16) * np.float16(scale)
+    if qtype == QT.Q4_K:
+        raw[..., 0:4] = d.view(np.uint8)  # d, dmin
+    else:
+        raw[..., 208:210] = d.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q8k")])
+def test_k_quants_dequantize_bit_exactly(qtype, kind):
+    n, k = 80, 512  # 80 rows: a full 64-row tile and a 16-row tail tile for q4k
+    raw = k_blocks(qtype, n, k, seed=1)
+    w = from_gguf(raw, qtype, (n, k))
+    assert w.kind.name == kind
+    ref = reference(raw, qtype, n, k)
+    assert torch.equal(w.dequantize(), ref)
+    ids = torch.tensor([0, 63, 64, 79, 5, 0])  # tile edges, the tail tile, a repeat
+    assert torch.equal(w.rows(ids), ref[ids])
+    # bytes: the codes plus one byte per scale (and min) code, f16 super-scales
+    per_super = {QT.Q4_K: 128 + 16 + 4, QT.Q6_K: 256 + 16 + 2}[qtype]
+    assert w.nbytes == n * k // 256 * per_super
+    # a reader's views over the stored buffers give the same weight
+    again = type(w).from_buffers(w.shape, w.group_size, w.buffers())
+    assert torch.equal(again.dequantize(), ref)
+
+
+@pytest.mark.parametrize("mode", ["native", "torch"])
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode, monkeypatch):
+    monkeypatch.setenv(kernels.MODE_ENV, mode)
+    n, k = 80, 512
+    raw = k_blocks(qtype, n, k, seed=2)
+    w = from_gguf(raw, qtype, (n, k))
+    ref_w = reference(raw, qtype, n, k).double()
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        xd = x.to(dtype)
+        y16 = w.linear(xd)
+        want = xd.double() @ ref_w.T
+        assert ((y16.double() - want).abs().max() / want.abs().max()).item() < tol
+        for t in (1, 3):  # each row's result is independent of the rows beside it
+            assert torch.equal(w.linear(xd[:t]), y16[:t])
+        assert torch.equal(w.linear(xd[5:8]), y16[5:8])
+
+
+def test_other_k_quants_are_not_imported():
+    with pytest.raises(ValueError, match="not supported"):
+        from_gguf(np.zeros((4, 176), np.uint8), QT.Q5_K, (4, 256))
+
+
+def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
+    """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K matrices as llama.cpp's Q4_K_M
+    writes them, and a tied table stored twice: output.weight Q6_K, token_embd the same matrix as Q4_0 (or, with
+    `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
+    the file stores one Q4_K table (no output.weight: tied)."""
+    d, f, v, heads, kv = 256, 512, 2048, 4, 2
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(f)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    out = k_blocks(QT.Q6_K, v, d, seed=10, scale=2e-3)
+    table = np.ascontiguousarray(gguf_dequantize(out, QT.Q6_K), dtype=np.float32).reshape(v, d)
+    if one_q4k_table:
+        w.add_tensor("token_embd.weight", k_blocks(QT.Q4_K, v, d, seed=11, scale=2e-3), raw_dtype=QT.Q4_K)
+    elif embedding_as_head:
+        w.add_tensor("token_embd.weight", out, raw_dtype=QT.Q6_K)
+    else:
+        w.add_tensor("token_embd.weight", gguf_quantize(table, QT.Q4_0), raw_dtype=QT.Q4_0)
+    if not one_q4k_table:
+        w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q4_K), "attn_v": (d // heads * kv, d, QT.Q6_K),
+            "attn_output": (d, d, QT.Q4_K), "ffn_gate": (f, d, QT.Q4_K), "ffn_up": (f, d, QT.Q4_K),
+            "ffn_down": (d, f, QT.Q6_K)}
+    for i, (name, (n, k, qtype)) in enumerate(mats.items()):
+        w.add_tensor(f"blk.0.{name}.weight", k_blocks(qtype, n, k, seed=20 + i, scale=1e-3), raw_dtype=qtype)
+    for name in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{name}.weight", np.ones(d, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def k_container(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kquant")
+    src = k_gguf(root / "k.gguf")
+    conv.convert(src, root / "c", conv.ConvertOptions(quant="q4", page_size_mb=1))
+    return src, root / "c", k_gguf(root / "one-table.gguf", embedding_as_head=True)
+
+
+def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
+    from colibri.loaders.gguf import GGUFCheckpoint
+
+    src, out, _ = k_container
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["version"] == 2  # kinds a version-1 reader does not know
+    kinds = {t["name"]: t["kind"] for t in m["tensors"]}
+    assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q8k"  # output.weight's Q6_K
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "q8k"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4k"
+    c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
+    for name, kind in kinds.items():
+        if kind in ("q4k", "q8k"):
+            source = "lm_head.weight" if name == "model.embed_tokens.weight" else name
+            assert torch.equal(c.load(name).dequantize(), g.load(source)), name
+    container_bytes = sum(f["size"] for f in m["files"])
+    assert container_bytes < sum(int(t.n_bytes) for t in g._reader.tensors) + 64 * 4096  # table once; alignment
+
+
+def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
+    """The one table serves the lookup and the head: resident, and read by rows / row blocks from disk, the
+    logits are those of the GGUF whose embedding is output.weight's blocks (the table kept)."""
+    src, out, one_table = k_container
+    ids = list(range(0, 2048, 37))
+    want = colibri.load(one_table, dtype="float32").logits(ids)
+    got = colibri.load(out, dtype="float32").logits(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # several head blocks...
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)  # ...through buffers smaller than the table
+    path = out
+    minimum = colibri.model.plan(path, None, dtype=torch.float32, batch_size=1)[0].minimum
+    m = colibri.load(path, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
+    assert {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows} == {"embedding"}
+    assert torch.equal(m.logits(ids), got)
+    assert m.store.stats.row_bytes_read > 0
+    old = conv.ConvertOptions(quant="q4", page_size_mb=1, requantize=True)  # the old policy: lossy, q4 / q8
+    conv.convert(src, out.with_name("old"), old)
+    old_kinds = {t["kind"] for t in json.loads((out.with_name("old") / "manifest.json").read_text())["tensors"]}
+    assert old_kinds == {"q4", "q8", "f32"}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ContainerCheckpoint(out.with_name("old")).load(q).dequantize(),
+                           ContainerCheckpoint(out).load(q).dequantize())
+
+
+def test_q4k_table_is_read_by_tiles(tmp_path, monkeypatch):
+    """A tied Q4_K table (q4k): the lookup reads 64-row tiles, the head streams whole tiles in row blocks, and
+    the logits equal the resident container's and, within the kernels' tolerance, the GGUF's."""
+    src = k_gguf(tmp_path / "t.gguf", one_q4k_table=True)
+    out = tmp_path / "c"
+    conv.convert(src, out, conv.ConvertOptions(quant="q4", page_size_mb=1))
+    assert ContainerCheckpoint(out).tensors["model.embed_tokens.weight"].kind == "q4k"
+    ids = list(range(0, 2048, 37))
+    got = colibri.load(out, dtype="float32").logits(ids)
+    want = colibri.load(src, dtype="float32").logits(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
+    minimum = colibri.model.plan(out, None, dtype=torch.float32, batch_size=1)[0].minimum
+    m = colibri.load(out, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
+    assert {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows} == {"embedding"}
+    assert torch.equal(m.logits(ids), got)
