@@ -195,8 +195,8 @@ def pass_bytes(args, dtype: torch.dtype, quantized: bool, tokens: int, ctx: int,
 
 @dataclass
 class Settings:
-    """What a load's options resolve to: limit (bytes or None), context, KV plan, reserve."""
-    limit: int | None
+    """What a load's options resolve to: the memory limit (bytes or None), context, KV plan, reserve."""
+    memory_limit: int | None
     ctx: int
     kv: KVPlan
     reserve: Reserve
@@ -208,7 +208,7 @@ def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = F
     minimum working set under a limit (placement.minimum_staging); given, a limit is accepted iff reserve + floor
     fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
     found with the same test."""
-    limit, ram = config.limit_bytes, config.kv_ram_bytes
+    limit, ram = config.memory_limit_bytes, config.kv_ram_bytes
     options = (args, dtype, config.ctx_length, config.batch_size, ram, config.kv_quant, config.kv_block, quantized,
                config.max_sequences, floor)
     conf = _resolve(limit, *options)
@@ -225,7 +225,7 @@ def _fmt(n: int) -> str:
 
 
 def _accepted(conf: Settings, floor: int) -> bool:
-    return conf.limit >= conf.reserve.total + floor
+    return conf.memory_limit >= conf.reserve.total + floor
 
 
 def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized, sequences,

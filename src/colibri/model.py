@@ -139,7 +139,7 @@ class Model:
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
         # the KV pool's RAM, shared by every sequence and the cached prefixes: bounded under a memory limit or
         # an explicit --kv-ram, else it grows as sequences need
-        self.kv_pool_bytes = conf.kv.ram_bytes if conf.limit is not None or config.kv_ram is not None else None
+        self.kv_pool_bytes = conf.kv.ram_bytes if conf.memory_limit is not None or config.kv_ram is not None else None
         swap, swap_dir = config.swap, config.swap_dir
         if swap is None and swap_dir is None:
             from colibri.defaults import cache_dir
@@ -154,13 +154,13 @@ class Model:
         budget.warm_up(self.dtype)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
-        if conf.limit is not None:
+        if conf.memory_limit is not None:
             if not isinstance(ckpt, ContainerCheckpoint):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
             budget.tame_allocator()
-            self.store = StreamingStore(ckpt, self.args, conf.limit, self.dtype,
+            self.store = StreamingStore(ckpt, self.args, conf.memory_limit, self.dtype,
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size,
                                         lookahead=config.lookahead)
@@ -316,7 +316,7 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
         dt = resolve_dtype(config.dtype) or ckpt.default_dtype()
         conf, batch = fitted_settings(ckpt, args, dt, config)
-        limit, res = conf.limit, conf.reserve
+        limit, res = conf.memory_limit, conf.reserve
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
