@@ -265,7 +265,8 @@ class Engine:
     def _computing_shared(self, req: Request) -> bool:
         """Whether a running sequence is still prefilling a prefix of at least one block that `req`'s prompt
         shares: `req` then waits, and once admitted holds those blocks (from the prefix cache) instead of
-        computing a copy of its own. A pass holds prompt chunks in arrival order, so this costs it no step."""
+        computing a copy of its own (it trades a few steps of latency, none when the pass is full of the other's
+        chunks anyway, for the prefill of the shared part)."""
         B = self.space.layout.block
         for r in self.running:
             if r.pending > 1 and r.cache is not None and r.cache.length < len(r.prompt_ids):
