@@ -206,15 +206,15 @@ def test_sequences_with_a_common_prompt_hold_its_blocks_once(tiny_model_dir):
     prefix's blocks once (the first computes them, the others reference them from the prefix cache), so the
     pool peaks near prefix + N * suffix, not N * whole; each decodes the tokens it decodes alone."""
     path = tiny_model_dir("llama")
-    n, prefix_len, suffix_len, gen = 6, 40 * BLOCK, 5, 6
+    n, prefix_len, suffix_len, gen = 4, 24 * BLOCK, 5, 6
     common = tiny_models.token_ids(prefix_len, 384, seed=7)
     ps = [common + tiny_models.token_ids(suffix_len, 384, seed=200 + i) for i in range(n)]
-    alone = load(path)
+    alone = load(path, batch_size=48)
     ref = []
     for p in ps:
         alone.kv.clear()  # nothing shared: each computed from scratch
         ref.append(alone.generate(p, max_tokens=gen, ignore_eos=True).token_ids)
-    m = load(path)
+    m = load(path, batch_size=48)
     eng, peak = m.engine, 0
     reqs = [eng.add_request(p, SamplingParams(max_tokens=gen, ignore_eos=True)) for p in ps]
     while any(not r.finished for r in reqs):
@@ -223,7 +223,7 @@ def test_sequences_with_a_common_prompt_hold_its_blocks_once(tiny_model_dir):
     assert [r.token_ids for r in reqs] == ref
     prefix_blocks, own = prefix_len // BLOCK, -(-(suffix_len + gen) // BLOCK) + 1  # +1: a straddled boundary
     assert peak <= prefix_blocks + n * own, (peak, prefix_blocks, own)
-    assert peak < n * (prefix_blocks + own) // 3
+    assert peak < n * (prefix_blocks + own) // 2
     assert [r.metrics.prefix_tokens for r in reqs] == [0] + [prefix_len] * (n - 1)
 
 
