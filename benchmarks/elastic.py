@@ -33,7 +33,7 @@ for turn in range(turns):
                  "decode_tok_s": out.stats.get("decode_tok_s"), "tokens": out.token_ids,
                  "peak_over_baseline": peak_rss_bytes() - m.baseline_rss_bytes})
     ids = ids + out.token_ids + [(i * 104729) % 30000 + 100 for i in range(turn * grow, (turn + 1) * grow)]
-print(json.dumps({"limit": m.store.placement.budget, "floor_pinned_bytes": m.store.placement.pinned_bytes,
+print(json.dumps({"limit": m.store.placement.memory_limit, "floor_pinned_bytes": m.store.placement.pinned_bytes,
                   "turns": rows}))
 """
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 import colibri
+import colibri.model
 import tiny_models
 from colibri import convert as conv
 from colibri.config import EngineConfig
@@ -200,6 +201,32 @@ def test_pool_spills_and_preempts_with_the_same_tokens(tiny_model_dir, tmp_path)
     assert not list((tmp_path / "swap").glob("*")), "the temporary swap file is deleted on close"
 
 
+def test_sequences_with_a_common_prompt_hold_its_blocks_once(tiny_model_dir):
+    """One pool for sequences and the prefix cache: N sequences whose prompts share a long prefix hold that
+    prefix's blocks once (the first computes them, the others reference them from the prefix cache), so the
+    pool peaks near prefix + N * suffix, not N * whole; each decodes the tokens it decodes alone."""
+    path = tiny_model_dir("llama")
+    n, prefix_len, suffix_len, gen = 4, 24 * BLOCK, 5, 6
+    common = tiny_models.token_ids(prefix_len, 384, seed=7)
+    ps = [common + tiny_models.token_ids(suffix_len, 384, seed=200 + i) for i in range(n)]
+    alone = load(path, batch_size=48)
+    ref = []
+    for p in ps:
+        alone.kv.clear()  # nothing shared: each computed from scratch
+        ref.append(alone.generate(p, max_tokens=gen, ignore_eos=True).token_ids)
+    m = load(path, batch_size=48)
+    eng, peak = m.engine, 0
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=gen, ignore_eos=True)) for p in ps]
+    while any(not r.finished for r in reqs):
+        eng.step()
+        peak = max(peak, m.kv.pool.ram_blocks)
+    assert [r.token_ids for r in reqs] == ref
+    prefix_blocks, own = prefix_len // BLOCK, -(-(suffix_len + gen) // BLOCK) + 1  # +1: a straddled boundary
+    assert peak <= prefix_blocks + n * own, (peak, prefix_blocks, own)
+    assert peak < n * (prefix_blocks + own) // 2
+    assert [r.metrics.prefix_tokens for r in reqs] == [0] + [prefix_len] * (n - 1)
+
+
 def test_q8_and_sliding_window_layers_batch_exactly(tiny_model_dir, tmp_path):
     path = tiny_model_dir("gemma3")
     ps, mts = prompts(8), max_tokens(8)
@@ -250,6 +277,31 @@ def test_stop_strings_and_finish_reasons_per_request(tiny_model_dir):
     eng.run([a, b])
     assert a.token_ids == r.token_ids and b.finish_reason == "length" and b.token_ids == []
     assert a.metrics.ttft_s > 0 and a.metrics.generated_tokens == 5
+
+
+def test_a_limit_too_tight_for_a_full_pass_prefills_in_shorter_chunks(containers):
+    """--batch-size 512 under a limit that leaves room for the activations of a shorter pass only: the model
+    loads with shorter passes (a long prompt is prefilled in more chunks), every pass stays within the reserve
+    the limit holds, and the tokens are those of an unconstrained run."""
+    path = containers("llama")
+    full = colibri.model.plan(path, None, batch_size=512)[0].minimum
+    short = colibri.model.plan(path, None, batch_size=16)[0].minimum
+    assert short < full
+    limit = (short + full) // 2
+    m = load(path, memory_limit=limit, batch_size=512, dtype=None)
+    assert 16 <= m.pass_tokens < 512 and m.reserve.batch == m.pass_tokens
+    p = tiny_models.token_ids(m.context_length - 20, 384, seed=5)
+    ref = load(path, batch_size=512, dtype=None).generate(p, max_tokens=6, ignore_eos=True).token_ids
+    passes, forward = [], m.arch.forward
+
+    def counting(store, batch):
+        passes.append(len(batch.tokens))
+        return forward(store, batch)
+
+    m.engine.arch = type("Counting", (), {"forward": staticmethod(counting)})()
+    assert m.generate(p, max_tokens=6, ignore_eos=True).token_ids == ref
+    assert max(passes) <= m.pass_tokens and sum(n > 1 for n in passes) >= len(p) // m.pass_tokens
+    assert m.store.placement.minimum <= limit < full  # the reserve for the passes run, and the weights' floor
 
 
 def test_threads_share_the_engine(containers):

@@ -173,7 +173,7 @@ LAYERS = [
     ["placement", "usage", "io", "store", "streaming"],
     ["models", "models.base", "models.*"],
     ["convert", "calibrate", "mixed", "tied"],
-    ["kv", "prefix", "swap", "session"],
+    ["kvpool", "kv", "prefix", "swap", "session"],
     ["budget"],
     ["engine", "engine.*", "generate", "sampling", "tokenizer"],
     ["model"],

@@ -86,7 +86,7 @@ path, limit, ctx, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 m = colibri.load(path, memory_limit=limit, ctx_length=None if ctx == "auto" else int(ctx))
 ids = [(i * 7919) % 40000 + 100 for i in range(n)]
 m.generate(ids, max_tokens=8, ignore_eos=True)
-print(json.dumps({"baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "limit": m.store.placement.budget}))
+print(json.dumps({"baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "limit": m.store.placement.memory_limit}))
 """
 
 

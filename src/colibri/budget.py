@@ -89,7 +89,7 @@ def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch
 @dataclass
 class KVPlan:
     """How the KV cache uses its share: `window` positions of the live sequence in RAM (None: the whole
-    context), `prefix_ram` bytes of cached prefixes, and `working` bytes to assemble a layer's K/V from disk."""
+    context), `prefix_ram` bytes of cached prefixes, and `working` bytes to assemble a layer's K/V (from disk)."""
     layout: object
     ctx: int
     window: int | None
@@ -112,11 +112,15 @@ class KVPlan:
                 "kv_working_bytes": self.working, "kv_quant": self.layout.quant, "kv_block_tokens": self.layout.block}
 
 
+def kv_scratch_bytes(args, full: int, dtype: torch.dtype) -> int:
+    """The workspace attention input is assembled in (kv.Workspace): one layer's K and V for the whole context,
+    in the compute dtype."""
+    return 2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
+
+
 def kv_working_bytes(args, lay, full: int, dtype: torch.dtype) -> int:
-    """RAM an offloaded context needs besides its window: one layer's K and V for the whole context (compute
-    dtype), two read buffers of its blocks, a write buffer."""
-    return (2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
-            + 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes)
+    """RAM an offloaded context needs besides its window: the workspace and two read buffers of its blocks."""
+    return kv_scratch_bytes(args, full, dtype) + 2 * (full // lay.block) * lay.seg_bytes
 
 
 def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int | None = None,
@@ -134,16 +138,17 @@ def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int |
     ctx_bytes = full * lay.token_bytes
     if kv_ram is None:
         if limit is None:
-            return KVPlan(lay, ctx, None, ctx_bytes, 0)
+            return KVPlan(lay, ctx, None, ctx_bytes, kv_scratch_bytes(args, full, dtype))
         share = int(KV_SHARE * limit)
         room = share if spare is None else min(share, spare - kv_working_bytes(args, lay, full, dtype))
         fits_whole = ctx_bytes <= share and (spare is None or ctx_bytes <= spare)
         if fits_whole or not explicit_ctx or room // lay.token_bytes < 2 * lay.block:
-            return KVPlan(lay, ctx, None, 0, 0)  # a limit too small for it is refused with the minimum
+            # (a limit too small for it is refused with the minimum)
+            return KVPlan(lay, ctx, None, 0, kv_scratch_bytes(args, full, dtype))
         kv_ram = room
     window = kv_ram // lay.token_bytes // lay.block * lay.block
     if window >= full:
-        return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, 0)
+        return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, kv_scratch_bytes(args, full, dtype))
     if window < 2 * lay.block:
         raise InputError(f"a KV RAM share of {kv_ram} bytes holds {kv_ram // lay.token_bytes} tokens; it must hold "
                          f"at least {2 * lay.block} ({2 * lay.block * lay.token_bytes} bytes): raise --kv-ram")
@@ -190,8 +195,8 @@ def pass_bytes(args, dtype: torch.dtype, quantized: bool, tokens: int, ctx: int,
 
 @dataclass
 class Settings:
-    """What a load's options resolve to: limit (bytes or None), context, KV plan, reserve."""
-    limit: int | None
+    """What a load's options resolve to: the memory limit (bytes or None), context, KV plan, reserve."""
+    memory_limit: int | None
     ctx: int
     kv: KVPlan
     reserve: Reserve
@@ -203,7 +208,7 @@ def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = F
     minimum working set under a limit (placement.minimum_staging); given, a limit is accepted iff reserve + floor
     fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
     found with the same test."""
-    limit, ram = config.limit_bytes, config.kv_ram_bytes
+    limit, ram = config.memory_limit_bytes, config.kv_ram_bytes
     options = (args, dtype, config.ctx_length, config.batch_size, ram, config.kv_quant, config.kv_block, quantized,
                config.max_sequences, floor)
     conf = _resolve(limit, *options)
@@ -220,7 +225,7 @@ def _fmt(n: int) -> str:
 
 
 def _accepted(conf: Settings, floor: int) -> bool:
-    return conf.limit >= conf.reserve.total + floor
+    return conf.memory_limit >= conf.reserve.total + floor
 
 
 def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized, sequences,

@@ -32,7 +32,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                        " at most 4096)"), None),
     "batch_size": (dict(type=int, default=defaults.DEFAULT_BATCH,
                         help="maximum tokens per forward pass, all sequences together: a long prompt is prefilled"
-                             f" in chunks of it (default {defaults.DEFAULT_BATCH})"), None),
+                             f" in chunks of it, shorter ones under a limit too tight for it (default"
+                             f" {defaults.DEFAULT_BATCH})"), None),
     "max_sequences": (dict(type=int, default=defaults.DEFAULT_MAX_SEQUENCES,
                            help="sequences decoded together in one forward pass (default "
                                 f"{defaults.DEFAULT_MAX_SEQUENCES})"), None),

@@ -2,7 +2,7 @@
 
 The CLI builds one from its options (`cli.OPTIONS` take their defaults from here), `colibri.load(path, **kw)`
 builds one from keywords, and `load`, `plan`, `bench` and the memory budget read it. Sizes (`memory_limit`,
-`kv_ram`) are bytes or strings such as "600M" / "2G"; `limit_bytes` and `kv_ram_bytes` give them as bytes.
+`kv_ram`) are bytes or strings such as "600M" / "2G"; `memory_limit_bytes` and `kv_ram_bytes` give them as bytes.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     @property
-    def limit_bytes(self) -> int | None:
+    def memory_limit_bytes(self) -> int | None:
         from colibri.defaults import parse_size
         return None if self.memory_limit is None else parse_size(self.memory_limit)
 

@@ -1,15 +1,18 @@
-"""Paged KV cache: positions in blocks of `block` tokens; recent blocks in RAM, older ones in the swap file.
+"""Paged KV cache: a sequence's positions in blocks of `block` tokens, blocks of the model's shared pool.
 
-One sequence's cache (`KVCache`) keeps, per layer, K and V for the positions [base, length) in a RAM window of
-`window` tokens (a ring over whole blocks); blocks before `base` were written to the swap file when the window
-filled and are read back, one layer at a time with the next layer's reads in flight, when attention needs them.
-While nothing has left RAM (base == 0) attention reads the window in place. Once blocks live on disk, each layer's
-keys and values are assembled into one scratch buffer per pass: the values attention sees are the same either
-way, so placement never changes tokens. Sliding-window layers read back only the blocks inside their window.
+One sequence's cache (`KVCache`) is a table of blocks (colibri.kvpool): block j holds positions
+[j * block, (j + 1) * block) of every layer. Blocks are reference counted and shared: a sequence that starts with
+a cached prefix holds the prefix trie's blocks themselves, and a block it is about to write that others hold too
+(the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
+in RAM: when a pass needs more, its oldest blocks move to the swap file (for every holder), and attention reads
+them back one layer at a time with the next layer's reads in flight. A context of one block is read in place;
+longer ones are assembled per layer into one scratch buffer shared by the sequences of a pass (one at a time),
+dequantized there for q8: the values attention sees are the same wherever a block lives, so placement never
+changes tokens. Sliding-window layers read back only the blocks inside their window.
 
-A block's bytes, the unit of the swap file, of the prefix cache and of saved sessions, are per layer one
-4096-aligned segment: K [Hkv, block, Dh], V [Hkv, block, Dh] in the storage dtype, then (q8 only) their f32
-scales [Hkv, block, Dh / group].
+A block's bytes, the unit of the pool, the swap file and saved sessions, are per layer one 4096-aligned
+segment: K [Hkv, block, Dh], V [Hkv, block, Dh] in the storage dtype, then (q8 only) their f32 scales
+[Hkv, block, Dh / group].
 
 `--kv-quant q8` (lossy, opt-in) stores K and V as int8 with one f32 scale per `group` (32) values of a head
 vector; every use dequantizes, so a position's keys are the same wherever they are stored.
@@ -25,6 +28,7 @@ import torch
 
 from colibri.errors import InputError
 from colibri.io import DEMAND, PREFETCH, AlignedBuffer, align_up
+from colibri.kvpool import Block, BlockPool
 
 if TYPE_CHECKING:
     from colibri.prefix import KVSpace
@@ -73,16 +77,38 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of a block in the swap file and in saved sessions (segments padded to 4096)."""
         return self.num_layers * self.seg_bytes
+
+    @property
+    def ram_seg_bytes(self) -> int:
+        return 2 * (self.value_bytes(self.block) + self.scale_bytes(self.block))
+
+    @property
+    def ram_block_bytes(self) -> int:
+        """Bytes of a block in RAM: the same segments, unpadded."""
+        return self.num_layers * self.ram_seg_bytes
+
+    def pad(self, ram: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A block's RAM bytes -> its padded form (uint8 [block_bytes])."""
+        out.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes].copy_(
+            ram.view(self.num_layers, self.ram_seg_bytes))
+        return out
+
+    def unpad(self, padded: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A block's padded bytes -> its RAM form (uint8 [ram_block_bytes])."""
+        out.view(self.num_layers, self.ram_seg_bytes).copy_(
+            padded.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes])
+        return out
 
     def identity(self) -> dict:
         return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "dtype": str(self.dtype).removeprefix("torch."), "block": self.block, "kv_quant": self.quant}
 
-    def views(self, seg: torch.Tensor, n: int = 1):
-        """(k, v, k_scales, v_scales) views of `n` consecutive segments (uint8 [n, seg_bytes] or [seg_bytes]):
-        values [n, Hkv, block, Dh]; scales [n, Hkv, block, Dh / group] or None."""
-        seg = seg.view(n, self.seg_bytes)
+    def views(self, seg: torch.Tensor, n: int = 1, stride: int | None = None):
+        """(k, v, k_scales, v_scales) views of `n` consecutive segments of `stride` bytes each (uint8; default
+        seg_bytes, the padded form): values [n, Hkv, block, Dh]; scales [n, Hkv, block, Dh / group] or None."""
+        seg = seg.view(n, stride or self.seg_bytes)
         h, b, d = self.num_kv_heads, self.block, self.head_dim
         vb, sb = self.value_bytes(b), self.scale_bytes(b)
         k = seg[:, :vb].view(self.store_dtype).view(n, h, b, d)
@@ -109,12 +135,47 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return g.flatten(-2).to(dtype)
 
 
+class Workspace:
+    """The buffer attention input is assembled in: one layer's K and V (compute dtype) for the longest context
+    assembled so far, grown in whole blocks, at most the context. One per KV space, shared by its sequences."""
+
+    def __init__(self, layout: KVLayout, max_length: int):
+        self.layout, self.full = layout, align_up(max_length, layout.block)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def positions_for(self, positions: int) -> int:
+        have = 0 if self._k is None else self._k.shape[1]
+        if positions <= have:
+            return have
+        return min(self.full, max(align_up(positions, self.layout.block), 2 * have))
+
+    def bytes_for(self, positions: int) -> int:
+        """RAM the workspace adds to assemble `positions` positions."""
+        lay = self.layout
+        have = 0 if self._k is None else self._k.shape[1]
+        return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * \
+            torch.empty((), dtype=lay.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
+
+    def buffers(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.positions_for(positions)
+        if self._k is None or self._k.shape[1] < n:
+            lay = self.layout
+            self._k = self._v = None
+            self._k, self._v = (torch.zeros(lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype) for _ in range(2))
+        return self._k, self._v
+
+
 class KVCache:
-    """One sequence's KV; see the module docstring. `space` provides the swap file (None: RAM only)."""
+    """One sequence's KV; see the module docstring. `space` provides the block pool, the workspace and the swap
+    file (None: a pool of its own, RAM only)."""
 
     def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
-                 space: "KVSpace | None" = None, layer_windows: list[int | None] | None = None,
-                 initial: int = 256):
+                 space: "KVSpace | None" = None, layer_windows: list[int | None] | None = None):
         self.layout = layout
         B = layout.block
         self.max_length = max_length
@@ -124,145 +185,123 @@ class KVCache:
             raise InputError(f"a KV window of {self.window} tokens is too small; it must hold two blocks "
                              f"({2 * B} tokens)")
         self.space = space
+        self.pool: BlockPool = space.pool if space is not None else BlockPool(layout)
+        self.work: Workspace = space.work if space is not None else Workspace(layout, max_length)
         self.layer_windows = layer_windows or [None] * layout.num_layers
         self.length = 0  # positions committed (visible to the next pass)
-        self.base = 0  # first position held in RAM; the blocks before it are on disk
         self.ids: list[int] = []  # the token at each committed position
-        self.slots: list[int] = []  # swap slot of each block before base
-        self._initial = max(B, align_up(initial, B))
-        self.cap = 0
-        L = layout.num_layers
-        self.k: list[torch.Tensor | None] = [None] * L
-        self.v: list[torch.Tensor | None] = [None] * L
-        self.ks: list[torch.Tensor | None] = [None] * L
-        self.vs: list[torch.Tensor | None] = [None] * L
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._staging: list[AlignedBuffer] = []
-        self._pending: dict[int, tuple[tuple[int, int], list, int]] = {}  # layer -> (blocks, futures, buffer)
-        self._wbuf: AlignedBuffer | None = None
-        self._out: tuple[int, list[int]] | None = None  # swapped out: (base before, slots of its RAM blocks)
+        self.blocks: list[Block] = []  # block j: positions [j * block, (j + 1) * block)
+        # the prefix trie's view (kept by KVSpace): leading blocks inserted, the node of the last one, the trie's
+        # generation they belong to
+        self.committed, self.node, self.trie_gen = 0, None, -1
+        self._staging: list[AlignedBuffer] = []  # read buffers for blocks on disk (two: one layer ahead)
+        self._pending: dict[int, tuple[list[int], list, int]] = {}  # layer -> (blocks, futures, buffer)
+        self._out: list[Block] | None = None  # swapped out: the blocks swap_out moved to disk
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
 
     @property
+    def offloads(self) -> bool:
+        return self.window < align_up(self.max_length, self.layout.block)
+
+    @property
     def max_pass(self) -> int:
         """The most tokens one forward pass may add: the window keeps one block for the oldest in-RAM one."""
-        return self.window - self.layout.block if self.window < align_up(self.max_length, self.layout.block) \
-            else self.max_length
+        return self.window - self.layout.block if self.offloads else self.max_length
 
-    def ram_bytes(self) -> int:
-        """RAM held by this cache: the window, plus the scratch and read buffers once it has offloaded."""
+    def ram_blocks(self) -> int:
+        return sum(1 for b in self.blocks if b.in_ram)
+
+    def staging_bytes(self) -> int:
+        return sum(b.nbytes for b in self._staging)
+
+    def _staging_size(self) -> int:
         lay = self.layout
-        n = self.cap * lay.token_bytes
-        if self._scratch is not None:
-            n += sum(t.numel() * t.element_size() for t in self._scratch)
-        return n + sum(b.nbytes for b in self._staging) + (self._wbuf.nbytes if self._wbuf else 0)
+        return 2 * align_up(align_up(self.max_length, lay.block) // lay.block * lay.seg_bytes)
 
-    def _cap_for(self, need: int, cap: int | None = None) -> int:
-        """The ring capacity after growing from `cap` (None: the current one) to hold `need` positions: doubling
-        from the initial size, at most the window."""
-        cap = self.cap if cap is None else cap
-        if cap >= need:
-            return cap
-        cap = max(self._initial, cap)
-        while cap < need:
-            cap *= 2
-        return min(max(cap, need), self.window)
-
-    def ram_after(self, tokens: int) -> int:
-        """RAM this cache will hold once room for `tokens` more positions is reserved (a swapped-out cache
-        being read back first)."""
-        lay = self.layout
-        if self._out is None:
-            base, cap, extra = self.base, self.cap, self.ram_bytes() - self.cap * lay.token_bytes
-        else:
-            base, extra = self._out[0], 0
-            cap = self._cap_for(self.window if base else min(self.window, align_up(self.length, lay.block)), 0)
-        held = self.length + tokens - base
-        grown = self._cap_for(min(self.window, held), cap)
-        if grown > cap and cap:
-            extra += cap * lay.token_bytes // lay.num_layers // 2  # while one layer's K (or V) is copied over
-        if held > self.window and self._scratch is None:
-            # spilling starts: attention then assembles each layer's K/V in a scratch for the whole context and
-            # reads the blocks on disk through two buffers; blocks leave through a write buffer
-            full = align_up(self.max_length, lay.block)
-            extra += 2 * lay.num_kv_heads * full * lay.head_dim * torch.empty((), dtype=lay.dtype).element_size()
-            extra += 2 * (full // lay.block) * lay.seg_bytes + lay.block_bytes
-        return grown * lay.token_bytes + extra
-
-    def _ensure_cap(self, need: int) -> None:
-        if self.cap >= need:
-            return
-        cap = self._cap_for(need)
-        lay = self.layout
-        h, d = lay.num_kv_heads, lay.head_dim
-        for i in range(lay.num_layers):
-            for name in ("k", "v"):
-                new = torch.empty(h, cap, d, dtype=lay.store_dtype)
-                old = getattr(self, name)[i]
-                if old is not None:
-                    new[:, :self.cap] = old
-                getattr(self, name)[i] = new
-                if lay.quant:
-                    snew = torch.empty(h, cap, d // lay.group, dtype=torch.float32)
-                    sold = getattr(self, name + "s")[i]
-                    if sold is not None:
-                        snew[:, :self.cap] = sold
-                    getattr(self, name + "s")[i] = snew
-        self.cap = cap
+    def grow_bytes(self, tokens: int, workspace: bool = True) -> int:
+        """RAM the pool and this cache's buffers gain when room for `tokens` more positions is reserved (a
+        swapped-out cache being read back first): blocks appended, read back or copied from shared ones, less
+        those the window sends to disk, and the workspace and read buffers the pass first needs."""
+        lay, B = self.layout, self.layout.block
+        back = sum(1 for b in self._out if not b.in_ram) if self._out is not None else 0
+        own = self.ram_blocks() + back
+        added = shared = 0  # blocks entering this sequence's RAM / copies of shared blocks kept in RAM by others
+        for j in range(self.length // B, -(-(self.length + tokens) // B)):
+            if j >= len(self.blocks) or not self.blocks[j].in_ram:
+                added += 1
+            elif self.blocks[j].shared:
+                shared += 1
+        spilled = max(0, own + added - self.window // B)
+        extra = 0
+        if workspace and (self.length + tokens > B or lay.quant):
+            extra += self.work.bytes_for(self.length + tokens)
+        if not self._staging and (spilled or any(not b.in_ram for b in self.blocks)):
+            extra += self._staging_size()
+        return max(0, back + added + shared - spilled) * lay.ram_block_bytes + extra
 
     @torch.inference_mode()
     def reserve(self, tokens: int) -> None:
-        """Make room in the window for a pass of `tokens` positions, spilling the oldest blocks to disk."""
+        """Make room for a pass of `tokens` positions: blocks appended, or made writable (read back from disk,
+        copied when shared), and the oldest blocks over the window sent to the swap file."""
         if self.length + tokens > self.max_length:
             raise InputError(f"{self.length + tokens} positions exceed the context of {self.max_length} tokens")
         if tokens > self.max_pass:
             raise ValueError(f"a pass of {tokens} tokens does not fit a {self.window}-token KV window")
         self._drain()
-        self._ensure_cap(min(self.window, self.length - self.base + tokens))
-        while self.length + tokens - self.base > self.window:
-            self._spill()
+        self.swap_in()
+        B = self.layout.block
+        first = self.length // B
+        for j in range(first, -(-(self.length + tokens) // B)):
+            if j == len(self.blocks):
+                self.blocks.append(self.pool.new())
+            else:
+                self.blocks[j] = self.pool.writable(self.blocks[j])
+        self._fit_window()
 
-    def _ring(self, pos: int) -> int:
-        return pos % self.window
+    def _fit_window(self) -> None:
+        """Send the oldest of this sequence's blocks in RAM to the swap file while more than `window` positions
+        are in RAM (the pass's own blocks are the newest: `max_pass` leaves them room)."""
+        if not self.offloads:
+            return
+        ram = [b for b in self.blocks if b.in_ram]
+        for b in ram[:max(0, len(ram) - self.window // self.layout.block)]:
+            self.pool.spill(b)
+
+    def _writable(self, end: int) -> bool:
+        B = self.layout.block
+        if len(self.blocks) * B < end:
+            return False
+        return all(b.in_ram and not b.shared for b in self.blocks[self.length // B:-(-end // B)])
 
     # -- writing -------------------------------------------------------------------------------------------
-
-    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """(ring offset, position, count) covering positions [start, end): two pieces where the ring wraps."""
-        o, n = self._ring(start), end - start
-        first = min(n, self.window - o)
-        out = [(o, start, first)] if n > 0 else []
-        if n > first:
-            out.append((0, start + first, n - first))
-        return out
-
-    def _put(self, store: list, i: int, src: torch.Tensor, pos: int) -> None:
-        """Write src [Hkv, T, x] at positions pos.. of the ring."""
-        for o, p, n in self._pieces(pos, pos + src.shape[1]):
-            store[i][:, o:o + n] = src[:, p - pos:p - pos + n]
 
     @torch.inference_mode()
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
         S = length + T positions ([Hkv, S, Dh], compute dtype) for attention."""
         T = k.shape[1]
-        if self.cap == 0 or self.length - self.base + T > self.cap:
+        end = self.length + T
+        if not self._writable(end):
             self.reserve(T)  # callers that skip reserve() (a bare forward) get it here
         lay = self.layout
         if lay.quant:
-            kq, ksc = quantize(k, lay.group)
-            vq, vsc = quantize(v, lay.group)
-            self._put(self.k, i, kq, self.length)
-            self._put(self.v, i, vq, self.length)
-            self._put(self.ks, i, ksc, self.length)
-            self._put(self.vs, i, vsc, self.length)
-        else:
-            self._put(self.k, i, k, self.length)
-            self._put(self.v, i, v, self.length)
-        end = self.length + T
-        if self.base == 0 and not lay.quant:
-            return self.k[i][:, :end], self.v[i][:, :end]
+            (k, ks), (v, vs) = quantize(k, lay.group), quantize(v, lay.group)
+        B, pos = lay.block, self.length
+        while pos < end:
+            j, o = divmod(pos, B)
+            n = min(B - o, end - pos)
+            bk, bv, bks, bvs = self.blocks[j].layers[i]
+            s = pos - self.length
+            bk[:, o:o + n] = k[:, s:s + n]
+            bv[:, o:o + n] = v[:, s:s + n]
+            if lay.quant:
+                bks[:, o:o + n] = ks[:, s:s + n]
+                bvs[:, o:o + n] = vs[:, s:s + n]
+            pos += n
+        if end <= B and not lay.quant:  # one block: read in place
+            bk, bv = self.blocks[0].layers[i][:2]
+            return bk[:, :end], bv[:, :end]
         return self._assemble(i, end)
 
     def advance(self, n: int, ids=None) -> None:
@@ -270,26 +309,25 @@ class KVCache:
             self.ids.extend(int(t) for t in ids)
         self.length += n
 
-    # -- attention input when blocks are on disk or quantized ----------------------------------------------
+    # -- attention input -----------------------------------------------------------------------------------
 
-    def _needed_blocks(self, i: int) -> tuple[int, int]:
-        """(first, end) block indices on disk that layer i's queries of this pass can see."""
+    def _first_block(self, i: int) -> int:
+        """The first block layer i's queries of this pass can see."""
         w = self.layer_windows[i]
-        lo = 0 if w is None else max(0, self.length - w + 1)  # the pass's first query is at `length`
-        nb = self.base // self.layout.block
-        return min(lo // self.layout.block, nb), nb
+        return 0 if w is None else max(0, self.length - w + 1) // self.layout.block  # first query at `length`
+
+    def _disk_blocks(self, i: int) -> list[int]:
+        return [j for j in range(self._first_block(i), len(self.blocks)) if not self.blocks[j].in_ram]
 
     def _submit(self, i: int, priority: int) -> None:
-        blocks = self._needed_blocks(i)
-        if blocks[1] - blocks[0] <= 0:
+        js = self._disk_blocks(i)
+        if not js:
             return
-        lay = self.layout
         if not self._staging:
-            n = align_up(self.max_length, lay.block) // lay.block
-            self._staging = [AlignedBuffer(n * lay.seg_bytes) for _ in range(2)]
+            self._staging = [AlignedBuffer(self._staging_size() // 2) for _ in range(2)]
         buf = i % 2
-        futures = self.space.swap.read_layer(self.slots[blocks[0]:blocks[1]], i, self._staging[buf], priority)
-        self._pending[i] = (blocks, futures, buf)
+        futures = self.space.swap.read_layer([self.blocks[j].slot for j in js], i, self._staging[buf], priority)
+        self._pending[i] = (js, futures, buf)
 
     def _drain(self) -> None:
         """Wait out reads still in flight (a failed pass leaves some): their buffers are about to be reused."""
@@ -301,144 +339,104 @@ class KVCache:
                     pass
         self._pending.clear()
 
-    def _decode_into(self, dst_k: torch.Tensor, dst_v: torch.Tensor, k, v, ks, vs) -> None:
-        """dst [Hkv, n*B, Dh] <- block-major values [n, Hkv, B, Dh] (dequantized when quantized)."""
-        n, h, b, d = k.shape
-        dk, dv = dst_k.view(h, n, b, d), dst_v.view(h, n, b, d)
+    def _copy_block(self, dst_k: torch.Tensor, dst_v: torch.Tensor, k, v, ks, vs) -> None:
+        """dst [Hkv, B, Dh] <- one block's values [Hkv, B, Dh] (dequantized when quantized)."""
         if ks is None:
-            dk.copy_(k.permute(1, 0, 2, 3))
-            dv.copy_(v.permute(1, 0, 2, 3))
+            dst_k.copy_(k)
+            dst_v.copy_(v)
         else:
-            dk.copy_(dequantize(k, ks, self.layout.dtype).permute(1, 0, 2, 3))
-            dv.copy_(dequantize(v, vs, self.layout.dtype).permute(1, 0, 2, 3))
+            dst_k.copy_(dequantize(k, ks, self.layout.dtype))
+            dst_v.copy_(dequantize(v, vs, self.layout.dtype))
 
     def _assemble(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
         B = lay.block
-        if self._scratch is None:
-            full = align_up(self.max_length, B)
-            self._scratch = tuple(torch.zeros(lay.num_kv_heads, full, lay.head_dim, dtype=lay.dtype)
-                                  for _ in range(2))
-        sk, sv = self._scratch
-        first, nb = self._needed_blocks(i)
-        if nb:
+        sk, sv = self.work.buffers(end)
+        first, nb = self._first_block(i), -(-end // B)
+        if first:
+            sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
+            sv[:, :first * B].zero_()
+        on_disk: set[int] = set()
+        if any(not self.blocks[j].in_ram for j in range(first, nb)):
             pend = self._pending.pop(i, None)
-            if pend is None or pend[0] != (first, nb):
+            if pend is None or pend[0] != self._disk_blocks(i):
                 if pend is not None:
                     for f in pend[1]:
                         f.result()
                 self._submit(i, DEMAND)
-                pend = self._pending.pop(i, None)
+                pend = self._pending.pop(i)
             if i + 1 < lay.num_layers and i + 1 not in self._pending:
                 self._submit(i + 1, PREFETCH)
-            if first:
-                sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
-                sv[:, :first * B].zero_()
-            if pend is not None:
-                blocks, futures, buf = pend
-                t0 = time.perf_counter()
-                for f in futures:
-                    self.space.promote(f)
-                for f in futures:
-                    f.result()
-                self.space.read_wait_s += time.perf_counter() - t0
-                n = nb - first
-                raw = self._staging[buf].tensor(0, n * lay.seg_bytes)
-                self._decode_into(sk[:, first * B:nb * B], sv[:, first * B:nb * B], *lay.views(raw, n))
-        # the RAM window, in position order
-        for o, p, n in self._pieces(self.base, end):
-            for dst, vals, scales in ((sk, self.k, self.ks), (sv, self.v, self.vs)):
-                piece = vals[i][:, o:o + n]
-                dst[:, p:p + n] = dequantize(piece, scales[i][:, o:o + n], lay.dtype) if lay.quant else piece
+            js, futures, buf = pend
+            t0 = time.perf_counter()
+            for f in futures:
+                self.space.promote(f)
+            for f in futures:
+                f.result()
+            self.space.read_wait_s += time.perf_counter() - t0
+            raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
+            k, v, ks, vs = lay.views(raw, len(js))
+            for n, j in enumerate(js):
+                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], k[n], v[n],
+                                 None if ks is None else ks[n], None if vs is None else vs[n])
+            on_disk.update(js)
+        for j in range(first, nb):
+            if j not in on_disk:
+                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *self.blocks[j].layers[i])
         return sk[:, :end], sv[:, :end]
 
     # -- blocks in and out ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def encode_block(self, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The bytes of block b (uint8 [block_bytes]) from the RAM window or, for a block on disk, the swap."""
-        lay = self.layout
-        out = torch.empty(lay.block_bytes, dtype=torch.uint8) if out is None else out
-        B = lay.block
-        if b < self.base // B:
-            buf = AlignedBuffer(lay.block_bytes)
-            for f in self.space.swap.read_block(self.slots[b], buf):
-                f.result()
-            out.copy_(buf.tensor(0, lay.block_bytes))
-            return out
-        o = self._ring(b * B)
-        segs = out.view(lay.num_layers, lay.seg_bytes)
-        for i in range(lay.num_layers):
-            k, v, ks, vs = lay.views(segs[i])
-            k[0].copy_(self.k[i][:, o:o + B])
-            v[0].copy_(self.v[i][:, o:o + B])
-            if lay.quant:
-                ks[0].copy_(self.ks[i][:, o:o + B])
-                vs[0].copy_(self.vs[i][:, o:o + B])
-        return out
-
-    def _decode_block(self, block: torch.Tensor, pos: int) -> None:
-        """Write a block's bytes into the ring at block-aligned position `pos`."""
-        lay = self.layout
-        o, B = self._ring(pos), lay.block
-        segs = block.view(lay.num_layers, lay.seg_bytes)
-        for i in range(lay.num_layers):
-            k, v, ks, vs = lay.views(segs[i])
-            self.k[i][:, o:o + B] = k[0]
-            self.v[i][:, o:o + B] = v[0]
-            if lay.quant:
-                self.ks[i][:, o:o + B] = ks[0]
-                self.vs[i][:, o:o + B] = vs[0]
-
-    def _spill(self) -> None:
-        lay = self.layout
-        if self.space is None:
-            raise InputError(f"the KV cache needs more than its {self.window}-token RAM window and has no swap "
-                             "file; give --swap or a larger --kv-ram")
-        b = self.base // lay.block
-        if self._wbuf is None:
-            self._wbuf = AlignedBuffer(lay.block_bytes)
-        data = self.encode_block(b, self._wbuf.tensor(0, lay.block_bytes))
-        slot = self.space.alloc_slot()
-        try:
-            self.space.swap.write(slot, data)
-        except BaseException:
-            self.space.free_slot(slot)  # the block stays in the window; the slot is not leaked
-            raise
-        self.slots.append(slot)
-        self.base += lay.block
+        """The padded bytes of block b (uint8 [block_bytes]), from RAM or the swap file."""
+        out = torch.empty(self.layout.block_bytes, dtype=torch.uint8) if out is None else out
+        return self.pool.read(self.blocks[b], out)
 
     @torch.inference_mode()
     def append_block(self, block: torch.Tensor, ids: list[int]) -> None:
-        """Append a block's bytes (a cached prefix, a saved session) at the block-aligned end; `ids` are its
-        tokens (fewer than a block for a sequence's last one)."""
-        if self.length % self.layout.block:
+        """Append a block's padded bytes (a saved session) at the block-aligned end; `ids` are its tokens (fewer
+        than a block for a sequence's last one)."""
+        B = self.layout.block
+        if self.length % B:
             raise ValueError("blocks are appended at block boundaries only")
-        self.reserve(self.layout.block if self.length + self.layout.block <= self.max_length else len(ids))
-        self._decode_block(block, self.length)
+        self.reserve(B if self.length + B <= self.max_length else len(ids))
+        self.layout.unpad(block, self.blocks[self.length // B].data)
         self.advance(len(ids), ids)
 
     @torch.inference_mode()
+    def share(self, blocks: list[Block], ids: list[int]) -> None:
+        """Append full blocks others hold (a cached prefix of `ids`' tokens) by reference: nothing is copied;
+        blocks on disk come back into RAM, within the window."""
+        B = self.layout.block
+        if self.length % B or len(ids) != len(blocks) * B or self.length + len(ids) > self.max_length:
+            raise ValueError("shared blocks are whole blocks appended at a block boundary within the context")
+        for b in blocks:
+            self.blocks.append(self.pool.ref(b))
+        self.advance(len(ids), ids)
+        ram = self.window // B
+        for b in self.blocks[-min(len(blocks), ram):]:
+            self.pool.load(b)
+        self._fit_window()
+
+    @torch.inference_mode()
     def truncate(self, length: int) -> None:
-        """Drop positions >= length (a reused prefix, rejected speculative tokens)."""
+        """Drop positions >= length (a reused prefix, rejected speculative tokens); the blocks past it go back to
+        the pool."""
         length = max(0, min(self.length, length))
         self._drain()
-        if length < self.base:
-            B = self.layout.block
-            nb = length // B
-            if length % B:
-                self.length = nb * B  # the block comes back into the window at its ring position
-                block = self.encode_block(nb)
-                self.base = nb * B
-                self._decode_block(block, nb * B)
-            for s in self.slots[nb:]:
-                self.space.free_slot(s)
-            del self.slots[nb:]
-            self.base = nb * B
+        keep = -(-length // self.layout.block)
+        for b in self.blocks[keep:]:
+            self.pool.unref(b)
+        del self.blocks[keep:]
+        if self._out is not None:
+            self._out = [b for b in self._out if any(b is c for c in self.blocks)]
+        while self.committed > length // self.layout.block:
+            self.committed, self.node = self.committed - 1, self.node.parent
         self.length = length
         del self.ids[length:]
 
-    # -- preemption: the whole sequence out to the swap file and back, nothing recomputed -------------------
+    # -- preemption: the sequence out to the swap file and back, nothing recomputed -------------------------
 
     @property
     def swapped(self) -> bool:
@@ -446,47 +444,31 @@ class KVCache:
 
     @torch.inference_mode()
     def swap_out(self) -> None:
-        """Write the blocks held in RAM to the swap file and free every RAM buffer (blocks already on disk stay
-        where they are). The swap file must have room; InputError otherwise, with the cache unchanged."""
+        """Move the blocks only this sequence holds to the swap file and free its read buffers (blocks others
+        hold stay where they are). InputError when the swap file has no room, with the cache unchanged."""
         if self._out is not None:
             return
         self._drain()
-        lay = self.layout
-        first, end = self.base // lay.block, -(-self.length // lay.block)
-        slots: list[int] = []
+        out: list[Block] = []
         try:
-            for b in range(first, end):
-                if self._wbuf is None:
-                    self._wbuf = AlignedBuffer(lay.block_bytes)
-                data = self.encode_block(b, self._wbuf.tensor(0, lay.block_bytes))
-                slot = self.space.alloc_slot()
-                slots.append(slot)
-                self.space.swap.write(slot, data)
+            for b in self.blocks:
+                if b.in_ram and not b.shared:
+                    self.pool.spill(b)
+                    out.append(b)
         except BaseException:
-            for slot in slots:
-                self.space.free_slot(slot)
+            for b in out:
+                self.pool.load(b)
             raise
-        self._out = (self.base, slots)
-        L = lay.num_layers
-        self.k, self.v, self.ks, self.vs = [None] * L, [None] * L, [None] * L, [None] * L
-        self.cap = 0
-        self._scratch, self._staging, self._wbuf = None, [], None
+        self._out = out
+        self._staging = []
 
     @torch.inference_mode()
     def swap_in(self) -> None:
-        """Read the blocks `swap_out` wrote back into a fresh RAM window and free their slots."""
+        """Read the blocks `swap_out` moved back into RAM and free their slots."""
         if self._out is None:
             return
-        base, slots = self._out
-        lay = self.layout
-        self._ensure_cap(self.window if base else min(self.window, align_up(self.length, lay.block)))
-        buf = AlignedBuffer(lay.block_bytes)
-        for j, slot in enumerate(slots):
-            for f in self.space.swap.read_block(slot, buf):
-                f.result()
-            self._decode_block(buf.tensor(0, lay.block_bytes), base + j * lay.block)
-        for slot in slots:
-            self.space.free_slot(slot)
+        for b in self._out:
+            self.pool.load(b)
         self._out = None
 
     def reset(self) -> None:
@@ -494,10 +476,10 @@ class KVCache:
 
     @torch.inference_mode()
     def release(self) -> None:
-        """Free this cache's swap slots and buffers."""
+        """Give this cache's blocks back to the pool and free its buffers."""
         self._drain()
-        for s in self.slots + (self._out[1] if self._out else []):
-            self.space.free_slot(s)
-        self.slots, self._out = [], None
-        self.base = self.length = 0
-        self.ids = []
+        for b in self.blocks:
+            self.pool.unref(b)
+        self.blocks, self._out, self._staging = [], None, []
+        self.length, self.ids = 0, []
+        self.committed, self.node = 0, None

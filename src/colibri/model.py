@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -45,6 +46,26 @@ def weights_floor(ckpt: Checkpoint, args, memory_limit, batch: int) -> int | Non
         return None
     from colibri.placement import minimum_staging
     return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
+
+
+MIN_PASS = 16  # the shortest pass (prefill chunk) a tight memory limit falls back to
+
+
+def fitted_settings(ckpt: Checkpoint, args, dtype: torch.dtype, config: EngineConfig) -> tuple[budget.Settings, int]:
+    """The memory settings and the tokens per pass: --batch-size, or, under a limit that leaves too little for
+    a pass of that many tokens, the largest halving of it (down to MIN_PASS) that fits: a long prefill then runs
+    in shorter chunks instead of being refused. A limit too small even for those is refused, stating the minimum
+    found with the shortest pass."""
+    batch = config.batch_size
+    while True:
+        try:
+            conf = budget.settings(args, dtype, dataclasses.replace(config, batch_size=batch), quantized(ckpt),
+                                   weights_floor(ckpt, args, config.memory_limit, batch))
+            return conf, batch
+        except InputError:
+            if config.memory_limit is None or batch <= MIN_PASS:
+                raise
+            batch = max(MIN_PASS, batch // 2)
 
 
 def quantized(ckpt: Checkpoint) -> bool:
@@ -116,14 +137,13 @@ class Model:
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
         self.tokenizer = self._tokenizer()
-        self.batch_size = config.batch_size
         self.max_sequences = config.max_sequences
-        conf = budget.settings(self.args, self.dtype, config, quantized(ckpt),
-                               weights_floor(ckpt, self.args, config.memory_limit, self.batch_size))
+        # tokens per pass: --batch-size, fewer when the limit is too tight for a pass of it
+        conf, self.batch_size = fitted_settings(ckpt, self.args, self.dtype, config)
         self.context_length, self.reserve, self.kv_plan = conf.ctx, conf.reserve, conf.kv
         # the KV pool's RAM, shared by every sequence and the cached prefixes: bounded under a memory limit or
         # an explicit --kv-ram, else it grows as sequences need
-        self.kv_pool_bytes = conf.kv.ram_bytes if conf.limit is not None or config.kv_ram is not None else None
+        self.kv_pool_bytes = conf.kv.ram_bytes if conf.memory_limit is not None or config.kv_ram is not None else None
         swap, swap_dir = config.swap, config.swap_dir
         if swap is None and swap_dir is None:
             from colibri.defaults import cache_dir
@@ -138,13 +158,13 @@ class Model:
         budget.warm_up(self.dtype)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
-        if conf.limit is not None:
+        if conf.memory_limit is not None:
             if not isinstance(ckpt, ContainerCheckpoint):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.streaming import StreamingStore
             budget.tame_allocator()
-            self.store = StreamingStore(ckpt, self.args, conf.limit, self.dtype,
+            self.store = StreamingStore(ckpt, self.args, conf.memory_limit, self.dtype,
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size,
                                         lookahead=config.lookahead)
@@ -299,15 +319,14 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
         if not isinstance(ckpt, ContainerCheckpoint):
             raise UnsupportedModelError(f"{path}: placement applies to Colibri containers; convert the model first")
         dt = resolve_dtype(config.dtype) or ckpt.default_dtype()
-        conf = budget.settings(args, dt, config, quantized=quantized(ckpt),
-                               floor=weights_floor(ckpt, args, config.memory_limit, config.batch_size))
-        limit, res = conf.limit, conf.reserve
+        conf, batch = fitted_settings(ckpt, args, dt, config)
+        limit, res = conf.memory_limit, conf.reserve
         usage = None
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
         return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit,
-                     config.prefetch_depth, res.total, config.batch_size, usage, dt), res, args
+                     config.prefetch_depth, res.total, batch, usage, dt), res, args
     finally:
         ckpt.close()
 

@@ -130,7 +130,7 @@ def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, t
 
 @dataclass
 class Placement:
-    budget: int | None
+    memory_limit: int | None  # --memory-limit in bytes (None: none)
     reserve: int  # KV cache and activations (budget.Reserve), set aside before weights
     pinned: list[int]
     streamed: list[int]  # read whole through the staging slots
@@ -152,7 +152,7 @@ class Placement:
         return self.slots * self.slot_bytes + self.block_bytes + self.lookup_bytes + self.side_bytes
 
     def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget, "reserve_bytes": self.reserve, "pinned_bytes": self.pinned_bytes,
+        return {"memory_limit_bytes": self.memory_limit, "reserve_bytes": self.reserve, "pinned_bytes": self.pinned_bytes,
                 "streamed_bytes": self.streamed_bytes, "staging_bytes": self.staging_bytes,
                 "expert_cache_bytes": self.cache_slots * self.slot_bytes, "expert_cache_slots": self.cache_slots,
                 "pinned_pages": len(self.pinned), "streamed_pages": len(self.streamed),
@@ -248,7 +248,7 @@ def resident_extra(page: dict, tensors: dict[str, dict], dtype: torch.dtype | No
     return extra
 
 
-def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, budget: int | None,
+def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, memory_limit: int | None,
          prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
          usage: dict[tuple[int, int], float] | None = None, dtype: torch.dtype | None = None) -> Placement:
     """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
@@ -260,14 +260,14 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     total = sum(p["nbytes"] for p in pages)
     costs = _Costs(pages, tensors, num_layers, tied, batch)
     minimum = reserve + costs.need(ids, 0)
-    if budget is None or budget >= reserve + sum(cost.values()):
-        return Placement(budget, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
-    if budget < minimum:
-        raise InputError(f"memory limit {fmt_bytes(budget)} is below this model's minimum working set of "
+    if memory_limit is None or memory_limit >= reserve + sum(cost.values()):
+        return Placement(memory_limit, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
+    if memory_limit < minimum:
+        raise InputError(f"memory limit {fmt_bytes(memory_limit)} is below this model's minimum working set of "
                          f"{fmt_bytes(minimum)} ({fmt_bytes(reserve)} KV cache and activations, "
                          f"{fmt_bytes(minimum - reserve)} staging for its largest layer); raise --memory-limit"
                          " or lower --ctx-length / --batch-size")
-    room = budget - reserve
+    room = memory_limit - reserve
     streamed = set(ids)
     pinned_cost = 0  # pinned pages' bytes plus what their weights derive
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
@@ -318,5 +318,5 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
     per_pass = sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
-    return Placement(budget, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
+    return Placement(memory_limit, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
                      block, lookup, sum(pages[i]["nbytes"] for i in pinned), per_pass, minimum, learned, depth)

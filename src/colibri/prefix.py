@@ -1,12 +1,12 @@
-"""A model's KV memory: the live sequence, the prefix cache (a radix tree of token blocks) and the swap file.
+"""A model's KV memory: one block pool shared by every sequence and the prefix cache, and the swap file.
 
-Reuse comes from two places. The live sequence (the last request's cache, kept after it ends) serves the common
-case of a chat: the next turn's prompt starts with everything the last one computed, so only the new tokens are
-prefilled, at any token boundary. The prefix cache serves other sequences: a trie whose nodes are full blocks of
-`block` token ids maps a token prefix to the blocks' KV bytes, held in RAM (up to `prefix_ram` bytes) or in the
-swap file. When the live sequence is replaced, or cut back by more than a block, its full blocks are committed to
-the trie first (copy-on-write: blocks already on disk are shared by reference, not copied). Least recently used
-leaves leave RAM for the swap file (when one is open) and are dropped when that is full.
+Every KV block (colibri.kvpool) belongs to the one pool; sequences and the prefix cache hold references to them.
+The prefix cache is a trie whose nodes are full blocks of `block` token ids: after each pass a sequence's newly
+filled blocks are inserted (a reference, not a copy), so a request that starts with a known prefix holds those
+very blocks and computes only the rest. A block only the trie still holds counts against the prefix cache's RAM
+share (`prefix_ram`); beyond it the least recently used go to the swap file (when one is open) and are dropped
+when that is full. The live sequence (the last request's cache, kept after it ends) serves the common case of a
+chat at any token boundary: the next turn's prompt starts with everything the last one computed.
 """
 
 from __future__ import annotations
@@ -16,25 +16,19 @@ import os
 import weakref
 from pathlib import Path
 
-import torch
-
 from colibri.errors import InputError, StorageError
-from colibri.io import AlignedBuffer
-from colibri.kv import KVCache, KVLayout
+from colibri.kv import KVCache, KVLayout, Workspace
+from colibri.kvpool import Block, BlockPool
 from colibri.swap import SwapFile
-
-COMMIT_MIN_BLOCKS = 2  # a live sequence cut back by fewer full blocks is not copied to the trie (a re-tokenized
-# tail of the last reply, not a branch worth keeping)
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "data", "slot", "stamp")
+    __slots__ = ("key", "parent", "children", "block", "stamp")
 
-    def __init__(self, key: tuple[int, ...], parent: "Node | None"):
+    def __init__(self, key: tuple[int, ...], parent: "Node | None", block: Block | None = None):
         self.key, self.parent = key, parent
         self.children: dict[tuple[int, ...], Node] = {}
-        self.data: torch.Tensor | None = None  # the block's bytes in RAM
-        self.slot: int | None = None  # or its swap slot
+        self.block = block  # the trie's reference to the block's KV
         self.stamp = 0
 
 
@@ -49,9 +43,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVSpace:
     """KV memory of one model; see the module docstring.
 
-    window: positions of the live sequence kept in RAM (None: all of the context). prefix_ram: RAM bytes for the
-    prefix cache. swap_path: a file made by `colibri swap create` (None: a temporary one in `swap_dir`, created
-    the first time a sequence outgrows its window and deleted on close).
+    window: positions of a sequence kept in RAM (None: all of the context). prefix_ram: RAM bytes for blocks
+    only the prefix cache holds. swap_path: a file made by `colibri swap create` (None: a temporary one in
+    `swap_dir`, created the first time a block goes to disk and deleted on close).
     """
 
     def __init__(self, layout: KVLayout, ctx: int, window: int | None, prefix_ram: int,
@@ -65,15 +59,17 @@ class KVSpace:
         self.swap_dir = Path(swap_dir) if swap_dir is not None else None
         self.layer_windows = layer_windows
         self.io_threads = io_threads
+        self.pool = BlockPool(layout, self)
+        self.work = Workspace(layout, ctx)
         self._swap: SwapFile | None = None
         if self.swap_path is not None:
             _ = self.swap  # opened and locked at load: a bad or busy file is refused before any work
         self.root = Node((), None)
+        self.generation = 0  # bumped when the trie is cleared: caches re-walk it
         self._clock = itertools.count(1)
         self.live: KVCache | None = None
         self.live_busy = False
         self.read_wait_s = 0.0
-        self._ram = 0  # bytes of trie blocks held in RAM
         self._count = 0  # trie nodes
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0
@@ -117,77 +113,92 @@ class KVSpace:
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        # RAM grows from one block: many short sequences share the pool
-        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows, initial=self.layout.block)
+        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows)
         self._caches.add(cache)
         return cache
 
-    def acquire_bytes(self, ids: list[int]) -> int:
-        """RAM `acquire(ids)` adds: none when it reuses the live sequence, else a fresh cache holding the known
-        prefix (found the same way; nothing is allocated to find out)."""
-        B = self.layout.block
-        most = len(ids) - 1
-        from_trie = len(self._match(ids)[: most // B]) * B
+    def _reuse(self, ids: list[int]) -> tuple[list[Node], int]:
+        """The trie's nodes of the longest cached prefix of `ids` (at most len(ids) - 1 tokens: the last one is
+        computed for its logits), and how many tokens the idle live sequence would reuse instead (0: none)."""
+        B, most = self.layout.block, len(ids) - 1
+        nodes = self._match(ids)[: most // B]
         live = self.live
-        if not self.live_busy and live is not None:
-            from_live = min(common_prefix(live.ids, ids), most)
-            if from_live >= from_trie and from_live > 0:
-                return 0
-        fresh = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows, initial=B)
-        return fresh.ram_after(from_trie)
+        if self.live_busy or live is None:
+            return nodes, 0
+        from_live = min(common_prefix(live.ids, ids), most)
+        return nodes, from_live if from_live >= len(nodes) * B and from_live > 0 else 0
+
+    def acquire_bytes(self, ids: list[int]) -> int:
+        """RAM `acquire(ids)` adds: the cached prefix's blocks it reads back from the swap file (within the
+        window); blocks in RAM are shared, not copied. Nothing is allocated to find out."""
+        nodes, from_live = self._reuse(ids)
+        if from_live:
+            return 0
+        keep = (self.window or self.ctx) // self.layout.block
+        return sum(self.layout.ram_block_bytes for n in nodes[-keep:] if not n.block.in_ram) if keep else 0
 
     def ram_bytes(self) -> int:
-        """RAM held by every sequence's cache and by the prefix cache's RAM blocks."""
-        return sum(c.ram_bytes() for c in list(self._caches)) + self._ram
+        """RAM of the KV pool (each block once however many hold it), the shared workspace and the sequences'
+        read buffers."""
+        return self.pool.ram_bytes + self.work.nbytes + sum(c.staging_bytes() for c in list(self._caches))
+
+    def prefix_bytes(self) -> int:
+        """RAM of the blocks only the prefix cache holds."""
+        return sum(self.layout.ram_block_bytes for n in self._nodes() if n.block.in_ram and n.block.refs == 1)
 
     def prefix_room(self) -> int:
         """RAM the prefix cache may still take (its share less what it holds)."""
-        return max(0, self.prefix_ram - self._ram)
+        return max(0, self.prefix_ram - self.prefix_bytes())
 
     def drop_live(self) -> int:
-        """Free the idle live sequence's RAM (its full blocks go to the prefix cache first); bytes freed."""
+        """Let go of the idle live sequence (its full blocks stay in the prefix cache, within its share); bytes
+        freed."""
         live = self.live
         if live is None or self.live_busy:
             return 0
-        freed = live.ram_bytes()
+        before = self.ram_bytes()
         self.commit(live)
         live.release()
         self._caches.discard(live)
         self.live = None
-        return freed
+        self._shrink()
+        return max(0, before - self.ram_bytes())
 
     def acquire(self, ids: list[int]) -> tuple[KVCache, int]:
         """A cache holding the longest known prefix of `ids` (at most len(ids) - 1 tokens: the last one is
         computed for its logits), and that prefix's length."""
-        most = len(ids) - 1
-        nodes = self._match(ids)[: most // self.layout.block]
-        from_trie = len(nodes) * self.layout.block
+        nodes, from_live = self._reuse(ids)
+        if from_live:
+            self.live_busy = True
+            self.live.truncate(from_live)
+            return self.live, from_live
         if self.live_busy:  # a generation still holds the live sequence: this one gets its own
             cache = self.new_cache()
-            return cache, self._load(cache, nodes)
-        live = self.live
-        from_live = min(common_prefix(live.ids, ids), most) if live is not None else 0
-        self.live_busy = True
-        if live is not None and from_live >= from_trie and from_live > 0:
-            if live.length // self.layout.block - from_live // self.layout.block >= COMMIT_MIN_BLOCKS:
-                self.commit(live)
-            live.truncate(from_live)
-            return live, from_live
-        if live is None:
-            self.live = live = self.new_cache()
         else:
-            self.commit(live)
-            live.reset()
-        return live, self._load(live, nodes)
+            self.live_busy = True
+            if self.live is None:
+                self.live = self.new_cache()
+            else:
+                self.commit(self.live)
+                self.live.reset()
+            cache = self.live
+        for n in nodes:
+            n.stamp = next(self._clock)
+        cache.share([n.block for n in nodes], [t for n in nodes for t in n.key])
+        if nodes:
+            cache.committed, cache.node, cache.trie_gen = len(nodes), nodes[-1], self.generation
+        return cache, cache.length
 
     def release(self, cache: KVCache) -> None:
-        """A generation ended: the live sequence stays for the next one; another cache is committed and freed."""
+        """A generation ended: the live sequence stays for the next one; another cache's blocks go to the prefix
+        cache (the trie's references) and the pool."""
+        self.commit(cache)
         if cache is self.live:
             self.live_busy = False
-            return
-        self.commit(cache)
-        cache.release()
-        self._caches.discard(cache)
+        else:
+            cache.release()
+            self._caches.discard(cache)
+        self._shrink()
 
     def adopt(self, cache: KVCache) -> None:
         """Make `cache` (a restored session) the live sequence, committing the previous one."""
@@ -197,6 +208,7 @@ class KVSpace:
             self._caches.discard(self.live)
         self.live, self.live_busy = cache, False
         self._caches.add(cache)
+        self._shrink()
 
     # -- the prefix trie -----------------------------------------------------------------------------------
 
@@ -209,40 +221,26 @@ class KVSpace:
             out.append(node)
         return out
 
-    def _block_of(self, node: Node) -> torch.Tensor:
-        if node.data is not None:
-            return node.data
-        buf = AlignedBuffer(self.layout.block_bytes)
-        for f in self.swap.read_block(node.slot, buf):
-            f.result()
-        return buf.tensor(0, self.layout.block_bytes)
-
-    def _load(self, cache: KVCache, nodes: list[Node]) -> int:
-        for node in nodes:
-            node.stamp = next(self._clock)
-            cache.append_block(self._block_of(node), list(node.key))
-        return cache.length
-
     def commit(self, cache: KVCache) -> None:
-        """Insert the cache's full blocks into the trie (those not there yet), within the prefix cache's room."""
-        B, node = self.layout.block, self.root
-        for b in range(cache.length // B):
+        """Insert the cache's full blocks not in the trie yet, by reference. A block the trie already holds for
+        the same tokens (computed twice, by sequences that ran at once) replaces the cache's own copy."""
+        if cache.trie_gen != self.generation or cache.node is None:
+            cache.committed, cache.node, cache.trie_gen = 0, self.root, self.generation
+        B, node = self.layout.block, cache.node
+        for b in range(cache.committed, cache.length // B):
             key = tuple(cache.ids[b * B:(b + 1) * B])
+            mine = cache.blocks[b]
             child = node.children.get(key)
             if child is None:
-                child = Node(key, node)
-                if b < len(cache.slots):  # on disk already: share the slot
-                    self.swap.ref(cache.slots[b])
-                    child.slot = cache.slots[b]
-                elif not self._store(child, lambda: cache.encode_block(b)):
-                    return  # no room (or the swap write failed): the rest of the prefix stays uncached
-                node.children[key] = child
+                child = node.children[key] = Node(key, node, self.pool.ref(mine))
                 self._count += 1
+            elif child.block is not mine and not cache.swapped and not cache._pending and \
+                    (child.block.in_ram or not mine.in_ram):
+                cache.blocks[b] = self.pool.ref(child.block)
+                self.pool.unref(mine)
             child.stamp = next(self._clock)
             node = child
-
-    def _ram_bytes(self) -> int:
-        return self._ram
+        cache.committed, cache.node = max(cache.committed, cache.length // B), node
 
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -251,57 +249,34 @@ class KVSpace:
             yield n
             stack.extend(n.children.values())
 
-    def _store(self, node: Node, encode) -> bool:
-        """Give a new node its bytes: in RAM if the prefix cache has room (after evicting), else in the swap."""
-        need = self.layout.block_bytes
-        while self.prefix_ram and self._ram_bytes() + need > self.prefix_ram:
-            if not self._evict(disk=False):
-                break
-        if self._ram_bytes() + need <= self.prefix_ram:
-            node.data = encode().clone()
-            self._ram += node.data.numel()
-            return True
-        if self.swap_open:
-            s = self._write_to_swap(encode())
-            if s is None:
-                return False
-            node.slot = s
-            return True
-        return False
+    def _shrink(self) -> None:
+        """Keep the blocks only the trie holds within the prefix cache's RAM share."""
+        while self.prefix_bytes() > self.prefix_ram and self._evict(disk=False):
+            pass
 
-    def _write_to_swap(self, block: torch.Tensor) -> int | None:
-        """A new swap slot holding `block`, or None when the swap file is full or the write fails: caching a
-        prefix only saves work, so a full disk (ENOSPC) costs that saving, never the request that triggered it."""
-        s = self.swap.alloc()
-        if s is None:
-            return None
-        try:
-            self.swap.write(s, block)
-        except StorageError:
-            self.swap.free(s)
-            return None
-        return s
+    def _drop(self, n: Node) -> None:
+        del n.parent.children[n.key]
+        self.pool.unref(n.block)
+        self._count -= 1
 
     def _evict(self, disk: bool) -> bool:
-        """Free the least recently used leaf held in RAM (disk=False: moved to the swap file when there is
-        room, else dropped) or on disk (disk=True: dropped). False when there is none."""
-        leaves = [n for n in self._nodes() if not n.children and ((n.slot is not None) if disk else
-                                                                   (n.data is not None))]
+        """disk=False: the least recently used block only the trie holds in RAM goes to the swap file (when one
+        is open and has room), else its node is dropped (a leaf). disk=True: the least recently used leaf whose
+        block only the trie holds on disk is dropped, freeing its slot. False when there is none."""
+        def mine(n: Node) -> bool:
+            return n.block.refs == 1 and n.block.in_ram != disk
+        if not disk and self.swap_open:
+            held = [n for n in self._nodes() if mine(n)]
+            if held:
+                try:
+                    self.pool.spill(min(held, key=lambda x: x.stamp).block)
+                    return True
+                except (InputError, StorageError):  # caching only saves work: a full disk costs that saving
+                    pass
+        leaves = [n for n in self._nodes() if not n.children and mine(n)]
         if not leaves:
             return False
-        n = min(leaves, key=lambda x: x.stamp)
-        if not disk and self.swap_open:
-            s = self._write_to_swap(n.data)
-            if s is not None:
-                self._ram -= n.data.numel()
-                n.slot, n.data = s, None
-                return True
-        if n.slot is not None:
-            self.swap.free(n.slot)
-        if n.data is not None:
-            self._ram -= n.data.numel()
-        del n.parent.children[n.key]
-        self._count -= 1
+        self._drop(min(leaves, key=lambda x: x.stamp))
         return True
 
     def clear(self) -> None:
@@ -311,9 +286,9 @@ class KVSpace:
             self._caches.discard(self.live)
             self.live = None
         for n in self._nodes():
-            if n.slot is not None:
-                self.swap.free(n.slot)
-        self.root, self._ram, self._count = Node((), None), 0, 0
+            self.pool.unref(n.block)
+        self.root, self._count = Node((), None), 0
+        self.generation += 1
 
     # -- stats and shutdown --------------------------------------------------------------------------------
 
@@ -326,6 +301,7 @@ class KVSpace:
             "kv_written_bytes": sw.bytes_written if sw else 0,
             "kv_read_wait_s": self.read_wait_s,
             "prefix_cache_blocks": self._count,
+            "kv_pool_blocks": self.pool.ram_blocks,
         }
 
     def close(self) -> None:

@@ -95,7 +95,7 @@ class StreamStats:
 class StreamingStore:
     """The WeightStore for a container under a memory budget (see module docstring)."""
 
-    def __init__(self, ckpt: ContainerCheckpoint, args, budget: int | None, dtype: torch.dtype,
+    def __init__(self, ckpt: ContainerCheckpoint, args, memory_limit: int | None, dtype: torch.dtype,
                  io_threads: int = 2, prefetch_depth: int | None = None, direct: bool | None = None,
                  reserve: int = 0, batch: int = 1, usage: bool = True, lookahead: bool = True):
         self.ckpt = ckpt
@@ -107,7 +107,7 @@ class StreamingStore:
         self.tensors = ckpt.tensors
         self.usage = ExpertUsage(ckpt.path / USAGE_FILE if usage else None, num_layers, args.num_experts,
                                  ExpertUsage.identity_of(ckpt)) if args.num_experts else None
-        self.placement = plan(self.pages, self.tensors, num_layers, tied, budget, prefetch_depth, reserve, batch,
+        self.placement = plan(self.pages, self.tensors, num_layers, tied, memory_limit, prefetch_depth, reserve, batch,
                               self.usage.loaded if self.usage else None, dtype)
         self.prefetch_depth = self.placement.prefetch_depth
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
@@ -117,7 +117,7 @@ class StreamingStore:
         self._verified: set[int] = set()
         self._pinned: dict[str, object] = {}
         self._side: dict[str, dict[str, torch.Tensor]] = {}  # by-rows table -> its resident parts
-        self._page_of = {t["name"]: t["page"] for t in ckpt.manifest["tensors"]}
+        self._page_of = {name: t.page for name, t in self.tensors.items()}
         self._by_rows = set(self.placement.by_rows)
         self._slots: dict[int, _Slot] = {}
         self._held: set[int] = set()  # streamed pages of the open scope(s)
@@ -128,12 +128,12 @@ class StreamingStore:
         self._streamed = set(self.placement.streamed)
         for p in self.pages:
             for key in scopes_of(p, num_layers, tied):
-                if p["id"] in self._streamed:
-                    self._scope_pages.setdefault(key, []).append(p["id"])
-                self._scope_end[key] = max(self._scope_end.get(key, -1), p["id"])
+                if p.id in self._streamed:
+                    self._scope_pages.setdefault(key, []).append(p.id)
+                self._scope_end[key] = max(self._scope_end.get(key, -1), p.id)
         # router lookahead: layers whose experts stream, and per layer the guess in flight (experts, pages read)
-        self._lookahead = {self.pages[i]["layer"] for i in self._streamed
-                           if self.pages[i]["kind"] == "expert"} if lookahead else set()
+        self._lookahead = {self.pages[i].layer for i in self._streamed
+                           if self.pages[i].kind == "expert"} if lookahead else set()
         self._guess: dict[int, tuple[set[int], set[int]]] = {}
         # Staging reserved for guesses, taken from the expert cache (at most half of it), so a guess finds a free
         # slot under a tight budget instead of competing with cached experts it ranks below: the pages of a
@@ -142,8 +142,8 @@ class StreamingStore:
         # guess's page is never cached before it is used, so a demand read can always take its slot.
         per_expert: dict[tuple[int, int], int] = {}
         for i in self._streamed:
-            if self.pages[i]["kind"] == "expert":
-                key = (self.pages[i]["layer"], self.pages[i]["expert"])
+            if self.pages[i].kind == "expert":
+                key = (self.pages[i].layer, self.pages[i].expert)
                 per_expert[key] = per_expert.get(key, 0) + 1
         pages = max(per_expert.values(), default=0)
         want = (2 * args.top_k - 1) * pages if self._lookahead and self.usage else 0
@@ -159,12 +159,12 @@ class StreamingStore:
         pl = self.placement
         # elastic pins: streamed dense pages pinned beyond the placement's while the budget has room (see `fit`);
         # the staging was sized for the placement's streamed set, which holds every set left streaming then
-        self.budget = budget
-        self._cost = {pid: p["nbytes"] + place.resident_extra(p, self.tensors, dtype) for pid, p in
+        self.memory_limit = memory_limit
+        self._cost = {pid: p.nbytes + place.resident_extra(p, self.tensors, dtype) for pid, p in
                       enumerate(self.pages)}
         self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
-        self._candidates = sorted((pid for pid in pl.streamed if self.pages[pid]["kind"] != "expert"),
-                                  key=lambda i: (place.PIN_ORDER.get(self.pages[i]["kind"], 9), self.pages[i]["offset"]))
+        self._candidates = sorted((pid for pid in pl.streamed if self.pages[pid].kind != "expert"),
+                                  key=lambda i: (place.PIN_ORDER.get(self.pages[i].kind, 9), self.pages[i].offset))
         self._extra: dict[int, AlignedBuffer] = {}  # elastic pins in the order they were made
         self._extra_bytes = 0  # their cost (pages and what their weights derive)
         self.pins = self.unpins = 0
@@ -197,7 +197,7 @@ class StreamingStore:
     def _check_page(self, pid: int, crc: int) -> None:
         """Compare a page's crc32 with the manifest's: a mismatch raises, a match marks the page verified."""
         page = self.pages[pid]
-        if checksum_str(crc) != page["checksum"]:
+        if checksum_str(crc) != page.checksum:
             raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
                                f"{page['offset']} ({page['nbytes']} bytes); the file is corrupt — run "
                                f"`colibri verify` and reconvert")
@@ -211,14 +211,14 @@ class StreamingStore:
     def _pin_page(self, pid: int) -> AlignedBuffer:
         """Read page `pid` into a buffer of its own and keep its tensors resident."""
         page = self.pages[pid]
-        buf = AlignedBuffer(page["nbytes"])
-        self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, DEMAND, label=f"page {pid}",
+        buf = AlignedBuffer(page.nbytes)
+        self.reader.submit(page.file, page.offset, page.nbytes, buf, DEMAND, label=f"page {pid}",
                            verify=self._verifier(pid)).result()
-        self.stats.bytes_read += page["nbytes"]
-        for name in page["tensors"]:
+        self.stats.bytes_read += page.nbytes
+        for name in page.tensors:
             t = self.tensors[name]
             self._pinned[name] = self._as_compute(tensor_from_bytes(
-                t, buf.tensor(t["offset"] - page["offset"], t["nbytes"])))
+                t, buf.tensor(t.offset - page.offset, t.nbytes)))
         self.state[pid] = PageState.PINNED
         return buf
 
@@ -227,12 +227,12 @@ class StreamingStore:
     @property
     def pinned_bytes(self) -> int:
         """Pinned page bytes now: the placement's and the elastic pins'."""
-        return self.placement.pinned_bytes + sum(self.pages[pid]["nbytes"] for pid in self._extra)
+        return self.placement.pinned_bytes + sum(self.pages[pid].nbytes for pid in self._extra)
 
     def streamed_bytes(self) -> int:
         """What a dense pass reads of whole-read pages now (the placement's figure, less the elastic pins)."""
         tied = self.args.tie_word_embeddings
-        return sum(self.pages[pid]["nbytes"] * len(scopes_of(self.pages[pid], self.num_layers, tied))
+        return sum(self.pages[pid].nbytes * len(scopes_of(self.pages[pid], self.num_layers, tied))
                    for pid in self._streamed)
 
     def weight_bytes(self) -> int:
@@ -246,7 +246,7 @@ class StreamingStore:
         while they fit. What is held is also measured (RSS above `baseline`, when set, less the weights): memory
         the allocator kept from earlier passes counts as held. Called between passes; the placement's own pins,
         sized for the whole context and a full pass, always fit."""
-        if self.budget is None:
+        if self.memory_limit is None:
             return
         room = self._room(held) - extra
         while self._extra and self._extra_bytes > room:
@@ -275,12 +275,12 @@ class StreamingStore:
         if self.baseline is not None:
             from colibri.metrics import rss_bytes
             held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
-        return self.budget - self._fixed - held
+        return self.memory_limit - self._fixed - held
 
     def spare(self, held: int) -> int | None:
         """Bytes a pass may take beside `held` without unpinning anything (None: no budget). Optional work, such
         as speculative drafts, is cut to this rather than make pages stream again."""
-        return None if self.budget is None else self._room(held) - self._extra_bytes
+        return None if self.memory_limit is None else self._room(held) - self._extra_bytes
 
     def hold(self) -> None:
         """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
@@ -290,7 +290,7 @@ class StreamingStore:
 
     def _unpin(self, pid: int) -> None:
         del self._extra[pid]  # with the tensors built over it, the buffer is unmapped
-        for name in self.pages[pid]["tensors"]:
+        for name in self.pages[pid].tensors:
             self._pinned.pop(name, None)
         self._extra_bytes -= self._cost[pid]
         self.state[pid] = PageState.ON_DISK
@@ -325,24 +325,24 @@ class StreamingStore:
                 dest.append(at)
                 at += align_up(r[3])
             crc = 0
-            for c0 in range(0, page["nbytes"], step):
-                n = min(step, page["nbytes"] - c0)
-                self.reader.read(page["file"], page["offset"] + c0, n, chunk, label=f"page {pid}")
+            for c0 in range(0, page.nbytes, step):
+                n = min(step, page.nbytes - c0)
+                self.reader.read(page.file, page.offset + c0, n, chunk, label=f"page {pid}")
                 crc = zlib.crc32(chunk.memoryview(0, n), crc)
                 for (_, _, off, nb), d in zip(ranges, dest):
                     lo, hi = max(off, c0), min(off + nb, c0 + n)
                     if lo < hi:
                         side.tensor(d + lo - off, hi - lo).copy_(chunk.tensor(lo - c0, hi - lo))
-            self.stats.bytes_read += page["nbytes"]
+            self.stats.bytes_read += page.nbytes
             self._check_page(pid, crc)
             for (name, part, _, nb), d in zip(ranges, dest):
                 t = self.tensors[name]
                 if part is None:
                     self._pinned[name] = self._as_compute(tensor_from_bytes(t, side.tensor(d, nb)))
                 else:
-                    p = t["parts"][part]
-                    self._side.setdefault(name, {})[part] = side.tensor(d, nb).view(DTYPES[p["dtype"]]).view(p["shape"])
-        if any(self.pages[i]["kind"] == "head" or self.args.tie_word_embeddings for i in self.placement.by_rows):
+                    p = t.parts[part]
+                    self._side.setdefault(name, {})[part] = side.tensor(d, nb).view(DTYPES[p.dtype]).view(p.shape)
+        if any(self.pages[i].kind == "head" or self.args.tie_word_embeddings for i in self.placement.by_rows):
             size = self.placement.block_bytes // place.HEAD_BUFFERS
             self._blocks = [AlignedBuffer(size) for _ in range(place.HEAD_BUFFERS)]
 
@@ -451,7 +451,7 @@ class StreamingStore:
         if slot is None or not slot.future.done() or slot.future.exception() is not None:
             return None
         t, page = self.tensors[name], self.pages[pid]
-        return self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"])))
+        return self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t.offset - page.offset, t.nbytes)))
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         """Layer i's experts guessed ahead (expert -> tokens, most likely first among equal counts): read the
@@ -500,19 +500,19 @@ class StreamingStore:
         cap = self._cache_cap if self.usage is not None else 0
         for pid in pids:
             slot = self._slots.get(pid)
-            if slot is not None and self.pages[pid]["expert"] in routed:
+            if slot is not None and self.pages[pid].expert in routed:
                 self.stats.lookahead_useful_reads += 1
-            if slot is None or self.pages[pid]["expert"] in routed or slot.cached or pid in self._held:
+            if slot is None or self.pages[pid].expert in routed or slot.cached or pid in self._held:
                 continue
             if slot.future.done() and slot.future.exception() is None and len(self._cached()) < cap:
                 slot.cached = True
                 continue
             if slot.future.cancel():  # never started: nothing was read
-                self.stats.bytes_read -= self.pages[pid]["nbytes"]
+                self.stats.bytes_read -= self.pages[pid].nbytes
                 self.stats.page_reads -= 1
                 self._drop(pid)
                 continue
-            self.stats.lookahead_wasted_bytes += self.pages[pid]["nbytes"]
+            self.stats.lookahead_wasted_bytes += self.pages[pid].nbytes
             self._stale.add(pid)
         self._reap()
 
@@ -570,7 +570,7 @@ class StreamingStore:
             # prefetched or not, is a miss.
             hit = not slot.fresh
             slot.fresh = False
-            nbytes = self.pages[pid]["nbytes"]
+            nbytes = self.pages[pid].nbytes
             if hit:
                 self.stats.hits += 1
                 self.stats.hit_bytes += nbytes
@@ -602,11 +602,11 @@ class StreamingStore:
         finally:
             if self._passes <= self.timeline_passes:
                 self.timeline.append({"pass": self._passes, "scope": "/".join(map(str, key)), "pages": len(pids),
-                                      "demand_bytes": sum(self.pages[p]["nbytes"] for p in pids if p not in ahead),
+                                      "demand_bytes": sum(self.pages[p].nbytes for p in pids if p not in ahead),
                                       "wait_ms": round(1e3 * waited, 3),
                                       "compute_ms": round(1e3 * (time.perf_counter() - t1), 3)})
             for pid in pids:
-                for name in self.pages[pid]["tensors"]:
+                for name in self.pages[pid].tensors:
                     self._objects.pop(name, None)
                 self._held.discard(pid)
                 if key[0] == "expert" and self._admit(pid):
@@ -619,7 +619,7 @@ class StreamingStore:
         return [pid for pid, s in self._slots.items() if s.cached]
 
     def _key(self, pid: int) -> tuple[int, int]:
-        return self.pages[pid]["layer"], self.pages[pid]["expert"]
+        return self.pages[pid].layer, self.pages[pid].expert
 
     def _admit(self, pid: int) -> bool:
         """Keep an expert resident after its scope? Into a free cache slot always; over a cached expert only in
@@ -645,7 +645,7 @@ class StreamingStore:
     def _build(self, name: str, pid: int):
         t = self.tensors[name]
         page, slot = self.pages[pid], self._slots[pid]
-        value = self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t["offset"] - page["offset"], t["nbytes"])))
+        value = self._as_compute(tensor_from_bytes(t, slot.buffer.tensor(t.offset - page.offset, t.nbytes)))
         self._objects[name] = value
         return value
 
@@ -654,11 +654,11 @@ class StreamingStore:
         if not self._free:
             raise RuntimeError(f"internal: no staging slot free for page {pid}")
         buf = self._free.pop()
-        fut = self.reader.submit(page["file"], page["offset"], page["nbytes"], buf, priority, label=f"page {pid}",
+        fut = self.reader.submit(page.file, page.offset, page.nbytes, buf, priority, label=f"page {pid}",
                                  verify=self._verifier(pid))
         self._slots[pid] = _Slot(buf, fut)
         self.state[pid] = PageState.LOADING
-        self.stats.bytes_read += page["nbytes"]
+        self.stats.bytes_read += page.nbytes
         self.stats.page_reads += 1
 
     def _make_room(self, keep: set[int]) -> None:
@@ -706,7 +706,7 @@ class StreamingStore:
         issued = 0
         for k in range(len(self._order)):
             nxt = self._order[(start + k) % len(self._order)]
-            if self.pages[nxt]["kind"] == "expert":
+            if self.pages[nxt].kind == "expert":
                 continue  # routing decides which experts: they are read on demand
             if issued >= self.prefetch_depth:
                 return
@@ -722,24 +722,24 @@ class StreamingStore:
     def _table(self, name: str, r0: int, r1: int, data: torch.Tensor):
         """Rows [r0, r1) of table `name` over `data` (their bytes), with the resident companions."""
         t = self.tensors[name]
-        p = t["parts"][main_part(t)]
-        k = t["shape"][1]
-        rows = data.view(DTYPES[p["dtype"]]).view(r1 - r0, *p["shape"][1:])
-        if t["kind"] in FLOAT_KINDS:
+        p = t.parts[main_part(t)]
+        k = t.shape[1]
+        rows = data.view(DTYPES[p.dtype]).view(r1 - r0, *p.shape[1:])
+        if t.kind in FLOAT_KINDS:
             return rows
-        if t["kind"] in quant.TILED_KINDS:  # whole tiles; side parts [G, Np, 2] -> this block's [G, r1 - r0, 2]
+        if t.kind in quant.TILED_KINDS:  # whole tiles; side parts [G, Np, 2] -> this block's [G, r1 - r0, 2]
             side = {n: v[:, r0:r1].contiguous() for n, v in self._side.get(name, {}).items()}
-            n = min(r1, t["shape"][0]) - r0  # the last block carries the padding rows
+            n = min(r1, t.shape[0]) - r0  # the last block carries the padding rows
         else:
             side = {n: v[r0:r1] for n, v in self._side.get(name, {}).items()}
             n = r1 - r0
-        return quant.from_buffers(t["kind"], (n, k), t["group_size"], {"qweight": rows, **side})
+        return quant.from_buffers(t.kind, (n, k), t.group_size, {"qweight": rows, **side})
 
     def _read_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup of a table on disk: read only the rows of these tokens (merged aligned spans)."""
         t = self.tensors[name]
         page = self.pages[self._page_of[name]]
-        base = t["offset"] + t["parts"][main_part(t)]["offset"]
+        base = t.offset + t.parts[main_part(t)].offset
         rb = row_bytes(t)
         uniq, inverse = torch.unique(ids, return_inverse=True)
         units = sorted({unit_of(t, r) for r in uniq.tolist()})  # the rows themselves, or their q4 tiles
@@ -753,7 +753,7 @@ class StreamingStore:
         buf = AlignedBuffer(sum(e - s for s, e in spans))
         futures, at, where = [], 0, []
         for s, e in spans:
-            futures.append(self.reader.submit(page["file"], s, e - s, buf, DEMAND, buffer_offset=at,
+            futures.append(self.reader.submit(page.file, s, e - s, buf, DEMAND, buffer_offset=at,
                                               label=f"page {page['id']} (rows of {name})"))
             where.append((s, e, at))
             at += e - s
@@ -771,8 +771,8 @@ class StreamingStore:
             s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
             return buf.tensor(off + a - s, (r1 - r0) * rb)
 
-        if t["kind"] in quant.TILED_KINDS:  # dequantize the tiles that hold the rows one at a time, picking rows
-            vals = torch.empty(len(uniq), t["shape"][1], dtype=self.dtype)
+        if t.kind in quant.TILED_KINDS:  # dequantize the tiles that hold the rows one at a time, picking rows
+            vals = torch.empty(len(uniq), t.shape[1], dtype=self.dtype)
             by_tile: dict[tuple[int, int], list[tuple[int, int]]] = {}
             for j, r in enumerate(uniq.tolist()):
                 by_tile.setdefault(unit_of(t, r), []).append((j, r))
@@ -782,13 +782,13 @@ class StreamingStore:
                     vals[j] = tile[r - u[0]]
             return vals[inverse]
         got = [at_file(r, r + 1) for r in uniq.tolist()]
-        p = t["parts"][main_part(t)]
-        rows = torch.stack(got).view(DTYPES[p["dtype"]]).view(len(got), *p["shape"][1:])
-        if t["kind"] in FLOAT_KINDS:
+        p = t.parts[main_part(t)]
+        rows = torch.stack(got).view(DTYPES[p.dtype]).view(len(got), *p.shape[1:])
+        if t.kind in FLOAT_KINDS:
             vals = rows
         else:
             side = {n: v[uniq].contiguous() for n, v in self._side.get(name, {}).items()}
-            vals = quant.from_buffers(t["kind"], (len(got), t["shape"][1]), t["group_size"],
+            vals = quant.from_buffers(t.kind, (len(got), t.shape[1]), t.group_size,
                                       {"qweight": rows, **side}).rows(torch.arange(len(got)))
         return vals[inverse].to(self.dtype)
 
@@ -796,7 +796,7 @@ class StreamingStore:
         """Rows of a head table in blocks through place.HEAD_BUFFERS buffers: the next blocks read while one computes."""
         t = self.tensors[name]
         page = self.pages[self._page_of[name]]
-        base = t["offset"] + t["parts"][main_part(t)]["offset"]
+        base = t.offset + t.parts[main_part(t)].offset
         rb, n, step = row_bytes(t), stored_rows(t), block_rows(t)  # q4: whole tiles, padding rows included
         blocks = [(r, min(n, r + step)) for r in range(0, n, step)]
         pending: dict[int, tuple[Future, int]] = {}
@@ -805,7 +805,7 @@ class StreamingStore:
             r0, r1 = blocks[b]
             s = (base + r0 * rb) // ALIGN * ALIGN
             size = base + r1 * rb - s
-            fut = self.reader.submit(page["file"], s, size, self._blocks[b % len(self._blocks)], DEMAND,
+            fut = self.reader.submit(page.file, s, size, self._blocks[b % len(self._blocks)], DEMAND,
                                      label=f"page {page['id']} (rows {r0}-{r1} of {name})")
             pending[b] = (fut, base + r0 * rb - s)
             self.stats.bytes_read += size

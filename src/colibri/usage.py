@@ -3,12 +3,11 @@ the container (usage.json, written atomically) so the next load pins the hottest
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import zlib
 from pathlib import Path
 
+from colibri.atomic import write_json
 from colibri.container import ContainerCheckpoint
 
 USAGE_FILE = "usage.json"
@@ -72,19 +71,15 @@ class ExpertUsage:
         return self.score(key), self.last_use.get(key, -1)
 
     def save(self) -> None:
-        """Write totals atomically (temp file + rename); a read-only container directory is not an error."""
+        """Write totals atomically (colibri.atomic); a read-only container directory is not an error."""
         if self.path is None or not self.run:
             return
         layers, experts = self.shape
         rows = [[round(0.5 * self.loaded.get((i, e), 0.0) + self.run.get((i, e), 0), 3) for e in range(experts)]
                 for i in range(layers)]
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"version": 1, "container": self.identity, "shape": list(self.shape),
-                                       "counts": rows}))
-            os.replace(tmp, self.path)
+            write_json(self.path, {"version": 1, "container": self.identity, "shape": list(self.shape),
+                                   "counts": rows}, indent=None)
             self.saved_ok = True
         except OSError:
             self.saved_ok = False
-            with contextlib.suppress(OSError):
-                tmp.unlink()

@@ -28,6 +28,7 @@ from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Reques
 from colibri.engine.speculate import CACHE_ENTRY_BYTES, Speculator
 from colibri.errors import ColibriError, InputError
 from colibri.models.base import Batch
+from colibri.prefix import common_prefix
 from colibri.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -186,6 +187,8 @@ class Engine:
                 if req.finished:
                     self.running.remove(req)
                     self._release(req)
+                else:  # its newly filled blocks join the prefix cache (by reference) for sequences to come
+                    self.space.commit(req.cache)
             if decode_only:
                 self.spec.measured(sum(len(ids) for _, ids, _ in served), time.perf_counter() - t0)
                 self.decode_tokens += tokens
@@ -193,10 +196,9 @@ class Engine:
                     self.decode_bytes += io1["bytes_read"] - io0["bytes_read"]
             return out
 
-    @staticmethod
-    def _need(plan: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
+    def _need(self, plan: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
         """(KV growth, tokens, context, logit rows) of a pass (make_room's arguments)."""
-        grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
+        grow = self._grow(plan)
         rows = sum(n - req.pending + 1 if n >= req.pending else 1 for req, n in plan)  # n counts the drafts
         return grow, sum(n for _, n in plan), max(req.cache.length + n for req, n in plan), rows
 
@@ -267,14 +269,16 @@ class Engine:
         while self.waiting and len(self.running) < self.max_sequences:
             req = self.waiting[0]
             if req.state == PREEMPTED:
-                if self.running and not self._fits(req.cache.ram_after(1)):
+                if self.running and not self._fits(req.cache.grow_bytes(1)):
                     return
-                self.make_room(req.cache.ram_after(1), 1, req.cache.length + 1, 1, pin=False)
+                self.make_room(req.cache.grow_bytes(1), 1, req.cache.length + 1, 1, pin=False)
                 req.cache.swap_in()
             else:
+                if self._computing_shared(req):
+                    return
                 self.make_room(self.space.acquire_bytes(req.prompt_ids), 1, len(req.ids), 1, pin=False)
                 cache, reused = self.space.acquire(req.prompt_ids)
-                grow = cache.ram_after(min(len(req.ids) - reused, self._chunk(cache))) - cache.ram_bytes()
+                grow = cache.grow_bytes(min(len(req.ids) - reused, self._chunk(cache)))
                 if self.running and not self._fits(grow):
                     self.space.release(cache)
                     return
@@ -285,6 +289,25 @@ class Engine:
             req.state = RUNNING
             req.admitted_at = self.steps
             self.running.append(req)
+
+    def _computing_shared(self, req: Request) -> bool:
+        """Whether a running sequence is still prefilling a prefix of at least one block that `req`'s prompt
+        shares: `req` then waits, and once admitted holds those blocks (from the prefix cache) instead of
+        computing a copy of its own (it trades a few steps of latency, none when the pass is full of the other's
+        chunks anyway, for the prefill of the shared part)."""
+        B = self.space.layout.block
+        for r in self.running:
+            if r.pending > 1 and r.cache is not None and r.cache.length < len(r.prompt_ids):
+                common = common_prefix(r.prompt_ids, req.prompt_ids) // B * B
+                if common and r.cache.length < common:
+                    return True
+        return False
+
+    def _grow(self, plan: list[tuple[Request, int]]) -> int:
+        """RAM the pass's reservations add: each sequence's blocks and read buffers, and the shared workspace
+        once, for the longest context."""
+        return (sum(req.cache.grow_bytes(n, workspace=False) for req, n in plan)
+                + self.space.work.bytes_for(max(req.cache.length + n for req, n in plan)))
 
     def _chunk(self, cache: "KVCache") -> int:
         return min(self.batch_tokens, cache.max_pass)
@@ -324,8 +347,7 @@ class Engine:
                 budget -= n
             if self.pool_bytes is None or len(self.running) <= 1:
                 return plan
-            grow = sum(max(0, req.cache.ram_after(n) - req.cache.ram_bytes()) for req, n in plan)
-            if self._fits(grow):
+            if self._fits(self._grow(plan)):
                 return plan
             if any(req.draft for req in self.running):  # drafts are the first to go: they never preempt
                 for req in self.running:
@@ -377,7 +399,7 @@ class Engine:
                 part = ids[s:s + step]
                 with self.lock:
                     # logits of every row are the caller's, outside the budget: the pass is charged one
-                    self.make_room(cache.ram_after(len(part)) - cache.ram_bytes(), len(part),
+                    self.make_room(cache.grow_bytes(len(part)), len(part),
                                    cache.length + len(part), 1)
                     cache.reserve(len(part))
                     logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))

@@ -60,7 +60,7 @@ class Layout:
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        return self.placement.budget
+        return self.placement.memory_limit
 
     @property
     def all_resident(self) -> bool:
