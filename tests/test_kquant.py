@@ -1,4 +1,4 @@
-"""GGUF K-quants kept exactly (colibri.kquant): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
+"""GGUF K-quants kept exactly (colibri.quant): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
 GGUF converted by default into a container with one tied table."""
 
 from __future__ import annotations
