@@ -28,6 +28,17 @@ PROMPTS = ["def quicksort(arr):", "class LinkedList:", "import os\n\ndef walk(pa
            "def fibonacci(n):", "SELECT name FROM users WHERE", "function debounce(fn, ms) {", "fn main() {"]
 
 
+def prompt_ids(m, i: int) -> list[int]:
+    """Sequence i's prompt: a text of PROMPTS through the model's tokenizer, or, for a synthetic container
+    (benchmarks/synth.py writes none), 24 fixed pseudo-random ids of its vocabulary."""
+    if m.tokenizer is not None:
+        return m.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)))
+    import torch
+
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, m.args.vocab_size, (24,), generator=g).tolist()
+
+
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
     quiet_openmp(argparse.Namespace(model=a.model, memory_limit=a.memory_limit))
@@ -39,7 +50,7 @@ def child(a: argparse.Namespace) -> None:
     eng, store = m.engine, m.store
     counters = getattr(store, "counters", None)
     for B in a.batches:
-        prompts = [m.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))) for i in range(B)]
+        prompts = [prompt_ids(m, i) for i in range(B)]
         reqs = [eng.add_request(p, SamplingParams(max_tokens=a.tokens, ignore_eos=True)) for p in prompts]
         while any(not r.token_ids for r in reqs):
             eng.step()  # prefill
