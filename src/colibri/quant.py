@@ -382,28 +382,28 @@ class Q8Weight(_QuantWeight):
         for r in range(0, n, step):
             c = min(step, n - r)
             w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
-            s = self._scales_f32(r, r + c)
+            s = self._scales_f32(slice(r, r + c))
             w.view(c, s.shape[1], -1).mul_(s.unsqueeze(-1))
             if x.dtype != torch.float32:
                 w = _scratch(x.dtype, c, k).copy_(w)
             y[:, r:r + c] = x @ w.T
         return y
 
-    def _scales_f32(self, r0: int, r1: int) -> torch.Tensor:
-        """Scales of rows [r0, r1) as f32 [r1 - r0, groups] (one group per channel: [rows, 1])."""
-        return self._buffers["scales"][r0:r1].float().view(r1 - r0, -1)
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Scales of `rows` (a slice, or row ids) as f32 [rows, groups] (one group per channel: [rows, 1])."""
+        s = self._buffers["scales"][rows].float()
+        return s.view(s.shape[0], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        s = self._scales_f32(0, n)
+        s = self._scales_f32(slice(0, n))
         return (self._buffers["qweight"].float().view(n, s.shape[1], -1) * s.unsqueeze(-1)).view(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
-        n, k = self.shape
-        g = self.group_size or k
-        s = self._buffers["scales"].view(n, -1)[ids].float()
-        return (self._buffers["qweight"][ids].float().view(len(ids), k // g, g) * s.unsqueeze(-1)).view(len(ids), k)
+        k = self.shape[1]
+        s = self._scales_f32(ids)
+        return (self._buffers["qweight"][ids].float().view(len(ids), s.shape[1], -1) * s.unsqueeze(-1)).view(len(ids), k)
 
 
 # ---- quantize -------------------------------------------------------------------------------------------------
@@ -668,16 +668,10 @@ class Q8KWeight(Q8Weight):
             return kernels.ops().q8k_linear(x, b["qweight"], b["scales"], b["supers"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
-    def _scales_f32(self, r0: int, r1: int) -> torch.Tensor:
-        """d * sc, f32 [r1 - r0, K/16] (exact)."""
-        sup = self._buffers["supers"][r0:r1].float().repeat_interleave(SUPER // 16, dim=1)
-        return sup * self._buffers["scales"][r0:r1].float()
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        s = (self._buffers["supers"][ids].float().repeat_interleave(SUPER // 16, dim=1)
-             * self._buffers["scales"][ids].float())
-        return (self._buffers["qweight"][ids].float().view(len(ids), k // 16, 16) * s.unsqueeze(-1)).view(len(ids), k)
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """d * sc of `rows` (a slice, or row ids), f32 [rows, K/16] (exact)."""
+        sup = self._buffers["supers"][rows].float().repeat_interleave(SUPER // 16, dim=1)
+        return sup * self._buffers["scales"][rows].float()
 
 
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
