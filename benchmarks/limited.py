@@ -71,7 +71,8 @@ def child(a: argparse.Namespace) -> None:
 
     rss_import = rss_bytes()
     t1 = time.perf_counter()
-    opts = {"prefetch_depth": a.prefetch_depth, "ctx_length": a.ctx_length}  # passed only when given
+    opts = {"prefetch_depth": a.prefetch_depth, "ctx_length": a.ctx_length,  # passed only when given
+            "draft_tokens": a.draft_tokens}
     m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), io_threads=a.io_threads, threads=a.threads,
                      **{k: v for k, v in opts.items() if v is not None})
     load_s = time.perf_counter() - t1
@@ -233,7 +234,7 @@ def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | Non
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--tokens", str(a.tokens),
            "--prompt", a.prompt, "--io-threads", str(a.io_threads), "--threads", str(a.threads),
            "--memory-limit", str(mem_limit) if mem_limit is not None else "none"]
-    for opt in ("prefetch_depth", "ctx_length"):
+    for opt in ("prefetch_depth", "ctx_length", "draft_tokens"):
         if getattr(a, opt) is not None:
             cmd += [f"--{opt.replace('_', '-')}", str(getattr(a, opt))]
     if a.wait_idle:
@@ -329,6 +330,8 @@ def main() -> None:
     ap.add_argument("--prefetch-depth", type=int, help="streamed pages read ahead (default: the engine's)")
     ap.add_argument("--ctx-length", type=int, help="context length (default: the engine's)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default 2)")
+    ap.add_argument("--draft-tokens", type=int, help="speculation's draft length; 0 turns it off (default: the "
+                    "engine's adaptive drafts)")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                     help="before each run wait up to this long until no other process keeps a core busy")
     ap.add_argument("--retry-busy", type=int, default=0, metavar="N",
