@@ -97,9 +97,9 @@ def _round16(n: int) -> int:
 def _check_shape(kind: QuantKind, shape: tuple[int, int]) -> tuple[int, int]:
     n, k = (int(s) for s in shape)
     g = kind.group_size
-    if kind.name in K_KINDS:  # GGUF K-quants: fixed groups inside 256-value super-blocks
-        if n <= 0 or k <= 0 or k % 256:
-            raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by 256")
+    if kind.name in K_KINDS:  # GGUF K-quants: fixed groups inside SUPER-value super-blocks
+        if n <= 0 or k <= 0 or k % SUPER:
+            raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by {SUPER}")
         return n, k
     if kind.name == "q4" and g not in Q4_GROUP_SIZES:
         raise ValueError(f"q4 group size must be one of {Q4_GROUP_SIZES}, got {g}")
