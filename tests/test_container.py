@@ -54,7 +54,7 @@ def test_quantized_container_computes_its_dequantized_model(tiny_model_dir, tmp_
     src = tiny_model_dir(family)
     convert(src, tmp_path / q, quant=q, group_size=32)
     c = ContainerCheckpoint(tmp_path / q)
-    kinds = {t["kind"] for t in c.tensors.values()}
+    kinds = {t.kind for t in c.tensors.values()}
     assert q in kinds and "f32" in kinds  # norms stay f32 by policy
     deq = tmp_path / "dequantized"
     shutil.copytree(src, deq)
@@ -98,10 +98,10 @@ def test_layout_rules(tiny_model_dir, tmp_path):
 def test_untied_embedding_is_marked_lookup(tiny_model_dir, tmp_path):
     convert(tiny_model_dir("llama"), tmp_path / "c", quant="q4")
     t = ContainerCheckpoint(tmp_path / "c").tensors
-    assert t["model.embed_tokens.weight"]["lookup"] is True
-    assert t["lm_head.weight"]["lookup"] is False
+    assert t["model.embed_tokens.weight"].lookup is True
+    assert t["lm_head.weight"].lookup is False
     convert(tiny_model_dir("llama_tied"), tmp_path / "tied", quant="q4")
-    assert ContainerCheckpoint(tmp_path / "tied").tensors["model.embed_tokens.weight"]["lookup"] is False
+    assert ContainerCheckpoint(tmp_path / "tied").tensors["model.embed_tokens.weight"].lookup is False
 
 
 def test_smollm2_q4_1_import_is_lossless(tmp_path):
@@ -185,7 +185,7 @@ def test_gguf_block_fixture_import_is_lossless(tiny_model_dir, tmp_path, qtype, 
     g = GGUFCheckpoint(src)
     linear = [n for n in c.tensors if len(c.tensor_shape(n)) == 2]
     for name in linear:
-        assert c.tensors[name]["kind"] == kind and c.tensors[name]["group_size"] == 32
+        assert c.tensors[name].kind == kind and c.tensors[name].group_size == 32
         assert torch.equal(c.load(name).dequantize(), g.load(name)), name
     a = colibri.load(src, dtype="float32").logits(IDS)
     b = colibri.load(tmp_path / "c", dtype="float32").logits(IDS)

@@ -152,12 +152,12 @@ def test_moe_step_reads_the_union_of_routed_experts(containers):
     assert store.placement.cache_slots == 0, "no expert cache: every routed expert is read for its step"
     pages = m.checkpoint.pages
     streamed = set(store.placement.streamed)
-    dense = sum(pages[i]["nbytes"] for i in streamed if pages[i]["kind"] != "expert")
+    dense = sum(pages[i].nbytes for i in streamed if pages[i].kind != "expert")
     expert_bytes = {}
     for i in streamed:
-        if pages[i]["kind"] == "expert":
-            key = (pages[i]["layer"], pages[i]["expert"])
-            expert_bytes[key] = expert_bytes.get(key, 0) + pages[i]["nbytes"]
+        if pages[i].kind == "expert":
+            key = (pages[i].layer, pages[i].expert)
+            expert_bytes[key] = expert_bytes.get(key, 0) + pages[i].nbytes
     routed: set = set()
     route = store.route
 

@@ -139,8 +139,8 @@ def test_read_errors_at_random_reads_fail_one_request(good, reference, seed):
         m.store.hold()  # the placement's own pins: the rest streams, through the faulty reads
         streamed = m.store.placement.streamed
         page = m.checkpoint.pages[rng.choice(streamed)]
-        at = page["offset"] + rng.randrange(page["nbytes"]) // 4096 * 4096
-        m.store.reader.inject_error(page["file"], at)
+        at = page.offset + rng.randrange(page.nbytes) // 4096 * 4096
+        m.store.reader.inject_error(page.file, at)
         with pytest.raises(StorageError, match="Input/output error"):
             m.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
         assert m.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == reference

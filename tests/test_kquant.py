@@ -160,7 +160,7 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
     path = out
     minimum = colibri.model.plan(path, None, dtype=torch.float32, batch_size=1)[0].minimum
     m = colibri.load(path, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
-    assert {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows} == {"embedding"}
+    assert {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows} == {"embedding"}
     assert torch.equal(m.logits(ids), got)
     assert m.store.stats.row_bytes_read > 0
     old = conv.ConvertOptions(quant="q4", page_size_mb=1, requantize=True)  # the old policy: lossy, q4 / q8
@@ -187,5 +187,5 @@ def test_q4k_table_is_read_by_tiles(tmp_path, monkeypatch):
     monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
     minimum = colibri.model.plan(out, None, dtype=torch.float32, batch_size=1)[0].minimum
     m = colibri.load(out, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
-    assert {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows} == {"embedding"}
+    assert {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows} == {"embedding"}
     assert torch.equal(m.logits(ids), got)

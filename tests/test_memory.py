@@ -41,7 +41,7 @@ io = io_read() - r0
 print(json.dumps({"tokens": out.token_ids, "baseline": m.baseline_rss_bytes,
                   "peak": peak_rss_bytes(),
                   "bytes_read": m.store.stats.bytes_read if hasattr(m.store, "stats") else 0, "io_read": io,
-                  "total_weights": sum(p["nbytes"] for p in m.checkpoint.pages)}))
+                  "total_weights": sum(p.nbytes for p in m.checkpoint.pages)}))
 """
 
 
@@ -61,7 +61,7 @@ while any(not r.finished for r in reqs):
 print(json.dumps({"tokens": [r.token_ids for r in reqs], "errors": [repr(r.error) for r in reqs if r.error],
                   "baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "most_running": most,
                   "kv_pool_bytes": m.kv_pool_bytes, "steps": m.engine.steps,
-                  "total_weights": sum(p["nbytes"] for p in m.checkpoint.pages)}))
+                  "total_weights": sum(p.nbytes for p in m.checkpoint.pages)}))
 """
 
 

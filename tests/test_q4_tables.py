@@ -71,7 +71,7 @@ def test_tied_logits_equal_untied_storage(tied_pair, monkeypatch, dtype):
     for path in (tied, untied):
         assert torch.equal(colibri.load(path, dtype=dtype, batch_size=1).logits(PROMPT), want)
         m = colibri.load(path, dtype=dtype, memory_limit=tight(path, dtype), prefetch_depth=0, batch_size=1)
-        by_rows = {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows}
+        by_rows = {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows}
         assert "embedding" in by_rows and (path == tied or "head" in by_rows)
         assert torch.equal(m.logits(PROMPT), want)
         assert m.store.stats.row_bytes_read > 0
@@ -89,4 +89,4 @@ def test_q4_row_lookup_equals_dequantize_then_index(tied_pair, monkeypatch):
     m = colibri.load(tied, dtype="float32", memory_limit=tight(tied, "float32"), prefetch_depth=0, batch_size=1)
     assert m.store.placement.by_rows
     assert torch.equal(m.store.rows(EMBED, ids), want)  # tiles read from disk, the rows picked from them
-    assert m.store.stats.row_bytes_read < m.checkpoint.tensors[EMBED]["nbytes"] + 4096
+    assert m.store.stats.row_bytes_read < m.checkpoint.tensors[EMBED].nbytes + 4096

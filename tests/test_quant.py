@@ -223,6 +223,7 @@ def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
     """After f32 and bf16 passes of every size (kernel and dequantize paths), a weight with f32-stored scales
     keeps at most a bf16 copy of its scales for the decode kernels, which placement.resident_extra charges to
     its page; no f32 copies stay behind (they cost the q4 bytes a third again, outside the budget)."""
+    from colibri.container import PageEntry, Part, TensorEntry
     from colibri.placement import resident_extra
     w = quantize(_randn(192, 256), kind, group_size)
     name = "scales_zeros" if kind == "q4" else "scales"
@@ -233,11 +234,13 @@ def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
            for dt in (torch.float32, torch.bfloat16)}
     kept = sum(t.numel() * t.element_size() for v in w._cache.values() for t in (v if isinstance(v, tuple) else (v,)))
     assert all(t.dtype == torch.bfloat16 for v in w._cache.values() for t in (v if isinstance(v, tuple) else (v,)))
-    parts = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in bufs.items()}
-    entry = {"kind": kind, "group_size": group_size, "parts": parts}
-    extra = resident_extra({"tensors": ["w"]}, {"w": entry}, torch.bfloat16)
+    parts = {n: Part(0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."), list(t.shape))
+             for n, t in bufs.items()}
+    entry = TensorEntry("w", "attention", 0, None, list(w.shape), kind, group_size, False, parts, 0)
+    page = PageEntry(0, "attention", 0, None, ["w"])
+    extra = resident_extra(page, {"w": entry}, torch.bfloat16)
     assert kept <= extra if kind == "q4" or not group_size else kept == extra == 0  # native kernels keep none
-    assert resident_extra({"tensors": ["w"]}, {"w": entry}, torch.float32) == \
+    assert resident_extra(page, {"w": entry}, torch.float32) == \
         (0 if kind != "q4" or kernel_layout_is_stored_layout() else bufs["qweight"].numel())
     for dt in (torch.float32, torch.bfloat16):  # results unchanged on a second call (no stale cache)
         for rows in (1, 128):

@@ -244,7 +244,7 @@ def test_router_lookahead_guesses_the_next_layer_and_never_changes_tokens(correl
         # attention pages pinned, experts streamed through a small expert cache
         m = load(path, memory_limit=placement.minimum + int(0.3 * placement.pinned_bytes), dtype=None,
                  lookahead=look, draft_tokens=0)
-        assert any(m.checkpoint.pages[i]["kind"] == "expert" for i in m.store.placement.streamed)
+        assert any(m.checkpoint.pages[i].kind == "expert" for i in m.store.placement.streamed)
         rs = [m.generate(p, max_tokens=8, ignore_eos=True) for p in ps[:2]]
         together = batched(m, ps, [8] * len(ps), join=[0] * len(ps))
         runs[look] = ([r.token_ids for r in rs], together, m.engine.counters(),

@@ -39,7 +39,7 @@ def containers(tiny_model_dir, tmp_path_factory):
 
 
 def total_bytes(m) -> int:
-    return sum(p["nbytes"] for p in m.checkpoint.pages)
+    return sum(p.nbytes for p in m.checkpoint.pages)
 
 
 def limit_for(path, fraction: float, batch_size: int = 512) -> int:
@@ -116,7 +116,7 @@ def test_read_error_names_page_and_file_and_engine_recovers(containers):
     m.store.hold()  # the placement's own pins: the rest streams, through the faulty reads
     streamed = m.store.placement.streamed[0]
     page = m.checkpoint.pages[streamed]
-    m.store.reader.inject_error(page["file"], page["offset"])
+    m.store.reader.inject_error(page.file, page.offset)
     with pytest.raises(StorageError) as info:
         m.generate(PROMPT, max_tokens=8, ignore_eos=True)
     msg = str(info.value)
@@ -131,7 +131,7 @@ def test_data_file_truncated_after_load(containers, tmp_path):
     shutil.copytree(containers("llama"), path)
     m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)
     last = m.checkpoint.pages[m.store.placement.streamed[-1]]
-    os.truncate(path / "data-00000.bin", last["offset"])
+    os.truncate(path / "data-00000.bin", last.offset)
     with pytest.raises(StorageError, match="data-00000.bin.*(short read|truncated)"):
         m.generate(PROMPT, max_tokens=4, ignore_eos=True)
 
@@ -153,7 +153,7 @@ def test_tables_read_by_rows_and_blocks(containers, bf16_containers, monkeypatch
     want_logits = ref.logits(PROMPT)
     # one token per pass: the lookup's row buffers stay smaller than the tiny embedding page
     m = colibri.load(path, memory_limit=limit_for(path, 0, 1), prefetch_depth=0, batch_size=1)
-    tables = {m.checkpoint.pages[i]["kind"] for i in m.store.placement.by_rows}
+    tables = {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows}
     assert "embedding" in tables and (m.args.tie_word_embeddings or "head" in tables)
     assert m.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == want_ids
     got = m.logits(PROMPT)
@@ -182,12 +182,12 @@ def test_corrupt_page_is_found_on_first_read(containers, tmp_path):
     placement, _, _ = colibri.model.plan(path, limit_for(path, 0.25), prefetch_depth=0)
     page = colibri.load(path).checkpoint.pages[placement.streamed[-1]]
     with open(path / "data-00000.bin", "r+b") as f:
-        f.seek(page["offset"] + page["nbytes"] // 2)
+        f.seek(page.offset + page.nbytes // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
     m = colibri.load(path, memory_limit=limit_for(path, 0.25), prefetch_depth=0)  # the bad page is not read yet
-    with pytest.raises(StorageError, match=f"page {page['id']}: checksum mismatch in .*data-00000.bin"):
+    with pytest.raises(StorageError, match=f"page {page.id}: checksum mismatch in .*data-00000.bin"):
         m.generate(PROMPT, max_tokens=4, ignore_eos=True)
 
 
@@ -214,8 +214,8 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     (path / "usage.json").unlink(missing_ok=True)  # other tests' runs wrote their counts
     ref = colibri.load(path).generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids
     pages = colibri.load(path).checkpoint.pages
-    dense = sum(p["nbytes"] for p in pages if p["kind"] != "expert")
-    expert = max(p["nbytes"] for p in pages if p["kind"] == "expert")
+    dense = sum(p.nbytes for p in pages if p.kind != "expert")
+    expert = max(p.nbytes for p in pages if p.kind == "expert")
     _, reserve, _ = colibri.model.plan(path, None)
     limit = reserve.total + dense + 4 * expert  # every dense page pinned, one staging slot, three cache slots
     m = colibri.load(path, memory_limit=limit, prefetch_depth=0)
@@ -225,8 +225,8 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     decode_set = {pid for pid, s in m.store._slots.items() if s.cached}
     assert decode_set
     m.store.begin_pass(2)  # a prefill pass: only free cache slots may take its experts
-    for pid in [p["id"] for p in pages if p["kind"] == "expert" and p["id"] not in decode_set]:
-        with m.store.expert(pages[pid]["layer"], pages[pid]["expert"]):
+    for pid in [p.id for p in pages if p.kind == "expert" and p.id not in decode_set]:
+        with m.store.expert(pages[pid].layer, pages[pid].expert):
             pass
     assert decode_set <= {pid for pid, s in m.store._slots.items() if s.cached}
     m.close()

@@ -45,17 +45,8 @@ def checksum_str(value: int) -> str:
 
 
 class Record:
-    """A manifest record that also reads by key (`entry["kind"]`, `entry.get("group_size")`), as code written
-    against the manifest's JSON does; new code reads the attributes."""
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
+    """A manifest record, read by attribute (`entry.kind`, `entry.group_size`); its manifest JSON is
+    `dataclasses.asdict` of it."""
 
     @classmethod
     def from_json(cls, d: dict) -> Any:

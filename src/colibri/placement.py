@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 
 from colibri import quant
-from colibri.container import FLOAT_KINDS
+from colibri.container import FLOAT_KINDS, PageEntry, TensorEntry
 from colibri.errors import InputError
 from colibri.io import ALIGN, align_up, huge_align
 
@@ -44,67 +44,67 @@ def fmt_bytes(n: int) -> str:
 # -------------------------------------------------------------------------------------------------- tables
 
 
-def row_tensor(page: dict, tensors: dict[str, dict]) -> str | None:
+def row_tensor(page: PageEntry, tensors: dict[str, TensorEntry]) -> str | None:
     """The lookup/head table of an embedding or head page when its rows can be read on their own."""
-    name = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}.get(page["kind"])
+    name = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}.get(page.kind)
     t = tensors.get(name) if name else None
-    if t is None or t["kind"] not in ROW_KINDS or len(t["shape"]) != 2 or name not in page["tensors"]:
+    if t is None or t.kind not in ROW_KINDS or len(t.shape) != 2 or name not in page.tensors:
         return None
     return name
 
 
-def main_part(t: dict) -> str:
-    return "data" if t["kind"] in FLOAT_KINDS else "qweight"
+def main_part(t: TensorEntry) -> str:
+    return "data" if t.kind in FLOAT_KINDS else "qweight"
 
 
-def row_bytes(t: dict) -> int:
+def row_bytes(t: TensorEntry) -> int:
     """Bytes per stored row of the table's main part (q4: K/2, meaningful only over whole tiles)."""
-    p = t["parts"][main_part(t)]
-    return p["nbytes"] // p["shape"][0]
+    p = t.parts[main_part(t)]
+    return p.nbytes // p.shape[0]
 
 
-def row_unit(t: dict) -> int:
+def row_unit(t: TensorEntry) -> int:
     """Rows that are read together: 1, or for q4 a 64-row tile (its nibbles interleave the tile's rows)."""
-    return quant.Q4_TILE if t["kind"] in quant.TILED_KINDS else 1
+    return quant.Q4_TILE if t.kind in quant.TILED_KINDS else 1
 
 
-def stored_rows(t: dict) -> int:
+def stored_rows(t: TensorEntry) -> int:
     """Rows of the main part on disk (q4 pads N to a multiple of 16; the last partial tile is read whole)."""
-    return t["parts"][main_part(t)]["shape"][0]
+    return t.parts[main_part(t)].shape[0]
 
 
-def unit_of(t: dict, r: int) -> tuple[int, int]:
+def unit_of(t: TensorEntry, r: int) -> tuple[int, int]:
     """The stored row range [r0, r1) that row r is read with: itself, or its q4 tile (the tail: to the end)."""
     u = row_unit(t)
     r0 = r // u * u
     return r0, min(r0 + u, stored_rows(t))
 
 
-def side_ranges(page: dict, tensors: dict[str, dict], table: str) -> list[tuple[str, str | None, int, int]]:
+def side_ranges(page: PageEntry, tensors: dict[str, TensorEntry], table: str) -> list[tuple[str, str | None, int, int]]:
     """(tensor, part or None for the whole tensor, page-relative offset, nbytes) of what stays resident when a
     table page is read by rows: the table's parts other than its rows (q8 scales) and every other tensor."""
     out = []
-    for name in page["tensors"]:
+    for name in page.tensors:
         t = tensors[name]
         if name == table:
-            for pname, p in t["parts"].items():
+            for pname, p in t.parts.items():
                 if pname != main_part(t):
-                    out.append((name, pname, t["offset"] + p["offset"] - page["offset"], p["nbytes"]))
+                    out.append((name, pname, t.offset + p.offset - page.offset, p.nbytes))
         else:
-            out.append((name, None, t["offset"] - page["offset"], t["nbytes"]))
+            out.append((name, None, t.offset - page.offset, t.nbytes))
     return out
 
 
-def scopes_of(page: dict, num_layers: int, tied: bool) -> list[tuple]:
+def scopes_of(page: PageEntry, num_layers: int, tied: bool) -> list[tuple]:
     """The scopes that read a page. A tied embedding serves the lookup and the head."""
-    if page["kind"] == "expert":
-        return [("expert", page["layer"], page["expert"])]
-    if page["kind"] == "embedding":
+    if page.kind == "expert":
+        return [("expert", page.layer, page.expert)]
+    if page.kind == "embedding":
         return [("embedding",), ("layer", num_layers)] if tied else [("embedding",)]
-    return [("layer", num_layers if page["kind"] == "head" else page["layer"])]
+    return [("layer", num_layers if page.kind == "head" else page.layer)]
 
 
-def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool,
+def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool,
                   prefetch_depth: int) -> tuple[int, int]:
     """(slots, slot bytes) of the staging ring: equal slots the size of the largest streamed page (in whole huge
     pages: reads into 4 KiB pages are slower, io.AlignedBuffer), as many as the largest scope has streamed pages,
@@ -116,7 +116,7 @@ def staging_slots(pages: list[dict], streamed: Iterable[int], num_layers: int, t
         p = pages[pid]
         for key in scopes_of(p, num_layers, tied):
             count[key] = count.get(key, 0) + 1
-        size = max(size, p["nbytes"])
+        size = max(size, p.nbytes)
     if not count:
         return 0, 0
     # An expert's scope opens inside its layer's: both are held at once.
@@ -173,13 +173,13 @@ class _Costs:
                 continue
             t = tensors[table]
             side = sum(align_up(n) for *_, n in side_ranges(p, tensors, table))
-            block = HEAD_BUFFERS * block_buffer_bytes(t) if p["kind"] == "head" or tied else 0
+            block = HEAD_BUFFERS * block_buffer_bytes(t) if p.kind == "head" or tied else 0
             lookup = 0
-            if p["kind"] == "embedding":  # one aligned span per distinct token, never more than the table
-                main = t["parts"][main_part(t)]["nbytes"]
+            if p.kind == "embedding":  # one aligned span per distinct token, never more than the table
+                main = t.parts[main_part(t)].nbytes
                 lookup = min(batch * row_span_bytes(t), align_up(main) + ALIGN)
-            if side + block + lookup < p["nbytes"]:  # else staging the whole page is cheaper (small tables)
-                self.parts[p["id"]] = (side, block, lookup)
+            if side + block + lookup < p.nbytes:  # else staging the whole page is cheaper (small tables)
+                self.parts[p.id] = (side, block, lookup)
         self.rows = {i: sum(v) for i, v in self.parts.items()}
 
     def need(self, streamed: Iterable[int], depth: int) -> int:
@@ -189,21 +189,22 @@ class _Costs:
         return slots * size + sum(self.rows[i] for i in streamed if i in self.rows)
 
 
-def minimum_staging(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, batch: int) -> int:
+def minimum_staging(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: int, tied: bool,
+                    batch: int) -> int:
     """What the weights need under the smallest budget (every page streamed, nothing read ahead): a memory limit
     must hold this beside the reserve (budget.settings' `floor`)."""
     return _Costs(pages, tensors, num_layers, tied, batch).need(range(len(pages)), 0)
 
 
-def row_span_bytes(t: dict) -> int:
+def row_span_bytes(t: TensorEntry) -> int:
     """The most bytes an aligned read of one row (q4: its tile) covers."""
     rb = row_bytes(t) * row_unit(t)
-    base = t["offset"] + t["parts"][main_part(t)]["offset"]
+    base = t.offset + t.parts[main_part(t)].offset
     straddles = not (base % ALIGN == 0 and (ALIGN % rb == 0 or rb % ALIGN == 0))
     return align_up(rb) + (ALIGN if straddles else 0)
 
 
-def block_rows(t: dict) -> int:
+def block_rows(t: TensorEntry) -> int:
     """Rows per head block: about BLOCK_BYTES, a whole number of 4096-byte units when the rows allow it."""
     rb = row_bytes(t)
     unit = math.lcm(ALIGN // math.gcd(rb, ALIGN), row_unit(t))
@@ -211,44 +212,44 @@ def block_rows(t: dict) -> int:
     return rows - rows % unit if rows >= unit else max(rows - rows % row_unit(t), row_unit(t))
 
 
-def block_buffer_bytes(t: dict) -> int:
+def block_buffer_bytes(t: TensorEntry) -> int:
     """One head block buffer: its rows, plus a unit of slack when blocks do not start on 4096 boundaries."""
     rows = min(block_rows(t), stored_rows(t))
-    base = t["offset"] + t["parts"][main_part(t)]["offset"]
+    base = t.offset + t.parts[main_part(t)].offset
     aligned = base % ALIGN == 0 and (rows * row_bytes(t)) % ALIGN == 0
     return huge_align(align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN))  # whole huge pages (io.py)
 
 
-def auto_depth(pages: list[dict], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
+def auto_depth(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
     """Pages to read ahead by default: the most streamed pages one layer has, plus one. Prefetch counts pages
     after the current scope, so with fewer than that, each layer's last page is read on demand, with compute
     waiting (measured: Llama-2-7B q4 under 1 GiB, 3 pages a layer, depth 2 ran at 0.78 of the I/O bound and
     depth 4 at 0.93)."""
     count: dict[int, int] = {}
     for pid in streamed:
-        if pages[pid]["kind"] not in ("expert", "embedding", "head"):
-            count[pages[pid]["layer"]] = count.get(pages[pid]["layer"], 0) + 1
+        if pages[pid].kind not in ("expert", "embedding", "head"):
+            count[pages[pid].layer] = count.get(pages[pid].layer, 0) + 1
     return max(count.values(), default=1) + 1
 
 
-def resident_extra(page: dict, tensors: dict[str, dict], dtype: torch.dtype | None) -> int:
+def resident_extra(page: PageEntry, tensors: dict[str, TensorEntry], dtype: torch.dtype | None) -> int:
     """Bytes a pinned page's weights hold besides the page: the scales the bf16 kernels need converted (kept,
     since every decode token uses them) and, on CPUs whose int4 kernel wants another layout, the repacked q4."""
     extra = 0
-    for name in page["tensors"]:
+    for name in page.tensors:
         t = tensors[name]
-        if t["kind"] not in ("q4", "q8"):
+        if t.kind not in ("q4", "q8"):
             continue
         if dtype == torch.bfloat16:
-            scales = t["parts"]["scales_zeros" if t["kind"] == "q4" else "scales"]
-            if scales["dtype"] != "bfloat16" and (t["kind"] == "q4" or not t.get("group_size")):
-                extra += 2 * math.prod(scales["shape"])
-        if t["kind"] == "q4" and not quant.kernel_layout_is_stored_layout():
-            extra += math.prod(t["parts"]["qweight"]["shape"])  # uint8
+            scales = t.parts["scales_zeros" if t.kind == "q4" else "scales"]
+            if scales.dtype != "bfloat16" and (t.kind == "q4" or not t.group_size):
+                extra += 2 * math.prod(scales.shape)
+        if t.kind == "q4" and not quant.kernel_layout_is_stored_layout():
+            extra += math.prod(t.parts["qweight"].shape)  # uint8
     return extra
 
 
-def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: bool, memory_limit: int | None,
+def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: int, tied: bool, memory_limit: int | None,
          prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
          usage: dict[tuple[int, int], float] | None = None, dtype: torch.dtype | None = None) -> Placement:
     """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
@@ -256,8 +257,8 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
     costs its bytes plus what its weights derive and keep (`resident_extra` for compute in `dtype`)."""
     ids = list(range(len(pages)))
     extra = {i: resident_extra(p, tensors, dtype) for i, p in enumerate(pages)}
-    cost = {i: p["nbytes"] + extra[i] for i, p in enumerate(pages)}
-    total = sum(p["nbytes"] for p in pages)
+    cost = {i: p.nbytes + extra[i] for i, p in enumerate(pages)}
+    total = sum(p.nbytes for p in pages)
     costs = _Costs(pages, tensors, num_layers, tied, batch)
     minimum = reserve + costs.need(ids, 0)
     if memory_limit is None or memory_limit >= reserve + sum(cost.values()):
@@ -286,20 +287,20 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
             return True
         return False
 
-    untied_lookup = {i for i in costs.rows if pages[i]["kind"] == "embedding" and not tied}
-    dense = [i for i in ids if pages[i]["kind"] != "expert" and i not in untied_lookup]  # rows are cheap to read
-    for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i]["kind"], 9), pages[i]["offset"])):
+    untied_lookup = {i for i in costs.rows if pages[i].kind == "embedding" and not tied}
+    dense = [i for i in ids if pages[i].kind != "expert" and i not in untied_lookup]  # rows are cheap to read
+    for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i].kind, 9), pages[i].offset)):
         try_pin(pid, prefetch_depth)
     depth = prefetch_depth if pinned_cost + costs.need(streamed, prefetch_depth) <= room else 0
-    if not any(pages[i]["kind"] != "expert" and i not in costs.rows for i in streamed):
+    if not any(pages[i].kind != "expert" and i not in costs.rows for i in streamed):
         depth = 0  # prefetch reads dense pages ahead; with none streamed its slots would sit idle
     need = costs.need(streamed, depth)
-    experts = [i for i in streamed if pages[i]["kind"] == "expert"]
+    experts = [i for i in streamed if pages[i].kind == "expert"]
     learned = 0
     if experts and usage:
         share = LEARNED_PIN_SHARE * (room - pinned_cost - need)
-        hot = sorted((i for i in experts if usage.get((pages[i]["layer"], pages[i]["expert"]), 0) > 0),
-                     key=lambda i: -usage[(pages[i]["layer"], pages[i]["expert"])])
+        hot = sorted((i for i in experts if usage.get((pages[i].layer, pages[i].expert), 0) > 0),
+                     key=lambda i: -usage[(pages[i].layer, pages[i].expert)])
         spent = 0
         for pid in hot:  # pinning an expert never raises the staging need: checked by bytes alone
             if spent + cost[pid] > share:
@@ -309,14 +310,14 @@ def plan(pages: list[dict], tensors: dict[str, dict], num_layers: int, tied: boo
             spent += cost[pid]
             learned += 1
         need = costs.need(streamed, depth)
-    normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i]["file"], pages[i]["offset"]))
+    normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i].file, pages[i].offset))
     slots, slot_bytes = staging_slots(pages, normal, num_layers, tied, depth)
     cache_slots = 0
-    if any(pages[i]["kind"] == "expert" for i in normal) and slot_bytes:
+    if any(pages[i].kind == "expert" for i in normal) and slot_bytes:
         cache_slots = max(0, (room - pinned_cost - need) // slot_bytes)
     by_rows = sorted(i for i in streamed if i in costs.rows)
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
-    per_pass = sum(pages[i]["nbytes"] * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
+    per_pass = sum(pages[i].nbytes * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
     return Placement(memory_limit, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
-                     block, lookup, sum(pages[i]["nbytes"] for i in pinned), per_pass, minimum, learned, depth)
+                     block, lookup, sum(pages[i].nbytes for i in pinned), per_pass, minimum, learned, depth)

@@ -198,8 +198,8 @@ class StreamingStore:
         """Compare a page's crc32 with the manifest's: a mismatch raises, a match marks the page verified."""
         page = self.pages[pid]
         if checksum_str(crc) != page.checksum:
-            raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page['file']]} at offset "
-                               f"{page['offset']} ({page['nbytes']} bytes); the file is corrupt — run "
+            raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page.file]} at offset "
+                               f"{page.offset} ({page.nbytes} bytes); the file is corrupt — run "
                                f"`colibri verify` and reconvert")
         self._verified.add(pid)
         self.stats.verified_pages += 1
@@ -754,7 +754,7 @@ class StreamingStore:
         futures, at, where = [], 0, []
         for s, e in spans:
             futures.append(self.reader.submit(page.file, s, e - s, buf, DEMAND, buffer_offset=at,
-                                              label=f"page {page['id']} (rows of {name})"))
+                                              label=f"page {page.id} (rows of {name})"))
             where.append((s, e, at))
             at += e - s
         t0 = time.perf_counter()
@@ -806,7 +806,7 @@ class StreamingStore:
             s = (base + r0 * rb) // ALIGN * ALIGN
             size = base + r1 * rb - s
             fut = self.reader.submit(page.file, s, size, self._blocks[b % len(self._blocks)], DEMAND,
-                                     label=f"page {page['id']} (rows {r0}-{r1} of {name})")
+                                     label=f"page {page.id} (rows {r0}-{r1} of {name})")
             pending[b] = (fut, base + r0 * rb - s)
             self.stats.bytes_read += size
             self.stats.row_bytes_read += size

@@ -47,7 +47,7 @@ class ExpertUsage:
     @staticmethod
     def identity_of(ckpt: ContainerCheckpoint) -> str:
         """Which container the counts belong to: its source fingerprint and page checksums."""
-        pages = ",".join(p["checksum"] for p in ckpt.pages)
+        pages = ",".join(p.checksum for p in ckpt.pages)
         return ckpt.manifest.get("source", {}).get("fingerprint", "") + "/" + f"{zlib.crc32(pages.encode()):08x}"
 
     def tick(self, tokens: int) -> None:
