@@ -52,10 +52,12 @@ def child(a: argparse.Namespace) -> None:
     for B in a.batches:
         prompts = [prompt_ids(m, i) for i in range(B)]
         reqs = [eng.add_request(p, SamplingParams(max_tokens=a.tokens, ignore_eos=True)) for p in prompts]
+        preempted, most = eng.preemptions, 0
         while any(not r.token_ids for r in reqs):
             eng.step()  # prefill
+            most = max(most, len(eng.running))
         steps, wall, wait, nbytes, read_s, made = 0, 0.0, 0.0, 0, 0.0, 0
-        while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs):
+        while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs) and len(eng.running) == B:
             before = sum(len(r.token_ids) for r in reqs)
             c0 = counters() if counters else None
             t0 = time.perf_counter()
@@ -69,14 +71,19 @@ def child(a: argparse.Namespace) -> None:
             steps += 1
             wall += dt
             made += sum(len(r.token_ids) for r in reqs) - before  # B a step, more where drafts stood
-        eng.run(reqs)
+        while any(not r.finished for r in reqs):
+            eng.step()
+            most = max(most, len(eng.running))
         if not steps:
-            raise SystemExit(f"B={B}: no step had every sequence decoding (all finished first); raise --tokens")
+            why = (f"at most {most} ran at once and {eng.preemptions - preempted} were preempted: the KV pool did "
+                   f"not hold {B} sequences" if most < B else "all finished first; raise --tokens")
+            raise SystemExit(f"B={B}: no step had every sequence decoding ({why})")
         print(json.dumps({"batch": B, "decode_steps": steps, "step_s": round(wall / steps, 5),
                           "read_wait_s_per_step": round(wait / steps, 5),
                           "compute_s_per_step": round((wall - wait) / steps, 5),
                           "aggregate_tokens_per_s": round(made / wall, 3), "tokens_per_step": round(made / steps, 3),
-                          "bytes_read_per_step": nbytes // steps,
+                          "bytes_read_per_step": nbytes // steps, "kv_block_tokens": m.kv.layout.block,
+                          "preemptions": eng.preemptions - preempted,
                           "read_gb_per_s": round(nbytes / read_s / 1e9, 3) if read_s else None,
                           "peak_rss_bytes": int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
                           * 1024}), flush=True)
