@@ -86,7 +86,7 @@ def child(a: argparse.Namespace) -> None:
                           "preemptions": eng.preemptions - preempted,
                           "read_gb_per_s": round(nbytes / read_s / 1e9, 3) if read_s else None,
                           "peak_rss_bytes": int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-                          * 1024}), flush=True)
+                          * 1024, "runtime_baseline_rss_bytes": m.baseline_rss_bytes}), flush=True)
     m.close()
 
 
@@ -118,11 +118,14 @@ def main() -> int:
         rows, rc = run_child(cmd, cg)
         base = rows[0]["aggregate_tokens_per_s"] if rows else None
         for r in rows:
+            base_rss = r["runtime_baseline_rss_bytes"]
             print(f"B={r['batch']:>2}: {r['aggregate_tokens_per_s']:7.2f} tok/s aggregate "
                   f"({r['aggregate_tokens_per_s'] / base:4.1f}x B=1) | step {1e3 * r['step_s']:7.1f} ms = read wait "
                   f"{1e3 * r['read_wait_s_per_step']:6.1f} + compute {1e3 * r['compute_s_per_step']:6.1f} | "
                   f"{r['bytes_read_per_step'] / 1e6:6.1f} MB/step at {r['read_gb_per_s']} GB/s | "
-                  f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+                  f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB = baseline {base_rss / 2**20:.0f} + "
+                  f"{(r['peak_rss_bytes'] - base_rss) / 2**20:.0f}"
+                  f" | {r['preemptions']} preempted, {r['kv_block_tokens']}-token KV blocks")
         print(json.dumps({"cgroup_limit": a.cgroup_limit, "memory_limit": a.memory_limit,
                           "max_usage_bytes": int(cg.read("memory.max_usage_in_bytes")),
                           "failcnt": int(cg.read("memory.failcnt")), "oom_kills": cg.oom_kills(), "rows": rows}))

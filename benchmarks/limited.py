@@ -323,9 +323,9 @@ def within(r: dict) -> str:
     base, limit = r.get("runtime_baseline_rss_bytes"), r.get("memory_limit_bytes")
     if base is None or limit is None:
         return ""
-    over = r["peak_rss_bytes"] - base - limit
-    return (f", baseline {base / 2**20:.0f} MiB: peak - baseline {(r['peak_rss_bytes'] - base) / 2**20:.0f} MiB, "
-            + (f"{-over / 2**20:.1f} MiB within the limit" if over <= 0 else f"OVER the limit by {over / 2**20:.1f} MiB"))
+    above, over = r["peak_rss_bytes"] - base, r["peak_rss_bytes"] - base - limit
+    verdict = f"{-over / 2**20:.1f} MiB within the limit" if over <= 0 else f"OVER the limit by {over / 2**20:.1f} MiB"
+    return f", baseline {base / 2**20:.0f} MiB: peak - baseline {above / 2**20:.0f} MiB, {verdict}"
 
 
 def main() -> None:

@@ -292,7 +292,12 @@ def warm_up(dtype: torch.dtype, arch=None) -> None:
     attend(q, q, q, torch.arange(2), None, 0.25, None)
     torch.softmax(x.float(), dim=-1)
     if arch is not None:
-        _warm_forward(arch, dtype)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the same kernels' code, without the wake-ups of threads that a busy machine
+        try:  # delays (with 2 threads 0.05-0.5 s, with 1 5-25 ms)
+            _warm_forward(arch, dtype)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def miniature(args):

@@ -156,7 +156,7 @@ class Model:
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
         # (the miniature forward pass pages in the code the passes run: under a limit only, where the baseline
-        # bounds the budget, since it costs each load 0.1-0.5 s on a busy machine)
+        # bounds the budget)
         budget.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
