@@ -52,10 +52,12 @@ def child(a: argparse.Namespace) -> None:
     for B in a.batches:
         prompts = [prompt_ids(m, i) for i in range(B)]
         reqs = [eng.add_request(p, SamplingParams(max_tokens=a.tokens, ignore_eos=True)) for p in prompts]
+        preempted, most = eng.preemptions, 0
         while any(not r.token_ids for r in reqs):
             eng.step()  # prefill
+            most = max(most, len(eng.running))
         steps, wall, wait, nbytes, read_s, made = 0, 0.0, 0.0, 0, 0.0, 0
-        while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs):
+        while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs) and len(eng.running) == B:
             before = sum(len(r.token_ids) for r in reqs)
             c0 = counters() if counters else None
             t0 = time.perf_counter()
@@ -69,17 +71,22 @@ def child(a: argparse.Namespace) -> None:
             steps += 1
             wall += dt
             made += sum(len(r.token_ids) for r in reqs) - before  # B a step, more where drafts stood
-        eng.run(reqs)
+        while any(not r.finished for r in reqs):
+            eng.step()
+            most = max(most, len(eng.running))
         if not steps:
-            raise SystemExit(f"B={B}: no step had every sequence decoding (all finished first); raise --tokens")
+            why = (f"at most {most} ran at once and {eng.preemptions - preempted} were preempted: the KV pool did "
+                   f"not hold {B} sequences" if most < B else "all finished first; raise --tokens")
+            raise SystemExit(f"B={B}: no step had every sequence decoding ({why})")
         print(json.dumps({"batch": B, "decode_steps": steps, "step_s": round(wall / steps, 5),
                           "read_wait_s_per_step": round(wait / steps, 5),
                           "compute_s_per_step": round((wall - wait) / steps, 5),
                           "aggregate_tokens_per_s": round(made / wall, 3), "tokens_per_step": round(made / steps, 3),
-                          "bytes_read_per_step": nbytes // steps,
+                          "bytes_read_per_step": nbytes // steps, "kv_block_tokens": m.kv.layout.block,
+                          "preemptions": eng.preemptions - preempted,
                           "read_gb_per_s": round(nbytes / read_s / 1e9, 3) if read_s else None,
                           "peak_rss_bytes": int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-                          * 1024}), flush=True)
+                          * 1024, "runtime_baseline_rss_bytes": m.baseline_rss_bytes}), flush=True)
     m.close()
 
 
@@ -111,11 +118,14 @@ def main() -> int:
         rows, rc = run_child(cmd, cg)
         base = rows[0]["aggregate_tokens_per_s"] if rows else None
         for r in rows:
+            base_rss = r["runtime_baseline_rss_bytes"]
             print(f"B={r['batch']:>2}: {r['aggregate_tokens_per_s']:7.2f} tok/s aggregate "
                   f"({r['aggregate_tokens_per_s'] / base:4.1f}x B=1) | step {1e3 * r['step_s']:7.1f} ms = read wait "
                   f"{1e3 * r['read_wait_s_per_step']:6.1f} + compute {1e3 * r['compute_s_per_step']:6.1f} | "
                   f"{r['bytes_read_per_step'] / 1e6:6.1f} MB/step at {r['read_gb_per_s']} GB/s | "
-                  f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+                  f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB = baseline {base_rss / 2**20:.0f} + "
+                  f"{(r['peak_rss_bytes'] - base_rss) / 2**20:.0f}"
+                  f" | {r['preemptions']} preempted, {r['kv_block_tokens']}-token KV blocks")
         print(json.dumps({"cgroup_limit": a.cgroup_limit, "memory_limit": a.memory_limit,
                           "max_usage_bytes": int(cg.read("memory.max_usage_in_bytes")),
                           "failcnt": int(cg.read("memory.failcnt")), "oom_kills": cg.oom_kills(), "rows": rows}))

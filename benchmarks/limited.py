@@ -81,6 +81,8 @@ def child(a: argparse.Namespace) -> None:
     out = {"colibri": os.path.dirname(colibri.__file__), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "import_s": round(t1 - t0, 3), "load_s": round(load_s, 3),
            "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "rss_end_bytes": rss_bytes(),
+           # the runtime baseline the engine measured at load: peak RSS stays within the limit plus it
+           "runtime_baseline_rss_bytes": m.baseline_rss_bytes,
            **r.stats, "token_ids": r.token_ids, "text": r.text}
     m.close()
     print(json.dumps(out), flush=True)
@@ -313,7 +315,17 @@ def summary(r: dict) -> str:
             f"load {r['load_s']:.1f} s | read {r['disk_bytes_read'] / 2**20:.0f} MiB, "
             f"I/O wait {r['io_wait_s']:.1f} s | "
             f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB (after import {r['rss_after_import_bytes'] / 2**20:.0f}, "
-            f"after load {r['rss_after_load_bytes'] / 2**20:.0f}) | {cgs}")
+            f"after load {r['rss_after_load_bytes'] / 2**20:.0f}){within(r)} | {cgs}")
+
+
+def within(r: dict) -> str:
+    """Peak RSS against the rule: within the memory limit plus the runtime baseline the engine measured."""
+    base, limit = r.get("runtime_baseline_rss_bytes"), r.get("memory_limit_bytes")
+    if base is None or limit is None:
+        return ""
+    above, over = r["peak_rss_bytes"] - base, r["peak_rss_bytes"] - base - limit
+    verdict = f"{-over / 2**20:.1f} MiB within the limit" if over <= 0 else f"OVER the limit by {over / 2**20:.1f} MiB"
+    return f", baseline {base / 2**20:.0f} MiB: peak - baseline {above / 2**20:.0f} MiB, {verdict}"
 
 
 def main() -> None:

@@ -329,7 +329,7 @@ def test_threads_share_the_engine(containers):
 def test_engine_config_defaults_and_errors(tiny_model_dir):
     from colibri import cli
     cfg = EngineConfig()
-    assert cfg.batch_size == 512 and cfg.max_sequences == 16 and cfg.kv_block == 64
+    assert cfg.batch_size == 512 and cfg.max_sequences == 16 and cfg.kv_block is None
     assert SamplingParams().max_tokens == cli.OPTIONS["max_tokens"][0]["default"] == 256
     with pytest.raises(InputError, match="--max-sequences must be at least 1"):
         EngineConfig(max_sequences=0)

@@ -12,6 +12,7 @@ import torch
 import colibri
 from colibri import session, swap
 from colibri.errors import InputError
+from colibri.kv import block_for
 
 PROMPT = list(range(5, 75))
 BLOCK = 4  # small blocks: a 12-token window over a 110-token sequence spills and reads back many blocks
@@ -126,6 +127,21 @@ def test_session_save_restore_is_exact(tiny_model_dir, tmp_path, family, window)
     assert r.token_ids == uninterrupted.token_ids
 
 
+def test_block_size_follows_the_model_and_never_changes_tokens(tiny_model_dir, tmp_path):
+    # 64 tokens, halved while a block exceeds 4 MiB: Llama-2-7B's 0.5 MiB per bf16 position gets 16-token blocks
+    # (8 MiB), the Mixtral shape 32, SmolLM2 and Qwen2.5-1.5B keep 64
+    shapes = {(32, 32, 128): 16, (32, 8, 128): 32, (30, 3, 64): 64, (28, 2, 128): 64}
+    assert {s: block_for(*s, torch.bfloat16, None) for s in shapes} == shapes
+    assert block_for(32, 32, 128, torch.bfloat16, "q8") == 16
+    path = tiny_model_dir("llama")
+    got = {}
+    for block in (None, 4, 16):
+        m = colibri.load(path, dtype="float32", kv_block=block, swap_dir=tmp_path / "swap")
+        got[m.kv.layout.block] = m.generate(PROMPT, max_tokens=12, ignore_eos=True).token_ids
+        m.close()
+    assert set(got) == {64, 4, 16} and got[4] == got[16] == got[64]
+
+
 def test_session_of_another_model_or_setting_is_refused(tiny_model_dir, tmp_path):
     m = load(tiny_model_dir("llama"), tmp_path)
     m.generate(PROMPT, max_tokens=5, ignore_eos=True)
@@ -136,6 +152,8 @@ def test_session_of_another_model_or_setting_is_refused(tiny_model_dir, tmp_path
         load(tiny_model_dir("llama"), tmp_path, kv_quant="q8").load_session(f)
     with pytest.raises(InputError, match="dtype 'float32'"):
         load(tiny_model_dir("llama"), tmp_path, dtype="bfloat16").load_session(f)
+    with pytest.raises(InputError, match=r"block 4 \(this run: 8\)"):  # the block size is part of the layout
+        colibri.load(tiny_model_dir("llama"), dtype="float32", kv_block=8, swap_dir=tmp_path / "swap").load_session(f)
     raw = f.read_bytes()
     bad = tmp_path / "bad.kv"
     bad.write_bytes(raw.replace(b'"version": 1', b'"version": 9', 1))

@@ -140,8 +140,8 @@ def test_rss_page_cache_and_io_accounting_under_a_quarter_limit(container):
     got = run_child(container, limit)
     cached = sum(resident_bytes(f) for f in data)
     assert got["tokens"] == ref["tokens"]  # placement changes speed, never tokens
-    # RSS: within the limit plus the runtime baseline measured in the same process, with 5 % slack
-    assert got["peak"] <= 1.05 * (got["baseline"] + limit), (got, limit)
+    # RSS: within the limit plus the runtime baseline measured in the same process (measured 3-4.5 MiB below)
+    assert got["peak"] <= got["baseline"] + limit, (got["peak"] - got["baseline"], limit)
     # the page cache holds (almost) none of the weights: they were read with O_DIRECT
     assert cached <= 4 << 20, f"{cached} bytes of the data files are in the page cache"
     # what the stats say was read is what the kernel counted for the process
@@ -153,10 +153,11 @@ def test_sixteen_sequences_stay_within_the_limit(container):
     limit = run_child(container, "none")["total_weights"] // 4
     got = run_child(container, limit, CHILD_BATCH, tokens=8)
     assert not got["errors"] and all(len(t) == 8 for t in got["tokens"])
-    # the pool the limit reserves holds one 512-token context: a few sequences decode together, the others
-    # wait or are preempted to the swap file, none fails
-    assert got["most_running"] >= 4
-    assert got["peak"] <= 1.05 * (got["baseline"] + limit), (got["peak"], got["baseline"], limit)
+    # the pool the limit reserves holds one 512-token context (12.5 MiB, eight 64-token blocks); beside decode
+    # passes, far smaller than the 64-token pass the reserve was sized for, it takes more (the elastic pins give
+    # way): all 16 sequences (17-20 blocks) decode together, none fails
+    assert got["most_running"] == 16, got["most_running"]
+    assert got["peak"] <= got["baseline"] + limit, (got["peak"] - got["baseline"], limit)  # measured 2.7-4 MiB below
 
 
 def test_elastic_budget_trades_pinned_weights_for_kv_as_a_conversation_grows(container):
@@ -170,4 +171,4 @@ def test_elastic_budget_trades_pinned_weights_for_kv_as_a_conversation_grows(con
     # (the KV ring grows by doubling up to the context: its RAM steps up, then stays)
     assert all(a >= b for a, b in zip(pinned, pinned[1:])) and all(a <= b for a, b in zip(kv, kv[1:])), (pinned, kv)
     assert kv[-1] > kv[0]
-    assert got["peak"] <= 1.05 * (got["baseline"] + limit), (got["peak"] - got["baseline"], limit)  # as above
+    assert got["peak"] <= got["baseline"] + limit, (got["peak"] - got["baseline"], limit)  # as above

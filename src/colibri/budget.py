@@ -33,8 +33,10 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 def kv_layout(args, dtype: torch.dtype, quant: str | None = None, block: int | None = None):
-    from colibri.kv import BLOCK, KVLayout
-    return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, dtype, block or BLOCK, quant)
+    """The model's KV layout; `block` None: the model's default block size (kv.block_for)."""
+    from colibri.kv import KVLayout, block_for
+    shape = (args.num_layers, args.num_kv_heads, args.head_dim, dtype)
+    return KVLayout(*shape, block or block_for(*shape, quant), quant)
 
 
 def kv_bytes(args, ctx: int, dtype: torch.dtype, quant: str | None = None) -> int:
@@ -275,9 +277,12 @@ def minimum_limit(options: tuple, upper: int) -> int:
     return hi
 
 
-def warm_up(dtype: torch.dtype) -> None:
+def warm_up(dtype: torch.dtype, arch=None) -> None:
     """Run each kind of kernel once on tiny inputs, so the one-time state torch creates on first use (thread
-    pools, kernel caches) is part of the measured baseline rather than charged to the budget."""
+    pools, kernel caches, the pages of library code each kernel lives in) is part of the measured baseline
+    rather than charged to the budget. `arch` given (the model's math): one prefill and one two-sequence decode
+    pass of a miniature of it (a layer of each kind, 64 wide, random weights) and the sampler's ops, which pages
+    in the code the real passes run (measured: 4-5 MiB of libtorch that the kernels below alone leave out)."""
     import torch.nn.functional as F
 
     x = torch.ones(2, 64, dtype=dtype)
@@ -286,6 +291,57 @@ def warm_up(dtype: torch.dtype) -> None:
     q = torch.ones(2, 2, 16, dtype=dtype)
     attend(q, q, q, torch.arange(2), None, 0.25, None)
     torch.softmax(x.float(), dim=-1)
+    if arch is not None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the same kernels' code, without the wake-ups of threads that a busy machine
+        try:  # delays (with 2 threads 0.05-0.5 s, with 1 5-25 ms)
+            _warm_forward(arch, dtype)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def miniature(args):
+    """`args` shrunk to a model of a few small layers with the same features: one layer of each (attention
+    kind, MoE or dense) the model has, 64 wide, its grouped-query ratio, at most 4 experts."""
+    import dataclasses
+
+    kinds = list(dict.fromkeys(zip(args.layer_types, args.moe_layers)))
+    experts = min(args.num_experts, 4)
+    group = max(1, min(4, args.num_heads // max(1, args.num_kv_heads)))
+    return dataclasses.replace(
+        args, vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=len(kinds), num_heads=2 * group,
+        num_kv_heads=2, head_dim=16, layer_types=[t for t, _ in kinds], moe_layers=[m for _, m in kinds],
+        num_experts=experts, top_k=min(args.top_k, experts),
+        moe_intermediate_size=32 if args.moe_intermediate_size else 0,
+        shared_expert_intermediate_size=32 if args.shared_expert_intermediate_size else 0,
+        sliding_window=None if args.sliding_window is None else 8, eos_token_id=[])
+
+
+@torch.inference_mode()
+def _warm_forward(arch, dtype: torch.dtype) -> None:
+    from colibri.kv import KVCache, KVLayout
+    from colibri.models.base import SLIDING, Batch
+    from colibri.sampling import Sampler, SamplingParams
+    from colibri.store import RamStore
+
+    mini = type(arch)(miniature(arch.args))
+    a, g = mini.args, torch.Generator().manual_seed(0)
+    store = RamStore({name: (torch.randn(shape, generator=g) * 0.02 + (1.0 if len(shape) == 1 else 0.0)).to(dtype)
+                      for name, shape in mini.weight_shapes().items()}, dtype)
+    layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block=8)
+    windows = [a.sliding_window if t == SLIDING else None for t in a.layer_types]
+    caches = [KVCache(layout, 32, layer_windows=windows) for _ in range(2)]
+    ids = list(range(12))
+    for c in caches:
+        c.reserve(len(ids))
+    mini.forward(store, Batch.pack([(ids, 0, c, len(ids) - 1) for c in caches]))
+    for c in caches:
+        c.advance(len(ids), ids)
+        c.reserve(1)
+    logits = mini.forward(store, Batch.pack([([1], c.length, c, 0) for c in caches])).float()
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=0,
+                                                                  repetition_penalty=1.1)):
+        Sampler(params)(logits[0], ids)
 
 
 def _libc():

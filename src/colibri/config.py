@@ -18,7 +18,6 @@ DEFAULT_MAX_TOKENS = 256  # tokens a request generates unless told otherwise (CL
 DEFAULT_BATCH = 512  # tokens per forward pass: a long prompt is prefilled in chunks of it
 DEFAULT_MAX_SEQUENCES = 16  # sequences decoded together in one step
 DEFAULT_IO_THREADS = 2
-DEFAULT_KV_BLOCK = 64  # tokens per KV block: the unit of the swap file, the prefix cache and saved sessions
 DEFAULT_NGRAM = 4  # speculation: the longest n-gram a draft is matched on
 DEFAULT_NGRAM_CACHE = 1 << 16  # n-grams in the cache shared by all sequences
 MAX_DRAFT_TOKENS = 64
@@ -33,7 +32,8 @@ class EngineConfig:
     ctx_length: the longest sequence in tokens (None: the model's, or under a limit one whose KV fits).
     batch_size: tokens per forward pass, all sequences together. max_sequences: sequences running at once.
     kv_ram: RAM for the KV pool (all sequences and cached prefixes; None: the whole context, under a limit a
-    share of it). kv_quant: None or "q8" (lossy). kv_block: tokens per KV block. swap: a swap file made by
+    share of it). kv_quant: None or "q8" (lossy). kv_block: tokens per KV block, the unit of the swap file, the
+    prefix cache and saved sessions (None: chosen per model, 16 to 64: kv.block_for). swap: a swap file made by
     `colibri swap create`; swap_dir: where a temporary one is made otherwise (None: ~/.cache/colibri/swap).
     draft_tokens: speculative decoding's draft length (None: adaptive, sized by measured acceptance and pass
     cost; 0: off; N: N whenever an n-gram matches). ngram: the longest n-gram matched. ngram_cache_size: entries
@@ -53,7 +53,7 @@ class EngineConfig:
     max_sequences: int = DEFAULT_MAX_SEQUENCES
     kv_ram: int | str | None = None
     kv_quant: str | None = None
-    kv_block: int = DEFAULT_KV_BLOCK
+    kv_block: int | None = None
     swap: str | os.PathLike | None = None
     swap_dir: str | os.PathLike | None = None
     draft_tokens: int | None = None

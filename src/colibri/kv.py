@@ -33,8 +33,24 @@ from colibri.kvpool import Block, BlockPool
 if TYPE_CHECKING:
     from colibri.prefix import KVSpace
 
-BLOCK = 64  # tokens per block: a 48 KiB segment per layer for SmolLM2 in bf16
+BLOCK = 64  # tokens per block, the most: a 48 KiB segment per layer for SmolLM2 in bf16...
+MIN_BLOCK = 16  # ...halved down to this while a block would take more than BLOCK_BYTES of RAM
+BLOCK_BYTES = 4 << 20
 QUANTS = (None, "q8")
+
+
+def block_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quant: str | None) -> int:
+    """The default block size of a model: BLOCK tokens, halved (down to MIN_BLOCK) while one block's RAM exceeds
+    BLOCK_BYTES. A block is the unit a sequence's KV grows by, so a large one wastes most of itself on short
+    sequences (a Llama-2-7B block of 64 bf16 tokens is 32 MiB: sixteen 28-token sequences would hold 512 MiB for
+    448 positions, 16 tokens make it 8 MiB); small models keep 64-token blocks, whose per-layer segments are what
+    the swap file reads and writes at once. The size never changes tokens: attention sees the same keys in the
+    same order however they are split."""
+    block = BLOCK
+    while block > MIN_BLOCK and KVLayout(num_layers, num_kv_heads, head_dim, dtype, block, quant).ram_block_bytes \
+            > BLOCK_BYTES:
+        block //= 2
+    return block
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,9 @@ class BlockPool:
 
     @property
     def ram_bytes(self) -> int:
-        return self.ram_blocks * self.layout.ram_block_bytes
+        """Its blocks in RAM and, once a block has gone to or come from the swap file, the padded block buffer
+        kept for that."""
+        return self.ram_blocks * self.layout.ram_block_bytes + (0 if self._io is None else self._io.nbytes)
 
     def _buffer(self) -> torch.Tensor:
         if self._io is None:

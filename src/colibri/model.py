@@ -155,7 +155,9 @@ class Model:
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
-        budget.warm_up(self.dtype)
+        # (the miniature forward pass pages in the code the passes run: under a limit only, where the baseline
+        # bounds the budget)
+        budget.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
         if conf.memory_limit is not None:
@@ -344,7 +346,8 @@ def load(path: str | Path | EngineConfig | None = None, **kwargs) -> Model:
     KV: kv_ram (bytes or a size) is the RAM for the KV pool (every sequence and the cached prefixes); a context
     whose KV does not fit keeps a window of recent blocks in RAM and the rest in the swap file: `swap` (a file
     made by `colibri swap create`) or a temporary one in `swap_dir` (default ~/.cache/colibri/swap).
-    kv_quant="q8" stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default 64).
+    kv_quant="q8" stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default: 64,
+    fewer for a model whose 64-token block would exceed 4 MiB: kv.block_for).
     """
     config = path if isinstance(path, EngineConfig) else EngineConfig.from_kwargs(path, **kwargs)
     return Model(config)

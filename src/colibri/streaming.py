@@ -277,6 +277,11 @@ class StreamingStore:
             held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
         return self.memory_limit - self._fixed - held
 
+    def kv_room(self, extra: int) -> int | None:
+        """Bytes the KV cache may hold beside a pass taking `extra` once every elastic pin has given way: the
+        limit less the placement's own weights (None: no budget)."""
+        return None if self.memory_limit is None else self.memory_limit - self._fixed - extra
+
     def spare(self, held: int) -> int | None:
         """Bytes a pass may take beside `held` without unpinning anything (None: no budget). Optional work, such
         as speculative drafts, is cut to this rather than make pages stream again."""

@@ -54,6 +54,7 @@ class Engine:
         # RAM and that pass's activations share the limit (None: a store without a limit)
         self.pass_bytes = getattr(model, "pass_bytes", None)
         self._fit = getattr(self.store, "fit", None) if self.pass_bytes is not None else None
+        self._elastic = self._fit is not None and hasattr(self.store, "kv_room")  # the KV pool may grow (pool_cap)
         self.waiting: deque[Request] = deque()  # preempted ones first, then new ones in arrival order
         self.running: list[Request] = []
         self.steps = 0
@@ -269,7 +270,7 @@ class Engine:
         while self.waiting and len(self.running) < self.max_sequences:
             req = self.waiting[0]
             if req.state == PREEMPTED:
-                if self.running and not self._fits(req.cache.grow_bytes(1)):
+                if self.running and not self._fits(req.cache.grow_bytes(1), self._next_pass(1, req.cache.length + 1)):
                     return
                 self.make_room(req.cache.grow_bytes(1), 1, req.cache.length + 1, 1, pin=False)
                 req.cache.swap_in()
@@ -278,8 +279,8 @@ class Engine:
                     return
                 self.make_room(self.space.acquire_bytes(req.prompt_ids), 1, len(req.ids), 1, pin=False)
                 cache, reused = self.space.acquire(req.prompt_ids)
-                grow = cache.grow_bytes(min(len(req.ids) - reused, self._chunk(cache)))
-                if self.running and not self._fits(grow):
+                chunk = min(len(req.ids) - reused, self._chunk(cache))
+                if self.running and not self._fits(cache.grow_bytes(chunk), self._next_pass(chunk, len(req.ids))):
                     self.space.release(cache)
                     return
                 req.cache = cache
@@ -317,26 +318,48 @@ class Engine:
         n-gram indexes (they grow with the tokens, as KV does)."""
         return self.space.ram_bytes() + self.spec.nbytes()
 
-    def _fits(self, extra: int) -> bool:
-        if self.pool_bytes is None:
+    def _next_pass(self, tokens: int, ctx: int) -> tuple[int, int, int]:
+        """(tokens, context, logit rows) of the next pass with a sequence joining with `tokens` tokens over `ctx`
+        positions: the running sequences' pending tokens beside it, within the pass size."""
+        pending = sum(r.pending for r in self.running)
+        longest = max([ctx] + [r.cache.length + 1 for r in self.running])
+        return min(self.batch_tokens, pending + tokens), longest, len(self.running) + 1
+
+    def pool_cap(self, pass_: tuple[int, int, int] | None = None) -> int | None:
+        """What the KV pool may hold beside a pass of (tokens, context, logit rows): its reserve (`pool_bytes`,
+        sized beside the largest pass), or, under a memory limit, all the limit leaves beside the placement's
+        own weights and that pass (the elastic pins give way to the KV, `make_room`): a decode pass needs a
+        fraction of the activations the reserve holds for a full prefill. None: unbounded."""
+        if self.pool_bytes is None or pass_ is None or not self._elastic:
+            return self.pool_bytes
+        cap = self.store.kv_room(self.pass_bytes(*pass_))
+        return self.pool_bytes if cap is None else max(self.pool_bytes, cap - self.space.prefix_room())
+
+    def _fits(self, extra: int, pass_: tuple[int, int, int] | None = None) -> bool:
+        cap = self.pool_cap(pass_)
+        if cap is None:
             return True
-        if self._pool_used() + extra <= self.pool_bytes:
+        if self._pool_used() + extra <= cap:
             return True
         self.space.drop_live()  # the last conversation's idle KV goes first (its blocks to the prefix cache)
-        return self._pool_used() + extra <= self.pool_bytes
+        return self._pool_used() + extra <= cap
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens) for this pass: every decoding sequence, then prompt chunks, within batch_tokens;
-        preempting the newest sequences while their growth would overflow the KV pool."""
+        preempting the newest sequences while their growth would overflow the KV pool. Under a memory limit the
+        pool's room depends on the pass (`pool_cap`): prompt chunks are halved first, down to one token."""
+        prefill = self.batch_tokens  # tokens of prompt chunks this pass may carry
         while True:
-            budget, plan = self.batch_tokens, []
+            budget, left, plan = self.batch_tokens, prefill, []
             decoding = [r for r in self.running if r.pending == 1]
             prefilling = [r for r in self.running if r.pending > 1]
             for req in decoding + prefilling:
-                room = min(budget, req.cache.max_pass)
+                room = min(budget, req.cache.max_pass, budget if req.pending == 1 else left)
                 n = min(req.pending, room)
                 if n <= 0:
                     break
+                if req.pending > 1:
+                    left -= n
                 if req.draft:  # drafts ride along only whole, after all pending tokens, within the context
                     if n + len(req.draft) <= room and len(req.ids) + len(req.draft) < self.context \
                             and n == req.pending:
@@ -347,13 +370,20 @@ class Engine:
                 budget -= n
             if self.pool_bytes is None or len(self.running) <= 1:
                 return plan
-            if self._fits(self._grow(plan)):
+            grow, tokens, ctx, rows = self._need(plan)
+            if self._fits(grow, (tokens, ctx, rows)):
                 return plan
             if any(req.draft for req in self.running):  # drafts are the first to go: they never preempt
                 for req in self.running:
                     req.draft = []
+                prefill = self.batch_tokens
+                continue
+            chunks = sum(n for req, n in plan if req.pending > 1)
+            if self._elastic and chunks > 1:
+                prefill = chunks // 2  # a smaller pass leaves the pool more room
                 continue
             self._preempt(max(self.running, key=lambda r: (r.admitted_at, r.id)))
+            prefill = self.batch_tokens
 
     def _preempt(self, req: Request) -> None:
         """The whole sequence leaves RAM for the swap file; it resumes, first in line, when there is room."""
