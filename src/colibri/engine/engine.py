@@ -335,6 +335,14 @@ class Engine:
         cap = self.store.kv_room(self.pass_bytes(*pass_))
         return self.pool_bytes if cap is None else max(self.pool_bytes, cap - self.space.prefix_room())
 
+    def pool_capacity(self) -> int | None:
+        """What the KV pool may hold now: `pool_cap` beside a decode pass of the running sequences (the figure
+        /metrics reports as the pool's capacity; under a memory limit it exceeds the reserve while pins give
+        way). None: unbounded."""
+        n = max(1, len(self.running))
+        ctx = max((req.cache.length + 1 for req in self.running if req.cache is not None), default=1)
+        return self.pool_cap((n, ctx, n))
+
     def _fits(self, extra: int, pass_: tuple[int, int, int] | None = None) -> bool:
         cap = self.pool_cap(pass_)
         if cap is None:

@@ -85,7 +85,9 @@ class _Levels:
         yield GaugeMetricFamily("colibri_queue_depth", "Requests waiting for a sequence slot", value=snap["queued"])
         cap = snap["kv_pool_capacity_bytes"]
         if cap:
-            yield GaugeMetricFamily("colibri_kv_pool_capacity_bytes", "RAM budget of the KV pool", value=cap)
+            yield GaugeMetricFamily("colibri_kv_pool_capacity_bytes",
+                                    "RAM the KV pool may hold now, beside a decode pass of the running sequences",
+                                    value=cap)
             used = snap["engine"].get("kv_pool_used_bytes", 0)
             yield GaugeMetricFamily("colibri_kv_pool_usage_ratio", "KV pool RAM in use / its budget",
                                     value=used / cap)

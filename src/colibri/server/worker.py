@@ -323,7 +323,7 @@ class Worker:
         the HTTP side without touching the engine)."""
         m = self.model
         self.snapshot = {"engine": m.engine.counters(), "store": self._io() or {}, "kv": m.kv.counters(),
-                         "kv_pool_capacity_bytes": m.kv_pool_bytes,
+                         "kv_pool_capacity_bytes": m.engine.pool_capacity(),
                          "queued": sum(1 for j in self._jobs if j.queued) + len(self._inbox)}
 
     def _refuse_all(self, error: APIError) -> None:
