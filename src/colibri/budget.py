@@ -277,12 +277,13 @@ def minimum_limit(options: tuple, upper: int) -> int:
     return hi
 
 
-def warm_up(dtype: torch.dtype, arch=None) -> None:
+def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | None":
     """Run each kind of kernel once on tiny inputs, so the one-time state torch creates on first use (thread
     pools, kernel caches, the pages of library code each kernel lives in) is part of the measured baseline
     rather than charged to the budget. `arch` given (the model's math): one prefill and one two-sequence decode
-    pass of a miniature of it (a layer of each kind, 64 wide, random weights) and the sampler's ops, which pages
-    in the code the real passes run (measured: 4-5 MiB of libtorch that the kernels below alone leave out)."""
+    pass of a miniature of it (a layer of each kind, 64 wide, random weights), which pages in the code the real
+    passes run (measured: 4-5 MiB of libtorch that the kernels below alone leave out); returns that pass's
+    logits [2, V] and the ids before them, for the caller to warm the sampler on (`sampling.warm_up`)."""
     import torch.nn.functional as F
 
     x = torch.ones(2, 64, dtype=dtype)
@@ -295,9 +296,10 @@ def warm_up(dtype: torch.dtype, arch=None) -> None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the same kernels' code, without the wake-ups of threads that a busy machine
         try:  # delays (with 2 threads 0.05-0.5 s, with 1 5-25 ms)
-            _warm_forward(arch, dtype)
+            return _warm_forward(arch, dtype)
         finally:
             torch.set_num_threads(threads)
+    return None
 
 
 def miniature(args):
@@ -318,10 +320,9 @@ def miniature(args):
 
 
 @torch.inference_mode()
-def _warm_forward(arch, dtype: torch.dtype) -> None:
+def _warm_forward(arch, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
     from colibri.kv import KVCache, KVLayout
     from colibri.models.base import SLIDING, Batch
-    from colibri.sampling import Sampler, SamplingParams
     from colibri.store import RamStore
 
     mini = type(arch)(miniature(arch.args))
@@ -338,10 +339,7 @@ def _warm_forward(arch, dtype: torch.dtype) -> None:
     for c in caches:
         c.advance(len(ids), ids)
         c.reserve(1)
-    logits = mini.forward(store, Batch.pack([([1], c.length, c, 0) for c in caches])).float()
-    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=0,
-                                                                  repetition_penalty=1.1)):
-        Sampler(params)(logits[0], ids)
+    return mini.forward(store, Batch.pack([([1], c.length, c, 0) for c in caches])).float(), ids
 
 
 def _libc():

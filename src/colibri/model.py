@@ -22,6 +22,7 @@ from colibri.loaders.checkpoint import Checkpoint, check_tensors
 from colibri.models import open_model
 from colibri.prefix import KVSpace
 from colibri.models.base import SLIDING
+from colibri.sampling import warm_up as warm_sampler
 from colibri.store import RamStore
 from colibri.tokenizer import Tokenizer
 
@@ -157,7 +158,9 @@ class Model:
         # activations) is inside it.
         # (the miniature forward pass pages in the code the passes run: under a limit only, where the baseline
         # bounds the budget)
-        budget.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
+        warm = budget.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
+        if warm is not None:
+            warm_sampler(*warm)
         budget.trim_heap()
         self.baseline_rss_bytes = budget.rss_bytes()
         if conf.memory_limit is not None:
