@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,7 +21,9 @@ at::Tensor pointwise(const at::Tensor& x, c10::string_view fn, int64_t piece) {
   TORCH_CHECK(kind >= 0, "pointwise: ", name, " is not one of silu, sigmoid, rsqrt, gelu");
   at::Tensor out = at::empty_like(x);
   const int64_t n = x.numel();
+  const at::ThreadLocalState state;  // the caller's (inference mode): torch's pool threads do not inherit it
   at::parallel_for(0, (n + piece - 1) / piece, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard guard(state);
     for (int64_t i = b; i < e; ++i) {
       const int64_t lo = i * piece, hi = std::min(n, lo + piece);
       const at::Tensor xs = x.slice(0, lo, hi);
