@@ -311,7 +311,7 @@ void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
 }
 
 // ---- q8, small passes: the dot form ---------------------------------------------------------------------------
-// Passes of at most kDotRows rows, x groups a multiple of 64: no quads (at one row, nothing would share their
+// Passes of at most kDotMaxRows rows, x groups a multiple of 64: no quads (at one row, nothing would share their
 // transpose). Per 16 columns and 64 k, the 16 weight rows' bytes are regrouped by 16-byte blocks in registers (8
 // shuffles per 4 rows): one vpdpbusd against x's block q (broadcast) then adds into 4 dword partials for each of 4
 // columns, and at the end of a group two shuffle-add levels sum each column's 4 partials: one vector of 16 columns'
@@ -502,8 +502,8 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   return y;
 }
 
-// q8 with x groups a multiple of 64, every pass size: 16-column blocks (parallel), K in chunks of kDotSpan (the
-// block's codes stay in L1), row blocks of up to kDotRows rows.
+// q8 with x groups a multiple of 64, up to kDotMaxRows rows: 16-column blocks (parallel), K in chunks of kDotSpan
+// (the block's codes stay in L1), row blocks of up to kDotRows rows.
 template <int K>
 at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   const int64_t t = x.size(0), k = w.k;
