@@ -3,17 +3,27 @@
     python benchmarks/prefill.py --model PATH [--prompt-tokens 500] [--decode-tokens 32] [--threads 2] [--repeat 2]
     python benchmarks/prefill.py --model PATH --threads 1 --cpu-time   # thread CPU time: robust on a shared machine
     python benchmarks/prefill.py --model PATH --lossy-int8-activations # the LOSSY int8-activation kernels
+    python benchmarks/prefill.py --model PATH --cgroup-limit 800M --memory-limit 500M  # a small machine
 
 The prompt is token ids cycled from a fixed text's encoding, so every run sees the same tokens. One request goes
 through the engine: prefill time is until its first token, decode the steps after it; the KV space is cleared
 between repeats so no run reuses the previous one's prefix. Prints one JSON line with the best prefill and
 decode tok/s over --repeat runs, and the greedy tokens (to compare versions).
+
+--memory-limit is the engine's budget (colibri.load's memory_limit: weights that do not fit stream from disk).
+--cgroup-limit runs the measurement in a child process inside a fresh child memory cgroup with that limit, page
+cache included (benchmarks/limited.py's MemCG: needs root and the cgroup-v1 memory controller), and adds the
+cgroup's peak usage and failcnt to the JSON line; the page cache is not dropped first (the first repeat reads the
+weights, later ones find what the limit lets stay cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 
 TEXT = ("def quicksort(items):\n    if len(items) <= 1:\n        return items\n    pivot = items[len(items) // 2]\n"
@@ -30,7 +40,11 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock (needs --threads 1)")
     ap.add_argument("--lossy-int8-activations", action="store_true", help="LOSSY int8-activation kernels (VNNI)")
     ap.add_argument("--draft-tokens", type=int, help="speculation's draft length (0: plain T = 1 decode steps)")
+    ap.add_argument("--memory-limit", help="the engine's memory budget, e.g. 500M (default: every weight in RAM)")
+    ap.add_argument("--cgroup-limit", help="run inside a child memory cgroup with this limit, e.g. 800M (root)")
     args = ap.parse_args()
+    if args.cgroup_limit:
+        return in_cgroup(args.cgroup_limit)
     if args.cpu_time and args.threads != 1:
         raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
     clock = time.thread_time if args.cpu_time else time.perf_counter
@@ -40,7 +54,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     m = colibri.load(args.model, threads=args.threads, lossy_int8_activations=args.lossy_int8_activations,
-                     draft_tokens=args.draft_tokens)
+                     draft_tokens=args.draft_tokens, memory_limit=args.memory_limit)
     base = m.tokenizer.encode(TEXT)
     ids = (base * (args.prompt_tokens // len(base) + 1))[:args.prompt_tokens]
     from colibri.sampling import SamplingParams
@@ -51,8 +65,14 @@ def main() -> None:
         m.kv.clear()
         req = eng.add_request(ids, SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True))
         t0 = clock()
-        while not req.token_ids:
+        while not req.token_ids and not req.finished:
             eng.step()
+        if req.error is not None or not req.token_ids:
+            import traceback
+
+            if req.error is not None:
+                traceback.print_exception(req.error)
+            raise SystemExit(f"the request failed: {req.error or req.finish_reason}")
         pre = len(ids) / (clock() - t0)
         t0 = clock()
         eng.run([req])
@@ -62,10 +82,38 @@ def main() -> None:
     from colibri import kernels
 
     print(json.dumps({"model": args.model, "threads": args.threads, "int8_activations": kernels.int8_activations(),
-                      "draft_tokens": args.draft_tokens, "clock": "thread CPU" if args.cpu_time else "wall",
+                      "draft_tokens": args.draft_tokens, "memory_limit": args.memory_limit,
+                      "clock": "thread CPU" if args.cpu_time else "wall",
                       "prompt_tokens": len(ids),
                       "pass_tokens": m.pass_tokens, "prefill_tok_s": round(best_pre, 2),
                       "decode_tok_s": round(best_dec, 2), "tokens": tokens}))
+
+
+def in_cgroup(limit: str) -> None:
+    """This script again, without --cgroup-limit, in a child memory cgroup of `limit` bytes; its JSON line with
+    the cgroup's peak usage and failcnt added."""
+    from limited import MemCG, own_memcg, parse_size
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip or a == "--cgroup-limit" or a.startswith("--cgroup-limit="):
+            skip = a == "--cgroup-limit"
+            continue
+        argv.append(a)
+    cg = MemCG(own_memcg(), f"colibri-prefill-{os.getpid()}", parse_size(limit))
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], preexec_fn=cg.entering(),
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            oom = cg.oom_kills() > 0
+            raise SystemExit(f"the child failed ({'OOM-killed by the cgroup limit' if oom else p.returncode}):\n"
+                             + p.stderr[-2000:])
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        res.update(cgroup_limit=limit, cgroup_max_usage_mib=round(int(cg.read("memory.max_usage_in_bytes")) / 2**20),
+                   cgroup_failcnt=int(cg.read("memory.failcnt")))
+        print(json.dumps(res))
+    finally:
+        cg.remove()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def _weight(kind: str, n: int, k: int):
     return quantize(_randn(n, k, seed=1) * 0.1, name, int(g))
 
 
-KINDS = ["q4g32", "q4g64", "q4g128", "q8g0", "q8g32"]
+# q8 with x groups of 64 or more runs the dot form up to 16 rows and the quads form above (the same int32 sums, the
+# same f32 steps): T = 64 against solo rows crosses it; g32 runs the quads form at every T
+KINDS = ["q4g32", "q4g64", "q4g128", "q8g0", "q8g32", "q8g128"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

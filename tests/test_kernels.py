@@ -113,6 +113,15 @@ def test_pointwise_elements_do_not_depend_on_the_tensor_size():
             whole = ops.pointwise(fn, x)
             assert all(torch.equal(ops.pointwise(fn, x[i:i + n]), whole[i:i + n])
                        for i, n in ((0, 1), (5, 3), (100, 77), (16383, 2), (20000, 20000)))
+            assert torch.equal(whole, ops._pointwise_pieces(fn, x))  # the native pieces (40,000 = 625 x 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the native pieces on two threads, inside inference mode (as the engine runs them)
+    try:
+        with torch.inference_mode():
+            x = _randn(64 * 1000, seed=10).bfloat16()
+            assert torch.equal(ops.pointwise(F.silu, x), ops._pointwise_pieces(F.silu, x))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fam", ["llama", "gemma3", "qwen2_moe"])

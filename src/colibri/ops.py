@@ -34,12 +34,24 @@ _VEC = 64
 _GRAIN = 16384  # a multiple of _VEC, below at::internal::GRAIN_SIZE (32768): one thread runs each call
 
 
+# the functions the native kernels run over the same pieces (kernels/pointwise.cpp: the same ATen kernel per piece,
+# the pieces in parallel, no Python step per piece)
+_NATIVE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.rsqrt: "rsqrt", F.gelu: "gelu"}
+
+
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise fn, every element through the vectorized body (zero-padded to whole steps, in
     single-threaded pieces), so the result of an element never depends on the tensor around it."""
     n = x.numel()
     if n % _VEC == 0 and n <= _GRAIN and x.is_contiguous():
         return fn(x)
+    if n % _VEC == 0 and fn in _NATIVE and kernels.native():
+        return kernels.ops().pointwise(x.contiguous().view(-1), _NATIVE[fn], _GRAIN).view(x.shape)
+    return _pointwise_pieces(fn, x)
+
+
+def _pointwise_pieces(fn, x: torch.Tensor) -> torch.Tensor:
+    n = x.numel()
     flat = x.reshape(-1)
     if n % _VEC:
         flat = torch.cat([flat, flat.new_zeros(_VEC - n % _VEC)])

@@ -3,7 +3,7 @@
 Every kernel here gives each output row bit-identical results whatever the number of rows in the pass, so a
 sequence decodes the same tokens alone, in a batch, after a chunked prefill or while speculating.
 
-Native kernels (linear.cpp, attention.cpp, kquant.cpp; shared pieces in tiles.h) are C++ compiled with torch.utils.cpp_extension at first use, into
+Native kernels (linear.cpp, attention.cpp, kquant.cpp, pointwise.cpp; shared pieces in tiles.h) are C++ compiled with torch.utils.cpp_extension at first use, into
 `defaults.cache_dir()/kernels/<torch version>-<source hash>`, and registered as `torch.ops.colibri_kernels.*`;
 they run on torch's own thread pool (at::parallel_for). Why a JIT build: it needs only a C++ compiler and the
 `ninja` package at run time, takes 1-2 minutes once per machine and torch version (66-128 s measured on a
@@ -39,7 +39,7 @@ import torch
 
 MODE_ENV = "COLIBRI_KERNELS"
 LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
-_SOURCES = ("linear.cpp", "attention.cpp", "int8.cpp", "kquant.cpp")
+_SOURCES = ("linear.cpp", "attention.cpp", "int8.cpp", "kquant.cpp", "pointwise.cpp")
 _HEADERS = ("tiles.h",)  # included by the sources: part of the build's identity
 # -fopenmp: at::parallel_for is a header template whose OpenMP region compiles to a serial loop without it (the
 # kernels then used one core of two); the extension links the libgomp.so.1 torch has already loaded.

@@ -14,11 +14,15 @@
 // Invariance: the int32 sums are exact and the f32 steps run per (row, column) over the groups in K order, the
 // same for every pass size; row blocks and K chunks only decide which accumulators are live. The output is rounded
 // once to x's dtype.
-// Loop form: 64-column tiles (parallel), K in chunks of 256; the weights of a chunk are laid out as "quads" (4
-// consecutive k of 16 columns in one 32-bit lane each, 4 vectors per 64 columns): q4 tiles are turned into quads in
-// registers for passes of at most 4 rows, else into an L1 buffer once per chunk; q8 rows are transposed into
-// the buffer. Register blocks of up to kRowBlock rows x 64 columns accumulate over it.
-//
+// Two loop forms; the int32 sums are exact whatever the order of their terms, and both run the same f32 steps per
+// (row, column) in group order, so a row's result is the same in either (tests/test_int8_kernels.py crosses them):
+//   quads (q4 at every T, q8 from kDotMaxRows + 1 rows and for x groups of 32): 64-column tiles (parallel); the
+//     tile's weights for all of K are laid out once as "quads" (4 consecutive k of 16 columns in one 32-bit lane
+//     each, 4 vectors per 64 columns; about K * 64 bytes, in L2) and register blocks of up to kRowBlock rows x 64
+//     columns walk all of K over them, their f32 sums in L1. q4 passes of at most 4 rows take the quads straight
+//     from the stored tile in registers.
+//   dot (q8 up to kDotMaxRows rows, x groups a multiple of 64): see q8_dot16; the codes are read as stored.
+
 // The VNNI code is compiled for that target only (the pragma below): the rest of the library loads on machines
 // without it, and Python uses these ops only where /proc/cpuinfo lists avx512_vnni.
 
@@ -39,9 +43,9 @@ namespace {
 
 constexpr int64_t kCols = 64;   // columns per tile (the q4 layout's tile)
 constexpr int kRowBlock = 6;    // x rows per register block: 6 x 4 int32 accumulators
-constexpr int64_t kSpan = 256;  // k per chunk: a 64-column chunk of quads is 16 KiB
-// q8 chunks are longer: the transpose then reads 1 KiB runs of each of 16 rows at a time (with 256-byte runs of
-// 64 rows, T = 1 took 2.8 ms for 4096 x 4096 against 1.6 ms of the exact kernel); the quads stay in L2
+constexpr int64_t kSpan = 256;  // k per step of laying out a q4 tile's quads (x groups divide it)
+// q8 steps are longer: the transpose then reads 1 KiB runs of each of 16 rows at a time (measured faster than
+// 256-byte runs of 64 rows)
 constexpr int64_t kSpanQ8 = 1024;
 constexpr int64_t kQuad = 256;  // bytes of one quad step for 64 columns
 
@@ -61,19 +65,39 @@ float scalar_of(const void* p, int64_t i, at::ScalarType t) {
   }
 }
 
-// Per-row, per-group int8 activations.
+// Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse (fresh ones
+// faulted in their pages on every call, ~1 us per 4 KiB: 5 % of a 500 x 1536 pass); above kKeepBytes they are given
+// back when the call ends.
+constexpr size_t kKeepBytes = 16 << 20;
+
+struct ActBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+  std::vector<int32_t> qs;
+};
+thread_local ActBuffers act_buffers;
+
 struct Activations {
-  std::vector<int8_t> q;   // [T][K]
-  std::vector<float> d;    // [T][G] scale
-  std::vector<int32_t> qs; // [T][G] sum of q
-  std::vector<float> xs;   // [T][G] sum of x
+  const int8_t* q;   // [T][K]
+  const float* d;    // [T][G] scale
+  const int32_t* qs; // [T][G] sum of q
+  const float* xs;   // [T][G] sum of x
   int64_t groups;
+  ~Activations() {
+    if (act_buffers.q.capacity() > kKeepBytes) act_buffers = ActBuffers();
+  }
 };
 
 Activations quantize_rows(const at::Tensor& x, int64_t xg) {
   const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
-  Activations a{std::vector<int8_t>(t * k), std::vector<float>(t * groups), std::vector<int32_t>(t * groups),
-                std::vector<float>(t * groups), groups};
+  ActBuffers& b = act_buffers;
+  b.q.resize(t * k);
+  b.d.resize(t * groups);
+  b.qs.resize(t * groups);
+  b.xs.resize(t * groups);
+  int8_t* q = b.q.data();
+  float *d = b.d.data(), *xs = b.xs.data();
+  int32_t* qs = b.qs.data();
   const bool bf = x.scalar_type() == at::kBFloat16;
   const void* p = x.data_ptr();
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
@@ -94,14 +118,14 @@ Activations quantize_rows(const at::Tensor& x, int64_t xg) {
           __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x16(p, bf, base + j), inv));  // round to nearest even
           qi = _mm512_min_epi32(_mm512_max_epi32(qi, lo), hi);
           qsum = _mm512_add_epi32(qsum, qi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + base + j), _mm512_cvtepi32_epi8(qi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + base + j), _mm512_cvtepi32_epi8(qi));
         }
-        a.d[r * groups + gi] = m / 127.f;
-        a.qs[r * groups + gi] = _mm512_reduce_add_epi32(qsum);
-        a.xs[r * groups + gi] = _mm512_reduce_add_ps(sum);
+        d[r * groups + gi] = m / 127.f;
+        qs[r * groups + gi] = _mm512_reduce_add_epi32(qsum);
+        xs[r * groups + gi] = _mm512_reduce_add_ps(sum);
       }
   });
-  return a;
+  return Activations{q, d, qs, xs, groups};
 }
 
 // ---- weights as quads --------------------------------------------------------------------------------------------
@@ -286,6 +310,117 @@ void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
   }
 }
 
+// ---- q8, small passes: the dot form ---------------------------------------------------------------------------
+// Passes of at most kDotMaxRows rows, x groups a multiple of 64: no quads (at one row, nothing would share their
+// transpose). Per 16 columns and 64 k, the 16 weight rows' bytes are regrouped by 16-byte blocks in registers (8
+// shuffles per 4 rows): one vpdpbusd against x's block q (broadcast) then adds into 4 dword partials for each of 4
+// columns, and at the end of a group two shuffle-add levels sum each column's 4 partials: one vector of 16 columns'
+// A, in order. The int32 sums are exact, so A is the quads form's, and the f32 steps after it are the same code.
+
+constexpr int kDotRows = 4;      // x rows per register block
+constexpr int64_t kDotSpan = 1024;  // k per chunk: 16 KiB of a block's codes
+// the quads form from 17 rows (measured, 4096 x 4096, 1 thread: T = 16 3.2 against 3.6 ms, T = 24 4.6 against 4.4)
+constexpr int64_t kDotMaxRows = 16;
+
+// 4 rows' 64 bytes -> W[q] = (block q of a0, of a1, of a2, of a3)
+inline void blocks4(const __m512i a[4], __m512i wv[4]) {
+  const __m512i t0 = _mm512_shuffle_i64x2(a[0], a[1], 0x44), t1 = _mm512_shuffle_i64x2(a[0], a[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i64x2(a[2], a[3], 0x44), t3 = _mm512_shuffle_i64x2(a[2], a[3], 0xEE);
+  wv[0] = _mm512_shuffle_i64x2(t0, t2, 0x88);
+  wv[1] = _mm512_shuffle_i64x2(t0, t2, 0xDD);
+  wv[2] = _mm512_shuffle_i64x2(t1, t3, 0x88);
+  wv[3] = _mm512_shuffle_i64x2(t1, t3, 0xDD);
+}
+
+// v[c]: block i holds 4 partials of column 4i + c -> lane j = column j's sum.
+inline __m512i reduce16(const __m512i v[4]) {
+  const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(v[0], v[1]), _mm512_unpackhi_epi64(v[0], v[1]));
+  const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(v[2], v[3]), _mm512_unpackhi_epi64(v[2], v[3]));
+  const __m512 p0 = _mm512_castsi512_ps(u0), p1 = _mm512_castsi512_ps(u1);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(p0, p1, 0x88)),
+                          _mm512_castps_si512(_mm512_shuffle_ps(p0, p1, 0xDD)));
+}
+
+// tot[R][16] (in and out) += the f32 steps of the groups in [k0, k1) for the pass rows r0 .. r0 + R - 1 and the 16
+// columns whose code rows are rows[0..15].
+template <int R, int K>
+__attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, const int8_t* const* rows, int64_t n0,
+                                        int64_t r0, int64_t k0, int64_t k1, float* tot) {
+  constexpr int32_t off = 128;
+  const int64_t k = w.k, xg = w.g, groups = a.groups;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 tv[R];
+  for (int r = 0; r < R; ++r) tv[r] = _mm512_loadu_ps(tot + r * 16);
+  for (int64_t gi = k0 / xg; gi < k1 / xg; ++gi) {
+    __m512i v[R][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) v[r][c] = _mm512_setzero_si512();
+    for (int64_t kk = gi * xg; kk < (gi + 1) * xg; kk += 64) {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        __m512i rw[4], wv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) rw[i] = _mm512_xor_si512(_mm512_loadu_si512(rows[4 * i + c] + kk), flip);
+        blocks4(rw, wv);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = a.q + (r0 + r) * k + kk;
+#pragma GCC unroll 4
+          for (int q = 0; q < 4; ++q)
+            v[r][c] = _mm512_dpbusd_epi32(
+                v[r][c], wv[q], _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16 * q))));
+        }
+      }
+    }
+    __m512 prm = _mm512_setzero_ps();  // grouped: the 16 columns' scales of this group
+    if constexpr (K == kQ8Grouped) {
+      alignas(64) float s[16] = {};
+      for (int j = 0; j < 16; ++j)
+        if (n0 + j < w.cols) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
+      prm = _mm512_load_ps(s);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {  // the f32 steps of group_dot
+      const int64_t o = (r0 + r) * groups + gi;
+      const __m512i cj = _mm512_add_epi32(reduce16(v[r]), _mm512_set1_epi32(-off * a.qs[o]));
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), _mm512_set1_ps(a.d[o]));
+      if constexpr (K == kQ8Channel) tv[r] = _mm512_add_ps(tv[r], f);
+      else tv[r] = _mm512_fmadd_ps(f, prm, tv[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(tot + r * 16, tv[r]);
+}
+
+// q8 per channel: acc[r][j] *= the scale of column n0 + j, for cols columns of t rows (row stride lda).
+void scale_columns(const Weight& w, int64_t n0, int64_t cols, int64_t t, float* acc, int64_t lda) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const float s = scalar_of(w.sc, n0 + j, w.st);
+    for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
+  }
+}
+
+// The output: y [T, ldy] f32 or bf16 (bf16: rounded once, RNE).
+struct Out {
+  void* p;
+  bool f32;
+  int64_t ldy;
+  explicit Out(at::Tensor& y) : p(y.data_ptr()), f32(y.scalar_type() == at::kFloat), ldy(y.size(1)) {}
+};
+
+// acc [t][lda] -> y[r0 : r0 + t, n0 : n0 + cols].
+void store_columns(const float* acc, int64_t lda, int64_t t, int64_t cols, const Out& y, int64_t r0, int64_t n0) {
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, acc + r * lda + j);
+      const int64_t at = (r0 + r) * y.ldy + n0 + j;
+      if (y.f32) _mm512_mask_storeu_ps(static_cast<float*>(y.p) + at, m, v);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y.p) + at, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+}
+
 template <int K>
 at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const int64_t t = x.size(0), k = w.k;
@@ -294,87 +429,111 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const Activations a = quantize_rows(x, xg);
   const int64_t groups = a.groups;
   const Tables tb;
+  const Out out(y);
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * kCols), zacc(K == kQ4 ? t * kCols : 0);  // q4: the zero terms apart
-    constexpr int64_t span = K == kQ4 ? kSpan : kSpanQ8;
-    alignas(64) static thread_local uint8_t buf[span / 4 * kQuad];
-    alignas(64) static thread_local __m512 prm[span / 32][8];
+    static thread_local std::vector<__m512i> quads;  // a tile's quads for all of K (K * 64 bytes: in L2 while the
+                                                     // row blocks pass), kept for the thread's next call
+    std::vector<__m512> prm(groups * 8);
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(zacc.begin(), zacc.end(), 0.f);
       // q4 quads straight from the tile for passes of at most 4 rows (measured: at 5-6 rows the unpacking in the
       // register block costs more than the buffer); the same codes either way
       const bool direct = K == kQ4 && cols == kCols && t <= 4;
-      for (int64_t k0 = 0; k0 < k; k0 += span) {
-        const int64_t kn = std::min(span, k - k0), ng = kn / xg;
-        for (int64_t i = 0; i < ng; ++i) {
-          const int64_t gi = (k0 + i * xg) / xg;
-          if constexpr (K == kQ4) {
-            q4_params(w, gi, n0, prm[i]);
-          } else if constexpr (K == kQ8Grouped) {
-            alignas(64) float s[kCols] = {};
-            for (int64_t j = 0; j < cols; ++j) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
-            for (int c = 0; c < 4; ++c) prm[i][c] = _mm512_load_ps(s + 16 * c);
-          }
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        if constexpr (K == kQ4) {
+          q4_params(w, gi, n0, &prm[gi * 8]);
+        } else if constexpr (K == kQ8Grouped) {
+          alignas(64) float s[kCols] = {};
+          for (int64_t j = 0; j < cols; ++j) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
+          for (int c = 0; c < 4; ++c) prm[gi * 8 + c] = _mm512_load_ps(s + 16 * c);
         }
-        if (!direct) {
-          if constexpr (K == kQ4) q4_chunk(w.qw, w.cols, k, n0, k0, kn, tb, buf);
-          else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, tb, buf);
-        }
-        const uint8_t* tp = w.qw + n0 * (k / 2);
-        row_blocks(t, [&](int64_t r0, auto R) {
-          constexpr int rr = decltype(R)::value;
-          for (int64_t i = 0; i < ng; ++i) {
-            const int64_t kg = k0 + i * xg, gi = kg / xg, off = r0 * groups + gi;
-            const int8_t* xq = a.q.data() + r0 * k + kg;
-            float* tot = acc.data() + r0 * kCols;
-            if (direct) {
-              group_dot<rr, K>([&](int64_t p, __m512i* v) { q4_quads(tp + (kg + 4 * p) * 32, tb, v); }, xg / 4, xq,
-                               k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
-            } else {
-              const uint8_t* qb = buf + (kg - k0) / 4 * kQuad;
-              group_dot<rr, K>(
-                  [&](int64_t p, __m512i* v) {
-                    for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(qb + p * kQuad + 64 * c);
-                  },
-                  xg / 4, xq, k, a.d.data() + off, a.qs.data() + off, groups, prm[i], tot);
-            }
-          }
-        });
-        if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, for every row
-          for (int64_t r = 0; r < t; ++r) {
-            float* zr = zacc.data() + r * kCols;
-            __m512 zv[4];
-            for (int j = 0; j < 4; ++j) zv[j] = _mm512_loadu_ps(zr + 16 * j);
-            for (int64_t i = 0; i < ng; ++i) {
-              const __m512 xv = _mm512_set1_ps(a.xs[r * groups + (k0 + i * xg) / xg]);
-              for (int j = 0; j < 4; ++j) zv[j] = _mm512_fmadd_ps(prm[i][4 + j], xv, zv[j]);
-            }
-            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(zr + 16 * j, zv[j]);
-          }
       }
-      if constexpr (K == kQ4)
-        for (int64_t i = 0; i < t * kCols; i += 16)
-          _mm512_storeu_ps(acc.data() + i, _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), _mm512_loadu_ps(zacc.data() + i)));
-      if constexpr (K == kQ8Channel)
-        for (int64_t j = 0; j < cols; ++j) {
-          const float s = scalar_of(w.sc, n0 + j, w.st);
-          for (int64_t r = 0; r < t; ++r) acc[r * kCols + j] *= s;
+      uint8_t* buf = nullptr;
+      if (!direct) {
+        quads.resize(k);
+        buf = reinterpret_cast<uint8_t*>(quads.data());
+        constexpr int64_t span = K == kQ4 ? kSpan : kSpanQ8;
+        for (int64_t k0 = 0; k0 < k; k0 += span) {
+          const int64_t kn = std::min(span, k - k0);
+          if constexpr (K == kQ4) q4_chunk(w.qw, w.cols, k, n0, k0, kn, tb, buf + k0 / 4 * kQuad);
+          else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, tb, buf + k0 / 4 * kQuad);
         }
-      const int64_t ldy = w.cols;
-      for (int64_t r = 0; r < t; ++r)
-        for (int64_t j = 0; j < cols; j += 16) {
-          const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
-          const __m512 v = _mm512_maskz_loadu_ps(m, acc.data() + r * kCols + j);
-          if (y.scalar_type() == at::kFloat) {
-            _mm512_mask_storeu_ps(y.data_ptr<float>() + r * ldy + n0 + j, m, v);
+      }
+      const uint8_t* tp = w.qw + n0 * (k / 2);
+      row_blocks(t, [&](int64_t r0, auto R) {  // each block over all of K: its sums stay in L1
+        constexpr int rr = decltype(R)::value;
+        alignas(64) float tot[rr * kCols];
+        __m512 zero = _mm512_setzero_ps();
+        for (int i = 0; i < rr * kCols; i += 16) {
+          asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, measured at ~370 cycles per block here
+          _mm512_store_ps(tot + i, zero);
+        }
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const int64_t kg = gi * xg, off = r0 * groups + gi;
+          const int8_t* xq = a.q + r0 * k + kg;
+          if (direct) {
+            group_dot<rr, K>([&](int64_t p, __m512i* v) { q4_quads(tp + (kg + 4 * p) * 32, tb, v); }, xg / 4, xq, k,
+                             a.d + off, a.qs + off, groups, &prm[gi * 8], tot);
           } else {
-            uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * ldy + n0 + j;
-            _mm256_mask_storeu_epi16(out, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));  // RNE
+            const uint8_t* qb = buf + kg / 4 * kQuad;
+            group_dot<rr, K>(
+                [&](int64_t p, __m512i* v) {
+                  for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(qb + p * kQuad + 64 * c);
+                },
+                xg / 4, xq, k, a.d + off, a.qs + off, groups, &prm[gi * 8], tot);
           }
         }
+        if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, added last
+          for (int r = 0; r < rr; ++r) {
+            __m512 zv[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t gi = 0; gi < groups; ++gi) {
+              const __m512 xv = _mm512_set1_ps(a.xs[(r0 + r) * groups + gi]);
+              for (int j = 0; j < 4; ++j) zv[j] = _mm512_fmadd_ps(prm[gi * 8 + 4 + j], xv, zv[j]);
+            }
+            float* o = tot + r * kCols;
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_add_ps(_mm512_loadu_ps(o + 16 * j), zv[j]));
+          }
+        if constexpr (K == kQ8Channel) scale_columns(w, n0, cols, rr, tot, kCols);
+        store_columns(tot, kCols, rr, cols, out, r0, n0);
+      });
+    }
+  });
+  return y;
+}
+
+// q8 with x groups a multiple of 64, up to kDotMaxRows rows: 16-column blocks (parallel), K in chunks of kDotSpan
+// (the block's codes stay in L1), row blocks of up to kDotRows rows.
+template <int K>
+at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
+  const int64_t t = x.size(0), k = w.k;
+  at::Tensor y = at::empty({t, w.cols}, x.options());
+  if (t == 0) return y;
+  const Activations a = quantize_rows(x, w.g);
+  const std::vector<int8_t> zrow(k);
+  const Out out(y);
+  const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
+  at::parallel_for(0, (w.cols + 15) / 16, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * 16);
+    const int8_t* rows[16];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * 16, cols = std::min<int64_t>(16, w.cols - n0);
+      for (int j = 0; j < 16; ++j) rows[j] = j < cols ? qw + (n0 + j) * k : zrow.data();  // zero codes past the end
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < k; k0 += kDotSpan) {
+        const int64_t k1 = std::min(k, k0 + kDotSpan);
+        for (int64_t r0 = 0; r0 < t; r0 += kDotRows) {
+          float* tot = acc.data() + r0 * 16;
+          switch (std::min<int64_t>(kDotRows, t - r0)) {
+            case 1: q8_dot16<1, K>(w, a, rows, n0, r0, k0, k1, tot); break;
+            case 2: q8_dot16<2, K>(w, a, rows, n0, r0, k0, k1, tot); break;
+            case 3: q8_dot16<3, K>(w, a, rows, n0, r0, k0, k1, tot); break;
+            default: q8_dot16<kDotRows, K>(w, a, rows, n0, r0, k0, k1, tot); break;
+          }
+        }
+      }
+      if constexpr (K == kQ8Channel) scale_columns(w, n0, cols, t, acc.data(), 16);
+      store_columns(acc.data(), 16, t, cols, out, 0, n0);
     }
   });
   return y;
@@ -406,6 +565,8 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
               "q8_linear_i8: group size must divide 256 and K");
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
            static_cast<int64_t>(scales.element_size()), n, k, xg};
+  if (xg % 64 == 0 && x.size(0) <= kDotMaxRows)
+    return group_size ? q8_linear_dot<kQ8Grouped>(x, w) : q8_linear_dot<kQ8Channel>(x, w);
   return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
 }
 

@@ -1,0 +1,46 @@
+// Elementwise functions (silu, sigmoid, rsqrt, gelu) over fixed pieces of a flat tensor, the pieces in parallel:
+// the same ATen kernel on the same pieces as colibri.ops.pointwise's loop (so the same bits: every element goes
+// through ATen's vectorized body, whose rounding differs from its scalar tail), without a Python step, a slice and
+// a copy per piece, and on every thread (ATen runs one piece's loop inline inside the parallel region).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+
+namespace {
+
+at::Tensor pointwise(const at::Tensor& x, c10::string_view fn, int64_t piece) {
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && piece > 0 && piece % 64 == 0 && x.numel() % 64 == 0,
+              "pointwise: x must be flat and contiguous, its size and the piece a multiple of 64");
+  const std::string name(fn);
+  const int kind = name == "silu" ? 0 : name == "sigmoid" ? 1 : name == "rsqrt" ? 2 : name == "gelu" ? 3 : -1;
+  TORCH_CHECK(kind >= 0, "pointwise: ", name, " is not one of silu, sigmoid, rsqrt, gelu");
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.numel();
+  const at::ThreadLocalState state;  // the caller's (inference mode): torch's pool threads do not inherit it
+  at::parallel_for(0, (n + piece - 1) / piece, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t lo = i * piece, hi = std::min(n, lo + piece);
+      const at::Tensor xs = x.slice(0, lo, hi);
+      at::Tensor os = out.slice(0, lo, hi);
+      switch (kind) {
+        case 0: at::silu_out(os, xs); break;
+        case 1: at::sigmoid_out(os, xs); break;
+        case 2: at::rsqrt_out(os, xs); break;
+        default: at::gelu_out(os, xs); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+  m.def("pointwise(Tensor x, str fn, int piece) -> Tensor", &pointwise);
+}
