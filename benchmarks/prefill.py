@@ -60,13 +60,20 @@ def main() -> None:
     from colibri.sampling import SamplingParams
 
     eng = m.engine
-    best_pre, best_dec, tokens = 0.0, 0.0, []
+
+    def reads() -> tuple[int, float]:  # (bytes read from disk, seconds reads were in flight) so far; 0 all in RAM
+        c = m.store.counters() if hasattr(m.store, "counters") else {}
+        return c.get("bytes_read", 0), c.get("read_active_s", 0.0)
+
+    best_pre, best_dec, tokens, prefill_io = 0.0, 0.0, [], {}
     for _ in range(args.repeat):
         m.kv.clear()
         req = eng.add_request(ids, SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True))
+        (b0, r0), steps0 = reads(), eng.steps
         t0 = clock()
         while not req.token_ids and not req.finished:
             eng.step()
+        (b1, r1), passes = reads(), eng.steps - steps0
         if req.error is not None or not req.token_ids:
             import traceback
 
@@ -78,6 +85,9 @@ def main() -> None:
         eng.run([req])
         dec = (len(req.token_ids) - 1) / (clock() - t0)
         tokens = list(req.token_ids)
+        if pre > best_pre:  # the prefill's passes and disk reads, of the best run
+            prefill_io = {"prefill_passes": passes, "prefill_read_bytes": b1 - b0,
+                          "prefill_read_gb_per_s": round((b1 - b0) / (r1 - r0) / 1e9, 2) if r1 > r0 else 0.0}
         best_pre, best_dec = max(best_pre, pre), max(best_dec, dec)
     from colibri import kernels
 
@@ -86,7 +96,7 @@ def main() -> None:
                       "clock": "thread CPU" if args.cpu_time else "wall",
                       "prompt_tokens": len(ids),
                       "pass_tokens": m.pass_tokens, "prefill_tok_s": round(best_pre, 2),
-                      "decode_tok_s": round(best_dec, 2), "tokens": tokens}))
+                      **prefill_io, "decode_tok_s": round(best_dec, 2), "tokens": tokens}))
 
 
 def in_cgroup(limit: str) -> None:
