@@ -10,6 +10,9 @@ measured: per step the wall time, the store's read wait (`io_wait_s`) and the re
 B / step time. Page cache is dropped before the child starts; streamed pages are read with O_DIRECT, but this
 VM's host may serve recently read data from its own cache (~10 GB/s): the read GB/s printed says which regime a
 run was in. Needs root and the cgroup-v1 memory controller (as limited.py).
+
+Speculation is off by default: drafts (benchmarks/spec.py measures them) advance sequences unevenly, so they
+finish at different steps and few steps have all B decoding; `--draft-tokens -1` turns the engine's default on.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def child(a: argparse.Namespace) -> None:
     from colibri.sampling import SamplingParams
 
     m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads,
-                     max_sequences=max(a.batches), ctx_length=a.ctx_length, draft_tokens=a.draft_tokens)
+                     max_sequences=max(a.batches), ctx_length=a.ctx_length,
+                     draft_tokens=None if a.draft_tokens < 0 else a.draft_tokens)
     eng, store = m.engine, m.store
     counters = getattr(store, "counters", None)
     for B in a.batches:
@@ -99,8 +103,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-length", type=int, default=None)
-    ap.add_argument("--draft-tokens", type=int, default=None,
-                    help="speculation: None = the engine's default (adaptive), 0 = off")
+    ap.add_argument("--draft-tokens", type=int, default=0,
+                    help="speculation's draft length (default 0: off, so every step is one token per sequence; "
+                         "-1: the engine's adaptive drafts)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -112,7 +117,7 @@ def main() -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--memory-limit",
            str(a.memory_limit), "--batches", ",".join(map(str, a.batches)), "--tokens", str(a.tokens),
            "--threads", str(a.threads)] + (["--ctx-length", str(a.ctx_length)] if a.ctx_length else []) \
-        + (["--draft-tokens", str(a.draft_tokens)] if a.draft_tokens is not None else [])
+        + ["--draft-tokens", str(a.draft_tokens)]
     cg = MemCG(own_memcg(), f"colibri-batch-{os.getpid()}", parse_size(a.cgroup_limit))
     try:
         rows, rc = run_child(cmd, cg)
