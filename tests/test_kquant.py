@@ -75,6 +75,20 @@ def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode, mon
         assert torch.equal(w.linear(xd[5:8]), y16[5:8])
 
 
+@pytest.mark.parametrize("mode", ["native", "torch"])
+def test_q8k_decode_rows_match_the_buffered_path(mode, monkeypatch):
+    """Up to 6 rows dequantize in registers, more through a buffer: the same values either way. K = 2304 walks
+    the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
+    monkeypatch.setenv(kernels.MODE_ENV, mode)
+    n, k = 37, 2304
+    w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=4), QT.Q6_K, (n, k))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    for dtype in (torch.float32, torch.bfloat16):
+        y16 = w.linear(x.to(dtype))
+        for lo, hi in ((0, 1), (2, 4), (3, 9), (10, 16), (4, 10)):
+            assert torch.equal(w.linear(x[lo:hi].to(dtype)), y16[lo:hi])
+
+
 def test_other_k_quants_are_not_imported():
     with pytest.raises(ValueError, match="not supported"):
         from_gguf(np.zeros((4, 176), np.uint8), QT.Q5_K, (4, 256))

@@ -6,8 +6,10 @@
 //   bf16 x: x . (q - 8) over the exact codes, then s * A + (8 s - dmin m) * sum(x) with s = d * sc (f32);
 //   f32 x: the exact weights q * s + (-dmin m) (s * q is exact in f32, one rounding as gguf's dequantize).
 // q8k (Q6_K): int8 codes q - 32 [N, K], int8 scales per 16 [N, K/16], f16 d per 256 [N, K/256]:
-//   w = (d * sc) * q, exact in f32 (11 + 7 + 5 significant bits); rows dequantized a block at a time (bf16 x:
-//   rounded once to bf16), then the dot form.
+//   w = (d * sc) * q, exact in f32 (11 + 7 + 5 significant bits; bf16 x: rounded once to bf16, RNE), then the
+//   dot form. Up to kRows x rows (one register block: each weight is used by one pass) dequantize in registers
+//   as dot_bf16 / dot_f32 load them; more rows dequantize a block of weight rows into a buffer that every row
+//   block reads. Both give the same weight values to the same instruction sequence: rows are bit-identical.
 
 #include "tiles.h"
 
@@ -70,6 +72,28 @@ void q8k_dequant_rows(const int8_t* qw, const int8_t* sc, const at::Half* sup, i
   }
 }
 
+// Weight rows [n0, n0 + cols) of a q8k weight dequantized in registers (the dot form's source): the values of
+// q8k_dequant_rows, from the codes and the per-16 scales d * sc of `s` ([cols][K/16] f32). K % 256 == 0, so
+// the dot form's steps (32 / 16 columns) never need a mask and never cross a 16-column scale group unaligned.
+struct Q8kRows {
+  const int8_t* q;  // codes of row n0
+  const float* s;
+  int64_t k;
+  __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * k + k0));
+    const float* sj = s + j * (k / 16) + k0 / 16;
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
+                                    _mm512_set1_ps(sj[0]));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
+                                    _mm512_set1_ps(sj[1]));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // RNE per lane, as _mm512_cvtneps_pbh in q8_store16
+  }
+  __m512 f32(int64_t j, int64_t k0, __mmask16) const {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * k + k0));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 16) + k0 / 16]));
+  }
+};
+
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
@@ -86,17 +110,37 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* sup = supers.data_ptr<at::Half>();
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = bf ? nullptr : x.data_ptr<float>();
+  if (t <= kRows) {  // decode: one register block of x rows, each weight dequantized once in registers
+    constexpr int64_t rb = 16;
+    at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> acc(t * rb), s(rb * (k / 16));
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+        for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of q8k_dequant_rows
+          for (int64_t b = 0; b < k / 256; ++b) {
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (n0 + j) * (k / 16) + b * 16));
+            const float d = static_cast<float>(sup[(n0 + j) * (k / 256) + b]);
+            _mm512_storeu_ps(s.data() + j * (k / 16) + b * 16,
+                             _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
+          }
+        const Q8kRows src{qw + n0 * k, s.data(), k};
+        if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
+        else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
+        store_rows(acc.data(), rb, t, cols, y, n0);
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * nb);
     std::vector<float> wbuf(nb * k);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, wbuf.data());
-      if (bf)
-        dot_block<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t,
-                            reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
-      else
-        dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
+      if (bf) dot_block<uint16_t>(xb, t, reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
+      else dot_block<float>(xf, t, wbuf.data(), k, cols, acc.data(), nb);
       store_rows(acc.data(), nb, t, cols, y, n0);
     }
   });

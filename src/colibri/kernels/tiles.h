@@ -339,16 +339,28 @@ inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn (32 bf16 per step), the tail masked.
-template <int R, int C, typename W>
-void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
+// Weight rows of the dot form as a source: bf16(j, k0) gives 32 bf16 weights of row j from column k0, f32(j, k0)
+// 16 f32 ones, both masked by m. Stored rows (bf16, f32, or q8 codes widened exactly):
+template <typename W>
+struct StoredRows {
+  const W* w;
+  int64_t ldw;
+  __m512bh bf16(int64_t j, int64_t k0, __mmask32 m) const { return load_w32(w + j * ldw + k0, m); }
+  __m512 f32(int64_t j, int64_t k0, __mmask16 m) const { return _mm512_maskz_loadu_ps(m, w + j * ldw + k0); }
+};
+
+// acc[R][C] (+)= lane partials of x[R rows] . w[C rows j0 ..] over columns [kb, kb + kn) (32 bf16 per step), the
+// tail masked; x points at column kb.
+template <int R, int C, class Src>
+void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, int64_t kn, __m512* acc,
+              bool first) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
   for (int64_t k0 = 0; k0 < kn; k0 += 32) {
     const __mmask32 m = kn - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (kn - k0)) - 1);
     __m512bh wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = load_w32(w + j * ldw + k0, m);
+    for (int j = 0; j < C; ++j) wv[j] = w.bf16(j0 + j, kb + k0, m);
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + k0);
       for (int j = 0; j < C; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], wv[j], xv);
@@ -358,15 +370,15 @@ void dot_bf16(const uint16_t* x, int64_t ldx, const W* w, int64_t ldw, int64_t k
     for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
 }
 
-template <int R, int C>
-void dot_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kn, __m512* acc, bool first) {
+template <int R, int C, class Src>
+void dot_f32(const float* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, int64_t kn, __m512* acc, bool first) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) c[r][j] = first ? _mm512_setzero_ps() : acc[r * C + j];
   for (int64_t k0 = 0; k0 < kn; k0 += 16) {
     const __mmask16 m = kn - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (kn - k0)) - 1);
     __m512 wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k0);
+    for (int j = 0; j < C; ++j) wv[j] = w.f32(j0 + j, kb + k0, m);
     for (int r = 0; r < R; ++r) {
       __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k0);
       for (int j = 0; j < C; ++j) c[r][j] = _mm512_fmadd_ps(xv, wv[j], c[r][j]);
@@ -380,9 +392,10 @@ constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in 
 
 // y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols, K] for one block of at most 64 weight rows: register
 // blocks of R rows x C weight rows walk K in chunks, their lane partials kept in `acc` between chunks (the same
-// accumulation as one pass over K), then reduced by the fixed shuffle tree of _mm512_reduce_add_ps.
-template <typename E, typename W = E>
-void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+// accumulation as one pass over K), then reduced by the fixed shuffle tree of _mm512_reduce_add_ps. A row's
+// arithmetic depends on K alone, never on T or on where the weights come from (Src gives the same values).
+template <typename E, class Src>
+void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
   alignas(64) __m512 acc[16][kRows * kCols];
   for_rows(t, [&](int64_t r0, auto R) {
     constexpr int rr = decltype(R)::value;
@@ -392,9 +405,9 @@ void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float
         auto run = [&](auto C) {
           constexpr int c = decltype(C)::value;
           if constexpr (std::is_same_v<E, uint16_t>)
-            dot_bf16<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+            dot_bf16<rr, c>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
           else
-            dot_f32<rr, c>(x + r0 * k + k0, k, w + j * k + k0, k, kn, acc[gi], k0 == 0);
+            dot_f32<rr, c>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
         };
         switch (std::min<int64_t>(kCols, cols - j)) {
           case 1: run(std::integral_constant<int, 1>{}); break;
@@ -410,6 +423,11 @@ void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float
         for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = hsum(acc[gi][r * c + i]);
     }
   });
+}
+
+template <typename E, typename W = E>
+void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+  dot_block_src(x, t, StoredRows<W>{w, k}, k, cols, y, ldy);
 }
 
 // Weight rows per parallel block: they stay in L2 (about 512 KiB) while every x row passes over them.
