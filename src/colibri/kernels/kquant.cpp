@@ -104,44 +104,34 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == k && k % 256 == 0 && scales.size(0) == n && scales.size(1) == k / 16 &&
               supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({t, n}, x.options());
-  const int64_t nb = std::max<int64_t>(kCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kCols * kCols));
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* sup = supers.data_ptr<at::Half>();
+  if (t > kRows)
+    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
+      q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, buf);
+    });
+  // decode: one register block of x rows, each weight dequantized once in registers
+  const bool bf = x.scalar_type() == at::kBFloat16;
   const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   const float* xf = bf ? nullptr : x.data_ptr<float>();
-  if (t <= kRows) {  // decode: one register block of x rows, each weight dequantized once in registers
-    constexpr int64_t rb = 16;
-    at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> acc(t * rb), s(rb * (k / 16));
-      for (int64_t blk = b; blk < e; ++blk) {
-        const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
-        for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of q8k_dequant_rows
-          for (int64_t b = 0; b < k / 256; ++b) {
-            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (n0 + j) * (k / 16) + b * 16));
-            const float d = static_cast<float>(sup[(n0 + j) * (k / 256) + b]);
-            _mm512_storeu_ps(s.data() + j * (k / 16) + b * 16,
-                             _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
-          }
-        const Q8kRows src{qw + n0 * k, s.data(), k};
-        if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
-        else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
-        store_rows(acc.data(), rb, t, cols, y, n0);
-      }
-    });
-    return y;
-  }
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * nb);
-    std::vector<float> wbuf(nb * k);
+  at::Tensor y = at::empty({t, n}, x.options());
+  constexpr int64_t rb = 16;
+  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * rb), s(rb * (k / 16));
     for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, wbuf.data());
-      if (bf) dot_block<uint16_t>(xb, t, reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
-      else dot_block<float>(xf, t, wbuf.data(), k, cols, acc.data(), nb);
-      store_rows(acc.data(), nb, t, cols, y, n0);
+      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+      for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of q8k_dequant_rows
+        for (int64_t g = 0; g < k / 256; ++g) {
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (n0 + j) * (k / 16) + g * 16));
+          const float d = static_cast<float>(sup[(n0 + j) * (k / 256) + g]);
+          _mm512_storeu_ps(s.data() + j * (k / 16) + g * 16,
+                           _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
+        }
+      const Q8kRows src{qw + n0 * k, s.data(), k};
+      if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
+      else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
+      store_rows(acc.data(), rb, t, cols, y, n0);
     }
   });
   return y;

@@ -89,38 +89,35 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   const int64_t g = group_size ? group_size : k;
   TORCH_CHECK(qweight.size(1) == k && k % g == 0);
-  const bool bf = x.scalar_type() == at::kBFloat16, codes = bf && g == k;
-  at::Tensor y = at::empty({t, n}, x.options());
-  const int64_t nb = std::max<int64_t>(kCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kCols * kCols));
+  const bool bf = x.scalar_type() == at::kBFloat16;
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();
   const at::ScalarType st = scales.scalar_type();
-  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  if (!bf || g != k)
+    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf16, void* buf) {
+      q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf16, buf);
+    });
+  at::Tensor y = at::empty({t, n}, x.options());
+  const int64_t nb = buffered_rows(k);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * nb);
-    std::vector<float> wbuf(nb * k);
-    uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf.data());
+    std::vector<uint16_t> wb(nb * k);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      if (codes) {
-        if (t <= kRows) {
-          dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
-        } else {
-          for (int64_t j = 0; j < cols; ++j)
-            for (int64_t k0 = 0; k0 < k; k0 += 32) {
-              const __mmask32 m = k - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (k - k0)) - 1);
-              _mm512_mask_storeu_epi16(wb + j * k + k0, m, (__m512i)load_w32(qw + (n0 + j) * k + k0, m));
-            }
-          dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
-        }
-        for (int64_t j = 0; j < cols; ++j) {
-          const float s = load1(sc, n0 + j, st);
-          for (int64_t r = 0; r < t; ++r) acc[r * nb + j] *= s;
-        }
+      if (t <= kRows) {
+        dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
       } else {
-        q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf, wbuf.data());
-        if (bf) dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
-        else dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
+        for (int64_t j = 0; j < cols; ++j)
+          for (int64_t k0 = 0; k0 < k; k0 += 32) {
+            const __mmask32 m = k - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (k - k0)) - 1);
+            _mm512_mask_storeu_epi16(wb.data() + j * k + k0, m, (__m512i)load_w32(qw + (n0 + j) * k + k0, m));
+          }
+        dot_block<uint16_t>(xb, t, wb.data(), k, cols, acc.data(), nb);
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        const float s = load1(sc, n0 + j, st);
+        for (int64_t r = 0; r < t; ++r) acc[r * nb + j] *= s;
       }
       store_rows(acc.data(), nb, t, cols, y, n0);
     }

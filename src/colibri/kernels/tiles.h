@@ -436,6 +436,36 @@ int64_t block_rows(int64_t k, int64_t esz) {
   return std::max<int64_t>(kCols, std::min<int64_t>(64, rows / kCols * kCols));
 }
 
+// Weight rows per block of the buffered form below: the block's f32-sized buffer stays within 128 KiB.
+inline int64_t buffered_rows(int64_t k) {
+  return std::max<int64_t>(kCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kCols * kCols));
+}
+
+// The buffered form of the q8 kinds (q8 with grouped scales or f32 x, q8k above kRows rows): y [T, n] in x's
+// dtype, blocks of buffered_rows(K) weight rows, each dequantized by dequant(n0, cols, bf, buf) into bf16 rows
+// (bf16 x) or f32 rows (f32 x) of K, then the dot form over them and every x row.
+template <class Dequant>
+at::Tensor buffered_linear(const at::Tensor& x, int64_t n, Dequant&& dequant) {
+  const int64_t t = x.size(0), k = x.size(1), nb = buffered_rows(k);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({t, n}, x.options());
+  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * nb);
+    std::vector<float> wbuf(nb * k);
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
+      dequant(n0, cols, bf, static_cast<void*>(wbuf.data()));
+      if (bf)
+        dot_block<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t,
+                            reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
+      else
+        dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
+      store_rows(acc.data(), nb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
 // q8 rows [n0, n0 + cols) dequantized (q * scale, exact in f32) into f32 rows, or bf16 rows (RNE).
 inline void q8_store16(const int8_t* src, __m512 s, __mmask16 m, bool bf, void* out, int64_t off) {
   __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, src + off))), s);
