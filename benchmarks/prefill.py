@@ -13,8 +13,8 @@ decode tok/s over --repeat runs, and the greedy tokens (to compare versions).
 --memory-limit is the engine's budget (colibri.load's memory_limit: weights that do not fit stream from disk).
 --cgroup-limit runs the measurement in a child process inside a fresh child memory cgroup with that limit, page
 cache included (benchmarks/limited.py's MemCG: needs root and the cgroup-v1 memory controller), and adds the
-cgroup's peak usage and failcnt to the JSON line; the page cache is not dropped first (the first repeat reads the
-weights, later ones find what the limit lets stay cached).
+cgroup's peak usage and failcnt to the JSON line; the page cache is dropped first (a cold start; streamed weights
+are read with O_DIRECT either way).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -100,9 +99,9 @@ def main() -> None:
 
 
 def in_cgroup(limit: str) -> None:
-    """This script again, without --cgroup-limit, in a child memory cgroup of `limit` bytes; its JSON line with
-    the cgroup's peak usage and failcnt added."""
-    from limited import MemCG, own_memcg, parse_size
+    """This script again, without --cgroup-limit, in a child memory cgroup of `limit` bytes after a page-cache
+    drop (limited.py's run_child); its JSON line with the cgroup's peak usage and failcnt added."""
+    from limited import MemCG, own_memcg, parse_size, run_child
 
     argv, skip = [], False
     for a in sys.argv[1:]:
@@ -112,13 +111,10 @@ def in_cgroup(limit: str) -> None:
         argv.append(a)
     cg = MemCG(own_memcg(), f"colibri-prefill-{os.getpid()}", parse_size(limit))
     try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], preexec_fn=cg.entering(),
-                           capture_output=True, text=True)
-        if p.returncode != 0:
-            oom = cg.oom_kills() > 0
-            raise SystemExit(f"the child failed ({'OOM-killed by the cgroup limit' if oom else p.returncode}):\n"
-                             + p.stderr[-2000:])
-        res = json.loads(p.stdout.strip().splitlines()[-1])
+        rows, rc = run_child([sys.executable, os.path.abspath(__file__), *argv], cg)
+        if rc != 0 or not rows:
+            raise SystemExit(f"the child failed ({'OOM-killed by the cgroup limit' if cg.oom_kills() > 0 else rc})")
+        res = rows[-1]
         res.update(cgroup_limit=limit, cgroup_max_usage_mib=round(int(cg.read("memory.max_usage_in_bytes")) / 2**20),
                    cgroup_failcnt=int(cg.read("memory.failcnt")))
         print(json.dumps(res))
