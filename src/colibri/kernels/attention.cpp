@@ -8,7 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "library.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -270,7 +270,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+COLIBRI_LIBRARY(m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap) -> Tensor",
         &attend);
 }

@@ -28,7 +28,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "library.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -574,7 +574,7 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
 
 #pragma GCC pop_options
 
-TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+COLIBRI_LIBRARY(m) {
   m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
   m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
 }

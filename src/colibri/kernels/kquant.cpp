@@ -139,7 +139,7 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+COLIBRI_LIBRARY(m) {
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
   m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
 }

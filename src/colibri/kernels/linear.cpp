@@ -127,7 +127,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(colibri_kernels, m) {
+COLIBRI_LIBRARY(m) {
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
   m.def("dense_linear(Tensor x, Tensor w) -> Tensor", &dense_linear);

@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <string>
@@ -41,6 +41,6 @@ at::Tensor pointwise(const at::Tensor& x, c10::string_view fn, int64_t piece) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(colibri_kernels, m) {
+COLIBRI_LIBRARY(m) {
   m.def("pointwise(Tensor x, str fn, int piece) -> Tensor", &pointwise);
 }

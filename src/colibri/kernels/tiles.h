@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "library.h"
 #include <immintrin.h>
 
 #include <algorithm>

@@ -1,0 +1,123 @@
+// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k): the same ops, arguments and bits as
+// the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
+
+#include "tiles.h"
+
+namespace {
+
+// (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes: z for
+// w ~ (q - 8) * s + z (the bf16 path) = 8 s - dmin m, else z = 0 - dmin m for w = q * s + z (the f32 path).
+inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
+                       float* s, float* z) {
+  const int64_t cols = std::min<int64_t>(kTile, np - n0);
+  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
+  for (int64_t j = 0; j < kTile; ++j) {
+    if (j >= cols) {
+      s[j] = z[j] = 0.f;
+      continue;
+    }
+    const float d = simd::f16_to_f32(static_cast<uint16_t>(pd[j] & 0xffff));
+    const float dmin = simd::f16_to_f32(static_cast<uint16_t>(pd[j] >> 16));
+    s[j] = d * static_cast<float>(pm[j] & 0xff);
+    const float mm = dmin * static_cast<float>(pm[j] >> 8);
+    z[j] = signed_codes ? 8.f * s[j] - mm : 0.f - mm;
+  }
+}
+
+at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& supers) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
+              supers.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q4k_linear: x must be f32/bf16");
+  TORCH_CHECK(scales.scalar_type() == at::kByte && supers.scalar_type() == at::kHalf, "q4k_linear: u8 / f16 scales");
+  const int64_t k = x.size(1), np = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 && scales.size(0) == k / 32 &&
+              scales.size(1) == np && supers.size(0) == k / 256 && supers.size(1) == np,
+              "q4k_linear: shapes do not match the stored layout");
+  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
+  const uint8_t* sc = scales.data_ptr<uint8_t>();
+  const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
+  auto bf = [&](int64_t gi, int64_t n0, float* s, float* z) { q4k_params(sc, sup, np, gi, n0, true, s, z); };
+  auto f32 = [&](int64_t gi, int64_t n0, float* s, float* z) { q4k_params(sc, sup, np, gi, n0, false, s, z); };
+  return q4_tiles_linear(x, w, bf, f32, 0);
+}
+
+// Weight rows of a q8k weight dequantized as the dot form reads them: w = q * s (s = d * sc per 16 columns, f32,
+// from `s` [cols][K/16]), rounded once to bf16 for bf16 x. K % 256 == 0: no tails, steps never straddle a scale.
+struct Q8kRows {
+  const int8_t* q;  // codes of row n0
+  const float* s;
+  int64_t k;
+  void pairs(int64_t j, int64_t k0, Pair& lo, Pair& hi) const {
+    const float* sj = s + j * (k / 16) + k0 / 16;
+    lo = half(q + j * k + k0, sj[0]);
+    hi = half(q + j * k + k0 + 16, sj[1]);
+  }
+  static Pair half(const int8_t* p, float s) {
+    alignas(32) float v[16];
+    const f8 sv = simd::set1(s);
+    simd::store(v, simd::round_bf16(simd::to_f(simd::s8x8(p)) * sv));
+    simd::store(v + 8, simd::round_bf16(simd::to_f(simd::s8x8(p + 8)) * sv));
+    return pairs_of(v);
+  }
+  void vals(int64_t j, int64_t k0, f8& lo, f8& hi) const {
+    const f8 sv = simd::set1(s[j * (k / 16) + k0 / 16]);
+    lo = simd::to_f(simd::s8x8(q + j * k + k0)) * sv;
+    hi = simd::to_f(simd::s8x8(q + j * k + k0 + 8)) * sv;
+  }
+  float at(int64_t, int64_t) const { return 0.f; }  // never called: K % 256 == 0 leaves no tail
+};
+
+at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& supers) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
+              supers.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8k_linear: x must be f32/bf16");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
+              supers.scalar_type() == at::kHalf, "q8k_linear: int8 codes and scales, f16 supers");
+  const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == k && k % 256 == 0 && scales.size(0) == n && scales.size(1) == k / 16 &&
+              supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
+  const int8_t* qw = qweight.data_ptr<int8_t>();
+  const int8_t* sc = scales.data_ptr<int8_t>();
+  const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
+  auto scale_rows = [&](int64_t n0, int64_t cols, float* s) {  // d * sc per 16 columns, f32
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t i = 0; i < k / 16; ++i)
+        s[j * (k / 16) + i] = simd::f16_to_f32(sup[(n0 + j) * (k / 256) + i / 16]) *
+                              static_cast<float>(sc[(n0 + j) * (k / 16) + i]);
+  };
+  if (t > kRows)
+    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
+      std::vector<float> s(cols * (k / 16));
+      scale_rows(n0, cols, s.data());
+      for (int64_t j = 0; j < cols; ++j)
+        for (int64_t i = 0; i < k / 16; ++i)
+          q8_store(qw + (n0 + j) * k + 16 * i, 16, s[j * (k / 16) + i], bf, static_cast<char*>(buf) + j * k * (bf ? 2 : 4),
+                   16 * i);
+    });
+  // decode: each weight dequantized once, as the dot form reads it
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({t, n}, x.options());
+  constexpr int64_t rb = 16;
+  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * rb), s(rb * (k / 16));
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+      scale_rows(n0, cols, s.data());
+      const Q8kRows src{qw + n0 * k, s.data(), k};
+      if (bf) dot_block_src(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t, src, k, cols, acc.data(), rb);
+      else dot_block_src(x.data_ptr<float>(), t, src, k, cols, acc.data(), rb);
+      store_rows(acc.data(), rb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+COLIBRI_LIBRARY(m) {
+  m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
+  m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
+}

@@ -1,0 +1,104 @@
+// Generic-tier linear kernels (avx2, portable): y = x @ W.T for dense f32 / bf16 weights and the stored q4 / q8
+// layouts, the same ops, arguments and bits as the AVX-512 tier's ../linear.cpp (its header explains the
+// invariance; tiles.h here what the bit-identity rests on).
+
+#include "tiles.h"
+
+namespace {
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
+                     int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales_zeros.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q4_linear: x must be f32/bf16");
+  const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
+  TORCH_CHECK(qweight.size(1) * 2 == k && scales_zeros.size(1) == np && np % 16 == 0 && k % g == 0 &&
+              256 % g == 0, "q4_linear: shapes do not match the stored layout");
+  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
+             scales_zeros.scalar_type(), np, k, g};
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
+    const int64_t cols = std::min<int64_t>(kTile, np - n0), base = (gi * np + n0) * 2;
+    for (int64_t j = 0; j < kTile; ++j) {
+      s[j] = j < cols ? load1(w.sz, base + 2 * j, w.st) : 0.f;
+      z[j] = j < cols ? load1(w.sz, base + 2 * j + 1, w.st) : 0.f;
+    }
+  };
+  return q4_tiles_linear(x, w, params, params, -8);
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "dense_linear: f32 or bf16");
+  const int64_t t = x.size(0), k = x.size(1), n = w.size(0);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({t, n}, x.options());
+  const int64_t nb = block_rows(k, w.element_size());
+  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * nb);
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
+      if (bf) {
+        auto xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+        auto wb = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * k;
+        dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
+      } else {
+        dot_block<float>(x.data_ptr<float>(), t, w.data_ptr<float>() + n0 * k, k, cols, acc.data(), nb);
+      }
+      store_rows(acc.data(), nb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
+// Rows [n0, n0 + cols) of a q8 weight dequantized (q * scale of its group) into f32 rows, or bf16 rows (RNE).
+void q8_dequant_rows(const int8_t* qw, const void* sc, at::ScalarType st, int64_t k, int64_t g, int64_t n0,
+                     int64_t cols, bool bf, void* out) {
+  const int64_t groups = k / g, esz = bf ? 2 : 4;
+  for (int64_t j = 0; j < cols; ++j) {
+    void* dst = static_cast<char*>(out) + j * k * esz;
+    for (int64_t gi = 0; gi < groups; ++gi)
+      q8_store(qw + (n0 + j) * k + gi * g, g, load1(sc, (n0 + j) * groups + gi, st), bf, dst, gi * g);
+  }
+}
+
+// bf16 x, one scale per channel: y = scale * (x . q) over the exact codes; grouped scales (and f32 x):
+// x . (q * scale), the weights dequantized per block (bf16 x: rounded once).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_linear: x must be f32/bf16");
+  const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
+  const int64_t g = group_size ? group_size : k;
+  TORCH_CHECK(qweight.size(1) == k && k % g == 0);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const int8_t* qw = qweight.data_ptr<int8_t>();
+  const void* sc = scales.data_ptr();
+  const at::ScalarType st = scales.scalar_type();
+  if (!bf || g != k)
+    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf16, void* buf) {
+      q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf16, buf);
+    });
+  at::Tensor y = at::empty({t, n}, x.options());
+  const int64_t nb = block_rows(k, 1);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * nb);
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
+      dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
+      for (int64_t j = 0; j < cols; ++j) {
+        const float s = load1(sc, n0 + j, st);
+        for (int64_t r = 0; r < t; ++r) acc[r * nb + j] *= s;
+      }
+      store_rows(acc.data(), nb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+COLIBRI_LIBRARY(m) {
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
+  m.def("dense_linear(Tensor x, Tensor w) -> Tensor", &dense_linear);
+}

@@ -1,0 +1,182 @@
+// The vector-traits layer of the generic kernel tiers (avx2, portable): 8-lane f32 / i32 vectors as GCC/Clang
+// vector extensions, compiled once per tier (-mavx2 -mfma -mf16c for avx2; the compiler's baseline for portable,
+// e.g. aarch64 NEON), plus the few steps whose exact rounding is part of the math and must equal the AVX-512
+// tier's instructions bit for bit:
+//   - dpbf16: AVX-512 BF16's vdpbf16ps, measured on hardware (tests/test_tiers.py crosses the tiers): per f32
+//     lane, acc = (acc + x[odd] * w[odd]) + x[even] * w[even], each sum rounded to f32 (RNE). The products of
+//     two bf16 values are exact in f32, so fma and mul + add give the same sums. (The instruction also flushes
+//     denormal sums and keeps out-of-range products exact: only sums below 2^-126 or products outside f32's
+//     range, which the models never produce, can differ.)
+//   - bf16 rounding: vcvtneps2bf16 (RNE, denormals to signed zero, NaN quieted).
+//   - reduce16: _mm512_reduce_add_ps's fixed tree over 16 lane partials (GCC's avx512fintrin.h).
+//   - fma: a single rounding (vfmadd on x86 with FMA, fmla on aarch64, fmaf elsewhere).
+// Everything else is plain IEEE f32 arithmetic, identical on every ISA under -ffp-contract=off.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace simd {
+
+typedef float f8 __attribute__((vector_size(32), aligned(4)));  // loads/stores of any alignment
+typedef int32_t i8 __attribute__((vector_size(32), aligned(4)));
+typedef uint32_t u8 __attribute__((vector_size(32), aligned(4)));
+typedef uint8_t b8 __attribute__((vector_size(8), aligned(1)));     // 8 bytes
+typedef int8_t sb8 __attribute__((vector_size(8), aligned(1)));
+typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));   // 8 bf16 / f16 halves
+
+inline f8 zero() { return f8{}; }
+inline f8 set1(float v) { return f8{} + v; }
+inline f8 load(const float* p) { return *reinterpret_cast<const f8*>(p); }
+inline void store(float* p, f8 v) { *reinterpret_cast<f8*>(p) = v; }
+inline f8 as_f(u8 v) { return reinterpret_cast<f8>(v); }
+inline u8 as_u(f8 v) { return reinterpret_cast<u8>(v); }
+
+// The first n (< 8) lanes from p, the others 0 / stores of the first n lanes.
+inline f8 load_n(const float* p, int64_t n) {
+  f8 v{};
+  for (int64_t i = 0; i < n && i < 8; ++i) v[i] = p[i];
+  return v;
+}
+inline void store_n(float* p, f8 v, int64_t n) {
+  for (int64_t i = 0; i < n && i < 8; ++i) p[i] = v[i];
+}
+
+// a * b + c with one rounding.
+inline f8 fma(f8 a, f8 b, f8 c) {
+#if defined(__FMA__)
+  return reinterpret_cast<f8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+#else
+  f8 r;
+  for (int i = 0; i < 8; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// a * b + c where the product a * b is exact in f32 (bf16 x bf16, small integer codes x bf16): one rounding
+// whether fused or not, so the cheaper form is used.
+inline f8 madd_exact(f8 a, f8 b, f8 c) {
+#if defined(__FMA__)
+  return fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Lane-wise a > b ? a : b: _mm512_max_ps(a, b) / vmaxps, which returns b where either is NaN or both are zero.
+inline f8 max(f8 a, f8 b) { return a > b ? a : b; }
+
+// ---- bf16 / f16 ----------------------------------------------------------------------------------------------
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// 8 bf16 -> f32 (exact)
+inline f8 bf16x8(const uint16_t* p) {
+  h8 h;
+  std::memcpy(&h, p, 16);
+  return as_f(__builtin_convertvector(h, u8) << 16);
+}
+
+// f32 -> bf16 bits as vcvtneps2bf16: RNE, denormals to signed zero, NaN quieted; returned in the high half of
+// each lane with the low half zero (the bf16 value as f32).
+inline u8 bf16_round_bits(f8 v) {
+  const u8 u = as_u(v);
+  const u8 exp = u & 0x7f800000u;
+  const u8 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
+  const u8 nan = (u | 0x00400000u) & 0xffff0000u;
+  const u8 r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  return exp == 0 ? (u & 0x80000000u) : r;
+}
+inline f8 round_bf16(f8 v) { return as_f(bf16_round_bits(v)); }
+
+inline uint16_t f32_to_bf16(float f) {
+  const f8 v = set1(f);
+  return static_cast<uint16_t>(bf16_round_bits(v)[0] >> 16);
+}
+
+// 8 f32 -> bf16 stored at p (n < 8: the first n)
+inline void store_bf16(uint16_t* p, f8 v, int64_t n = 8) {
+  const u8 b = bf16_round_bits(v) >> 16;
+  if (n >= 8) {
+    const h8 h = __builtin_convertvector(b, h8);
+    std::memcpy(p, &h, 16);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(b[i]);
+}
+
+// 8 f16 -> f32 (exact on every path)
+inline f8 f16x8(const uint16_t* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<f8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  f8 r;
+  for (int i = 0; i < 8; ++i) r[i] = static_cast<float>(c10::Half(p[i], c10::Half::from_bits()));
+  return r;
+#endif
+}
+inline float f16_to_f32(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// ---- integer codes -------------------------------------------------------------------------------------------
+
+inline i8 u8x8(const uint8_t* p) {  // 8 bytes zero-extended
+  b8 b;
+  std::memcpy(&b, p, 8);
+  return __builtin_convertvector(b, i8);
+}
+inline i8 s8x8(const int8_t* p) {  // 8 signed bytes sign-extended
+  sb8 b;
+  std::memcpy(&b, p, 8);
+  return __builtin_convertvector(b, i8);
+}
+inline f8 to_f(i8 v) { return __builtin_convertvector(v, f8); }
+
+// ---- pairs: the operands of dpbf16 ---------------------------------------------------------------------------
+// A vdpbf16ps lane holds the pair (element 2i, element 2i + 1) of 32 bf16; the generic tiers keep a pair vector
+// of 8 lanes as its two halves, even and odd, each as f32 values.
+struct Pair {
+  f8 even, odd;
+};
+
+// acc + x[odd] * w[odd] + x[even] * w[even], as vdpbf16ps: the odd product first.
+inline f8 dpbf16(f8 acc, const Pair& w, f8 x_even, f8 x_odd) {
+  return madd_exact(w.even, x_even, madd_exact(w.odd, x_odd, acc));
+}
+
+// 16 bf16 at p as 8 pairs.
+inline Pair bf16_pairs(const uint16_t* p) {
+  u8 u;
+  std::memcpy(&u, p, 32);
+  return Pair{as_f(u << 16), as_f(u & 0xffff0000u)};
+}
+
+// ---- 16-lane partial sums (the dot form's and group sums' lanes, as one AVX-512 register) --------------------
+
+struct f16 {
+  f8 lo, hi;  // lanes 0-7, 8-15
+};
+
+// The tree of _mm512_reduce_add_ps: (l[i] + h[i]) for i < 8, then the upper four plus the lower four, then
+// lanes (0 + 2) and (1 + 3), then those two.
+inline float reduce16(const f16& v) {
+  const f8 t3 = v.hi + v.lo;
+  float t6[4];
+  for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
+  const float a = t6[0] + t6[2], b = t6[1] + t6[3];
+  return a + b;
+}
+
+}  // namespace simd
