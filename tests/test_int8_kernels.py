@@ -22,10 +22,11 @@ def _randn(*shape, seed=0):
 
 @pytest.fixture(autouse=True)
 def _int8_reset(monkeypatch):
-    monkeypatch.setenv(kernels.MODE_ENV, "native")
+    kernels.use("auto")  # the best native tier this machine builds, whatever COLIBRI_KERNELS says
     monkeypatch.delenv(kernels.LOSSY_INT8_ENV, raising=False)
     yield
     kernels.set_int8_activations(None)
+    kernels.use(None)
 
 
 @pytest.fixture

@@ -17,11 +17,14 @@ def _randn(*shape, seed=0):
 
 
 @pytest.fixture(params=["native", "torch"])
-def mode(request, monkeypatch):
-    monkeypatch.setenv(kernels.MODE_ENV, request.param)
+def mode(request):
+    """native: the best tier this machine builds (auto); torch: the fallback. The process's own setting after."""
+    kernels.use("auto" if request.param == "native" else "torch")
     if request.param == "native" and not kernels.native():
+        kernels.use(None)
         pytest.skip("native kernels unavailable on this machine")
-    return request.param
+    yield request.param
+    kernels.use(None)
 
 
 def _weight(kind: str, n: int, k: int):

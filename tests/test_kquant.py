@@ -56,10 +56,17 @@ def test_k_quants_dequantize_bit_exactly(qtype, kind):
     assert torch.equal(again.dequantize(), ref)
 
 
-@pytest.mark.parametrize("mode", ["native", "torch"])
+@pytest.fixture(params=["native", "torch"])
+def mode(request):
+    """native: the best tier this machine builds (auto, the torch kernels where none does); torch: the
+    fallback. The process's own setting after."""
+    kernels.use("auto" if request.param == "native" else "torch")
+    yield request.param
+    kernels.use(None)
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode, monkeypatch):
-    monkeypatch.setenv(kernels.MODE_ENV, mode)
+def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode):
     n, k = 80, 512
     raw = k_blocks(qtype, n, k, seed=2)
     w = from_gguf(raw, qtype, (n, k))
@@ -75,11 +82,9 @@ def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode, mon
         assert torch.equal(w.linear(xd[5:8]), y16[5:8])
 
 
-@pytest.mark.parametrize("mode", ["native", "torch"])
-def test_q8k_decode_rows_match_the_buffered_path(mode, monkeypatch):
+def test_q8k_decode_rows_match_the_buffered_path(mode):
     """Up to 6 rows dequantize in registers, more through a buffer: the same values either way. K = 2304 walks
     the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
-    monkeypatch.setenv(kernels.MODE_ENV, mode)
     n, k = 37, 2304
     w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=4), QT.Q6_K, (n, k))
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))

@@ -1,5 +1,5 @@
-"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench. Each option is defined
-once, in OPTIONS."""
+"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench, swap, kernels. Each option
+is defined once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "tokens": (dict(type=int, default=32, help="tokens to generate, EOS ignored (default 32)"), None),
     "probe_seconds": (dict(type=float, default=1.0, help="length of the disk bandwidth probe (default 1 s)"), None),
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
+    "build": (dict(action="store_true", help="build (or load) the kernels COLIBRI_KERNELS picks and report the"
+                                             " time"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
     "output": (dict(required=True, help="container directory to create"), None),
     "quant": (dict(default="q4", help="q4 (alias q4_k_m), q8 (alias q8_0), bf16, f16 or f32 (default q4)"), None),
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     swsub = sw.add_subparsers(dest="swap_command", required=True)
     swc = swsub.add_parser("create", help="preallocate a KV swap file (fallocate), keeping 1 GiB of the disk free")
     add(swc, "path", "size", "debug")
+    kern = sub.add_parser("kernels", help="the native kernel tiers: which this CPU runs, which are built, which one"
+                                          " is used and why (COLIBRI_KERNELS)")
+    add(kern, "build", "json", "debug", json=dict(help="print one JSON object instead of the listing"))
     return p
 
 
@@ -371,6 +376,39 @@ def cmd_swap(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    import time
+
+    from colibri import kernels
+    built = None
+    if args.build:  # before the listing, so that it shows the result
+        t0 = time.perf_counter()
+        built = dict(tier=kernels.tier(), seconds=round(time.perf_counter() - t0, 1))
+    report = {**kernels.describe(), **({"built_now": built} if built else {})}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    have = report["cpu_flags"]
+    print("CPU flags: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in have.items()))
+    print(f"C++ compiler: {report['compiler'] or 'none found ($CXX, else c++)'}")
+    print(f"{'tier':<9} {'runnable':<32} {'built':<6} LOSSY int8")
+    for r in report["tiers"]:
+        run = "yes" if r["runnable"] else "no: needs " + ", ".join(r["missing"])
+        done = "-" if r["built"] is None else "yes" if r["built"] else "no"
+        int8 = "yes" if r["int8"]["usable"] else f"no ({r['int8']['why']})"
+        print(f"{r['name']:<9} {run:<32} {done:<6} {int8}")
+    for r in report["tiers"]:
+        if r["error"]:
+            print(f"  {r['error']}")
+        elif r["built"]:
+            print(f"  {r['name']}: {r['library']}")
+    pick = report["pick"]
+    print(f"{kernels.MODE_ENV}={report['setting']} picks {pick['tier']}: {pick['why']}")
+    if built:
+        print(f"in use: {built['tier']} (built or loaded in {built['seconds']} s)")
+    return 0
+
+
 def cmd_info(args) -> int:
     from colibri.model import describe
     for key, value in describe(model_path(args, engine=False)).items():
@@ -466,6 +504,17 @@ def quiet_openmp(args) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+def check_kernel_env() -> None:
+    """A bad COLIBRI_KERNELS (or COLIBRI_LOSSY_INT8), or a forced kernel tier this CPU lacks, is one `error:`
+    line before any work, not an error in the first forward pass. Imported here, after quiet_openmp: colibri.kernels
+    imports torch, and OpenMP reads OMP_WAIT_POLICY when torch loads."""
+    from colibri import kernels
+    try:
+        kernels.check_env()
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def _terminate(signum, frame) -> None:
     raise Terminated()
 
@@ -474,12 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
-               "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap}[args.command]
+               "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
+               "kernels": cmd_kernels}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
     try:
         check_bounds(args)
+        check_kernel_env()
         return handler(args)
     except Terminated:
         print("\nterminated (SIGTERM); temporary files removed", file=sys.stderr)
