@@ -12,16 +12,21 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
-  for (int64_t j = 0; j < kTile; ++j) {
-    if (j >= cols) {
-      s[j] = z[j] = 0.f;
+  for (int64_t j = 0; j < kTile; j += 8) {
+    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+      simd::store(s + j, simd::zero());
+      simd::store(z + j, simd::zero());
       continue;
     }
-    const float d = simd::f16_to_f32(static_cast<uint16_t>(pd[j] & 0xffff));
-    const float dmin = simd::f16_to_f32(static_cast<uint16_t>(pd[j] >> 16));
-    s[j] = d * static_cast<float>(pm[j] & 0xff);
-    const float mm = dmin * static_cast<float>(pm[j] >> 8);
-    z[j] = signed_codes ? 8.f * s[j] - mm : 0.f - mm;
+    const simd::u8 halves = simd::loadu(pd + j);
+    simd::h8 m16;
+    std::memcpy(&m16, pm + j, 16);
+    const simd::u8 codes = __builtin_convertvector(m16, simd::u8);
+    const f8 d = simd::f16x8(halves), dmin = simd::f16x8(halves >> 16);
+    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(codes & 0xffu));
+    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(codes >> 8));
+    simd::store(s + j, sv);
+    simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
   }
 }
 
@@ -54,12 +59,10 @@ struct Q8kRows {
     lo = half(q + j * k + k0, sj[0]);
     hi = half(q + j * k + k0 + 16, sj[1]);
   }
-  static Pair half(const int8_t* p, float s) {
-    alignas(32) float v[16];
+  static Pair half(const int8_t* p, float s) {  // the products rounded per element: deinterleaved first
+    const Pair c = simd::code_pairs(p);
     const f8 sv = simd::set1(s);
-    simd::store(v, simd::round_bf16(simd::to_f(simd::s8x8(p)) * sv));
-    simd::store(v + 8, simd::round_bf16(simd::to_f(simd::s8x8(p + 8)) * sv));
-    return pairs_of(v);
+    return Pair{simd::round_bf16(c.even * sv), simd::round_bf16(c.odd * sv)};
   }
   void vals(int64_t j, int64_t k0, f8& lo, f8& hi) const {
     const f8 sv = simd::set1(s[j * (k / 16) + k0 / 16]);
@@ -84,9 +87,11 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
   auto scale_rows = [&](int64_t n0, int64_t cols, float* s) {  // d * sc per 16 columns, f32
     for (int64_t j = 0; j < cols; ++j)
-      for (int64_t i = 0; i < k / 16; ++i)
-        s[j * (k / 16) + i] = simd::f16_to_f32(sup[(n0 + j) * (k / 256) + i / 16]) *
-                              static_cast<float>(sc[(n0 + j) * (k / 16) + i]);
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const float d = simd::f16_to_f32(sup[(n0 + j) * (k / 256) + b]);
+        const int8_t* c = sc + (n0 + j) * (k / 16) + 16 * b;
+        for (int64_t i = 0; i < 16; ++i) s[j * (k / 16) + 16 * b + i] = d * static_cast<float>(c[i]);
+      }
   };
   if (t > kRows)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {

@@ -15,11 +15,25 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
               256 % g == 0, "q4_linear: shapes do not match the stored layout");
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
              scales_zeros.scalar_type(), np, k, g};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {  // (scale, zero) pairs of the stored dtype
     const int64_t cols = std::min<int64_t>(kTile, np - n0), base = (gi * np + n0) * 2;
-    for (int64_t j = 0; j < kTile; ++j) {
-      s[j] = j < cols ? load1(w.sz, base + 2 * j, w.st) : 0.f;
-      z[j] = j < cols ? load1(w.sz, base + 2 * j + 1, w.st) : 0.f;
+    for (int64_t j = 0; j < kTile; j += 8) {
+      if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+        simd::store(s + j, simd::zero());
+        simd::store(z + j, simd::zero());
+        continue;
+      }
+      if (w.st == at::kFloat) {
+        const simd::Pair p = simd::f32_pairs(reinterpret_cast<const float*>(w.sz) + base + 2 * j);
+        simd::store(s + j, p.even);
+        simd::store(z + j, p.odd);
+        continue;
+      }
+      // 16-bit dtypes: one 32-bit lane per column holds (scale, zero), widened in place
+      const simd::u8 h = simd::loadu(reinterpret_cast<const uint32_t*>(w.sz) + (base + 2 * j) / 2);
+      const bool bf = w.st == at::kBFloat16;
+      simd::store(s + j, bf ? simd::as_f(h << 16) : simd::f16x8(h));
+      simd::store(z + j, bf ? simd::as_f(h & 0xffff0000u) : simd::f16x8(h >> 16));
     }
   };
   return q4_tiles_linear(x, w, params, params, -8);

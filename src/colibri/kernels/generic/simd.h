@@ -85,9 +85,14 @@ inline float bf16_to_f32(uint16_t h) {
 
 // 8 bf16 -> f32 (exact)
 inline f8 bf16x8(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<f8>(_mm256_slli_epi32(w, 16));
+#else
   h8 h;
   std::memcpy(&h, p, 16);
   return as_f(__builtin_convertvector(h, u8) << 16);
+#endif
 }
 
 // f32 -> bf16 bits as vcvtneps2bf16: RNE, denormals to signed zero, NaN quieted; returned in the high half of
@@ -111,8 +116,14 @@ inline uint16_t f32_to_bf16(float f) {
 inline void store_bf16(uint16_t* p, f8 v, int64_t n = 8) {
   const u8 b = bf16_round_bits(v) >> 16;
   if (n >= 8) {
+#if defined(__AVX2__)
+    const __m256i w = reinterpret_cast<__m256i>(b);  // lanes < 2^16: the unsigned-saturating pack is exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+#else
     const h8 h = __builtin_convertvector(b, h8);
     std::memcpy(p, &h, 16);
+#endif
     return;
   }
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(b[i]);
@@ -129,18 +140,42 @@ inline f8 f16x8(const uint16_t* p) {
 #endif
 }
 inline float f16_to_f32(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline f8 f16x8(u8 halves) {  // the low 16 bits of each lane as f16 -> f32
+#if defined(__F16C__)
+  const __m256i w = reinterpret_cast<__m256i>(halves & 0xffffu);
+  return reinterpret_cast<f8>(_mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1))));
+#else
+  f8 r;
+  for (int i = 0; i < 8; ++i) r[i] = f16_to_f32(static_cast<uint16_t>(halves[i]));
+  return r;
+#endif
+}
+inline u8 loadu(const uint32_t* p) {
+  u8 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
 
 // ---- integer codes -------------------------------------------------------------------------------------------
 
+// (GCC lowers these conversions of 8-byte vectors lane by lane: AVX2 gets its one-instruction forms.)
 inline i8 u8x8(const uint8_t* p) {  // 8 bytes zero-extended
+#if defined(__AVX2__)
+  return reinterpret_cast<i8>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
   b8 b;
   std::memcpy(&b, p, 8);
   return __builtin_convertvector(b, i8);
+#endif
 }
 inline i8 s8x8(const int8_t* p) {  // 8 signed bytes sign-extended
+#if defined(__AVX2__)
+  return reinterpret_cast<i8>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
   sb8 b;
   std::memcpy(&b, p, 8);
   return __builtin_convertvector(b, i8);
+#endif
 }
 inline f8 to_f(i8 v) { return __builtin_convertvector(v, f8); }
 
@@ -163,6 +198,27 @@ inline Pair bf16_pairs(const uint16_t* p) {
   return Pair{as_f(u << 16), as_f(u & 0xffff0000u)};
 }
 
+// 16 int8 codes at p as 8 pairs of their f32 values (exact).
+inline Pair code_pairs(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // 16 x i16
+  const __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24), o = _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24);
+  return Pair{reinterpret_cast<f8>(_mm256_cvtepi32_ps(e)), reinterpret_cast<f8>(_mm256_cvtepi32_ps(o))};
+#else
+  typedef int16_t s16 __attribute__((vector_size(16), aligned(1)));
+  s16 v;
+  std::memcpy(&v, p, 16);
+  const s16 e = static_cast<s16>(v << 8) >> 8, o = v >> 8;
+  return Pair{to_f(__builtin_convertvector(e, i8)), to_f(__builtin_convertvector(o, i8))};
+#endif
+}
+
+// 16 f32 (bf16-valued) at v as 8 pairs.
+inline Pair f32_pairs(const float* v) {
+  const f8 a = load(v), b = load(v + 8);
+  return Pair{__builtin_shuffle(a, b, i8{0, 2, 4, 6, 8, 10, 12, 14}), __builtin_shuffle(a, b, i8{1, 3, 5, 7, 9, 11, 13, 15})};
+}
+
 // ---- 16-lane partial sums (the dot form's and group sums' lanes, as one AVX-512 register) --------------------
 
 struct f16 {
@@ -177,6 +233,35 @@ inline float reduce16(const f16& v) {
   for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
   const float a = t6[0] + t6[2], b = t6[1] + t6[3];
   return a + b;
+}
+
+// ---- int8 activations (int8.cpp) -----------------------------------------------------------------------------
+
+// _mm512_reduce_max_ps's fixed tree over 16 lanes (GCC's avx512fintrin.h), each step vmaxps(a, b) = a > b ? a : b
+// (b where either is NaN): max(hi, lo) per lane, then the upper four against the lower four, then lanes
+// (0, 2) and (1, 3), then those two.
+inline float reduce_max16(const f16& v) {
+  const f8 t3 = max(v.hi, v.lo);
+  float t6[4];
+  for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] > t3[i] ? t3[4 + i] : t3[i];
+  const float a = t6[0] > t6[2] ? t6[0] : t6[2], b = t6[1] > t6[3] ? t6[1] : t6[3];
+  return a > b ? a : b;
+}
+
+// f32 -> int32 as vcvtps2dq under the default rounding mode: round to nearest even; NaN and values outside
+// int32's range give INT32_MIN.
+inline i8 cvt_rne(f8 v) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i8>(_mm256_cvtps_epi32(reinterpret_cast<__m256>(v)));
+#else
+  const f8 a = as_f(as_u(v) & 0x7fffffffu);
+  const f8 big = set1(8388608.f);                                          // 2^23: a >= it is an integer
+  const f8 r = a < big ? (a + big) - big : a;                              // |v| rounded, ties to even
+  const f8 s = as_f(as_u(r) | (as_u(v) & 0x80000000u));                    // v's sign back
+  const auto ok = a < set1(2147483648.f);                                  // false for NaN
+  const i8 c = __builtin_convertvector(ok ? s : zero(), i8);
+  return ok ? c : i8{} + INT32_MIN;
+#endif
 }
 
 }  // namespace simd

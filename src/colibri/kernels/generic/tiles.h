@@ -275,21 +275,14 @@ template <typename W>
 struct StoredRows {
   const W* w;
   int64_t ldw;
-  static Pair from_codes(const int8_t* p) {  // 16 int8 codes as 8 pairs, exact
-    typedef int16_t s16 __attribute__((vector_size(16), aligned(1)));
-    s16 v;
-    std::memcpy(&v, p, 16);
-    const s16 e = static_cast<s16>(v << 8) >> 8, o = v >> 8;
-    return Pair{simd::to_f(__builtin_convertvector(e, simd::i8)), simd::to_f(__builtin_convertvector(o, simd::i8))};
-  }
   void pairs(int64_t j, int64_t k0, Pair& lo, Pair& hi) const {
     const W* p = w + j * ldw + k0;
     if constexpr (std::is_same_v<W, uint16_t>) {
       lo = simd::bf16_pairs(p);
       hi = simd::bf16_pairs(p + 16);
     } else {
-      lo = from_codes(p);
-      hi = from_codes(p + 16);
+      lo = simd::code_pairs(p);
+      hi = simd::code_pairs(p + 16);
     }
   }
   void vals(int64_t j, int64_t k0, f8& lo, f8& hi) const {
@@ -305,12 +298,6 @@ struct StoredRows {
     else return static_cast<float>(v);
   }
 };
-
-inline Pair pairs_of(const float* v) {  // 16 f32 (bf16-valued) as 8 pairs
-  Pair p;
-  for (int i = 0; i < 8; ++i) p.even[i] = v[2 * i], p.odd[i] = v[2 * i + 1];
-  return p;
-}
 
 // acc[R][C] = lane partials of x[R rows] . w[C rows from j0] over K (bf16 x: 32 per step; f32 x: 16), then
 // y[r][j] = reduce16. A row's arithmetic depends on K alone.
@@ -357,8 +344,8 @@ void dot_rc(const E* x, int64_t ldx, const Src& w, int64_t j0, int64_t k, float*
       }
       for (int c = 0; c < C; ++c) {
         if constexpr (bf) {
-          a[r][c].lo = simd::dpbf16(a[r][c].lo, pairs_of(wt[c]), pairs_of(xt).even, pairs_of(xt).odd);
-          a[r][c].hi = simd::dpbf16(a[r][c].hi, pairs_of(wt[c] + 16), pairs_of(xt + 16).even, pairs_of(xt + 16).odd);
+          a[r][c].lo = simd::dpbf16(a[r][c].lo, simd::f32_pairs(wt[c]), simd::f32_pairs(xt).even, simd::f32_pairs(xt).odd);
+          a[r][c].hi = simd::dpbf16(a[r][c].hi, simd::f32_pairs(wt[c] + 16), simd::f32_pairs(xt + 16).even, simd::f32_pairs(xt + 16).odd);
         } else {
           a[r][c].lo = simd::fma(simd::load(xt), simd::load(wt[c]), a[r][c].lo);
           a[r][c].hi = simd::fma(simd::load(xt + 8), simd::load(wt[c] + 8), a[r][c].hi);
