@@ -33,7 +33,7 @@ typedef int8_t sb8 __attribute__((vector_size(8), aligned(1)));
 typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));   // 8 bf16 / f16 halves
 
 inline f8 zero() { return f8{}; }
-inline f8 set1(float v) { return f8{} + v; }
+inline f8 set1(float v) { return f8{v, v, v, v, v, v, v, v}; }  // (f8{} + v would turn -0 into +0)
 inline f8 load(const float* p) { return *reinterpret_cast<const f8*>(p); }
 inline void store(float* p, f8 v) { *reinterpret_cast<f8*>(p) = v; }
 inline f8 as_f(u8 v) { return reinterpret_cast<f8>(v); }
