@@ -234,11 +234,14 @@ def test_colibri_kernels_lists_the_tiers(monkeypatch, capsys):
     assert report["setting"] == "auto" and set(report["cpu_flags"]) >= {"avx512f", "avx2", "avx512_vnni"}
     by = {r["name"]: r for r in report["tiers"]}
     assert by["portable"]["runnable"] and by["torch"]["built"] is None
+    assert report["auto"] == report["pick"]
     if kernels.tier() == best:  # the session built it (conftest): the listing finds it built and picks it
-        assert by[best]["built"] and report["pick"]["tier"] == best
+        assert by[best]["built"] and report["pick"] == dict(tier=best, why=f"{best} is built")
     assert cli.main(["kernels"]) == 0
     text = capsys.readouterr().out
     assert "COLIBRI_KERNELS=auto picks " in text and re.search(r"^portable +yes", text, re.M)
+    assert cli.main(["kernels", "--build", "--json"]) == 0  # the process's tier, resolved already: no build here
+    assert json.loads(capsys.readouterr().out)["built_now"]["tier"] == kernels.tier()
 
 
 def test_the_wheel_carries_every_kernel_source(tmp_path):

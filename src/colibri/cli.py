@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -377,8 +378,6 @@ def cmd_swap(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    import time
-
     from colibri import kernels
     built = None
     if args.build:  # before the listing, so that it shows the result
@@ -402,8 +401,10 @@ def cmd_kernels(args) -> int:
             print(f"  {r['error']}")
         elif r["built"]:
             print(f"  {r['name']}: {r['library']}")
-    pick = report["pick"]
-    print(f"{kernels.MODE_ENV}={report['setting']} picks {pick['tier']}: {pick['why']}")
+    for setting, pick in (("auto", report["auto"]), (report["setting"], report["pick"])):
+        print(f"{kernels.MODE_ENV}={setting} picks {pick['tier']}: {pick['why']}")
+        if setting == report["setting"]:
+            break
     if built:
         print(f"in use: {built['tier']} (built or loaded in {built['seconds']} s)")
     return 0

@@ -516,7 +516,7 @@ def int8_status(name: str) -> tuple[bool, str]:
     if not spec.usable:
         return False, f"the {name} kernels have none yet"
     have = _cpu_flags()
-    missing = [f for f in spec.cpu_flags if f not in have]
+    missing = [f for f in (*TIERS[name].cpu_flags, *spec.cpu_flags) if f not in have]
     if missing:
         return False, f"this CPU lacks {', '.join(missing)}"
     return True, ""
@@ -545,8 +545,8 @@ def int8_supports(k: int, group_size: int) -> bool:
 
 def describe() -> dict:
     """What `colibri kernels` lists, building nothing: the CPU's relevant flags, each tier (runnable, missing
-    flags, built, its library, LOSSY int8), the setting and which tier it picks and why (a prediction: a build
-    that has not run yet may still fail)."""
+    flags, built, its library, LOSSY int8), the setting and which tier it picks and why, and auto's pick (a
+    prediction: a build that has not run yet may still fail)."""
     have = _cpu_flags()
     relevant = dict.fromkeys(f for t in TIERS.values() for f in (*t.cpu_flags, *t.int8.cpu_flags))
     tiers = []
@@ -565,8 +565,9 @@ def describe() -> dict:
                 row["built"], row["error"] = False, str(e)
         tiers.append(row)
     setting = _setting()
-    return dict(cpu_flags={f: f in have for f in relevant}, setting=setting, compiler=compiler(),
-                tiers=tiers, pick=_predict(setting, {r["name"]: r for r in tiers}))
+    rows = {r["name"]: r for r in tiers}
+    return dict(cpu_flags={f: f in have for f in relevant}, setting=setting, compiler=compiler(), tiers=tiers,
+                pick=_predict(setting, rows), auto=_predict("auto", rows))
 
 
 def _predict(setting: str, rows: dict) -> dict:
