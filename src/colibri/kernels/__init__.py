@@ -24,14 +24,15 @@ runs in a child process (its compiler output kept in build.log there), in a temp
 lock (one process builds, the others wait and load its result); the library is renamed into place with its
 sha256 beside it, so a killed build never leaves a library that looks valid, and a damaged one (truncated: its
 loading would crash the process) is removed and rebuilt once. An unwritable cache builds in a private temporary
-directory, not kept. Any failure (no compiler, a compile error, a damaged library) is one notice on stderr and
-the next tier down.
+directory, not kept. A tier that cannot be had (no compiler, a compile error, a library that will not load) is
+one notice on stderr, and the next tier down.
 
 `COLIBRI_KERNELS` (read once per process; `use` overrides it in tests): `auto` (default; `native` is an alias):
 the best tier this CPU runs whose build succeeds; `avx512`, `avx2`, `portable`: that tier (an error at start
 where the CPU lacks it; a failed build falls down as auto would); `torch`: always the fallback. The fallback is
 batch-invariant too, by other means (fixed-size row blocks; see `blocked`), so its own runs agree with
-themselves; tiers' tokens can differ from each other's in the last bits. `colibri kernels` lists all this.
+themselves; the native tiers give each other's bits (tests/test_tiers.py), the fallback's tokens can differ from
+theirs in the last bits. `colibri kernels` lists all this.
 
 LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`, `--lossy-int8-activations`, or
 `COLIBRI_LOSSY_INT8=1`): q4 and q8 weights multiply activations quantized per row and per group to int8 with
