@@ -48,30 +48,6 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   return q4_tiles_linear(x, w, bf, f32, 0);
 }
 
-// Weight rows of a q8k weight dequantized as the dot form reads them: w = q * s (s = d * sc per 16 columns, f32,
-// from `s` [cols][K/16]), rounded once to bf16 for bf16 x. K % 256 == 0: no tails, steps never straddle a scale.
-struct Q8kRows {
-  const int8_t* q;  // codes of row n0
-  const float* s;
-  int64_t k;
-  void pairs(int64_t j, int64_t k0, Pair& lo, Pair& hi) const {
-    const float* sj = s + j * (k / 16) + k0 / 16;
-    lo = half(q + j * k + k0, sj[0]);
-    hi = half(q + j * k + k0 + 16, sj[1]);
-  }
-  static Pair half(const int8_t* p, float s) {  // the products rounded per element: deinterleaved first
-    const Pair c = simd::code_pairs(p);
-    const f8 sv = simd::set1(s);
-    return Pair{simd::round_bf16(c.even * sv), simd::round_bf16(c.odd * sv)};
-  }
-  void vals(int64_t j, int64_t k0, f8& lo, f8& hi) const {
-    const f8 sv = simd::set1(s[j * (k / 16) + k0 / 16]);
-    lo = simd::to_f(simd::s8x8(q + j * k + k0)) * sv;
-    hi = simd::to_f(simd::s8x8(q + j * k + k0 + 8)) * sv;
-  }
-  float at(int64_t, int64_t) const { return 0.f; }  // never called: K % 256 == 0 leaves no tail
-};
-
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
@@ -79,45 +55,32 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8k_linear: x must be f32/bf16");
   TORCH_CHECK(qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
               supers.scalar_type() == at::kHalf, "q8k_linear: int8 codes and scales, f16 supers");
-  const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
+  const int64_t k = x.size(1), n = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == k && k % 256 == 0 && scales.size(0) == n && scales.size(1) == k / 16 &&
               supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
-  auto scale_rows = [&](int64_t n0, int64_t cols, float* s) {  // d * sc per 16 columns, f32
+  // w = q * (d * sc), d * sc in f32 per 16 columns: exact in f32; bf16 x: rounded once
+  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t b = 0; b < k / 256; ++b) {
         const float d = simd::f16_to_f32(sup[(n0 + j) * (k / 256) + b]);
         const int8_t* c = sc + (n0 + j) * (k / 16) + 16 * b;
-        for (int64_t i = 0; i < 16; ++i) s[j * (k / 16) + 16 * b + i] = d * static_cast<float>(c[i]);
+        for (int64_t i = 0; i < 16; ++i)
+          q8_values(qw + (n0 + j) * k + 256 * b + 16 * i, 16, d * static_cast<float>(c[i]), bf,
+                    out + j * k + 256 * b + 16 * i, true);
       }
-  };
-  if (t > kRows)
-    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
-      std::vector<float> s(cols * (k / 16));
-      scale_rows(n0, cols, s.data());
-      for (int64_t j = 0; j < cols; ++j)
-        for (int64_t i = 0; i < k / 16; ++i)
-          q8_store(qw + (n0 + j) * k + 16 * i, 16, s[j * (k / 16) + i], bf, static_cast<char*>(buf) + j * k * (bf ? 2 : 4),
-                   16 * i);
-    });
-  // decode: each weight dequantized once, as the dot form reads it
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({t, n}, x.options());
-  constexpr int64_t rb = 16;
-  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * rb), s(rb * (k / 16));
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
-      scale_rows(n0, cols, s.data());
-      const Q8kRows src{qw + n0 * k, s.data(), k};
-      if (bf) dot_block_src(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t, src, k, cols, acc.data(), rb);
-      else dot_block_src(x.data_ptr<float>(), t, src, k, cols, acc.data(), rb);
-      store_rows(acc.data(), rb, t, cols, y, n0);
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {  // k0 % 32 == 0: two scale groups of 16
+    const float d = simd::f16_to_f32(sup[j * (k / 256) + k0 / 256]);
+    const int8_t* c = sc + j * (k / 16) + k0 / 16;
+    const int8_t* q = qw + j * k + k0;
+    for (int h = 0; h < 2; ++h) {
+      const Pair v = simd::code_pairs(q + 16 * h);
+      const f8 sv = simd::set1(d * static_cast<float>(c[h]));
+      (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
     }
   });
-  return y;
 }
 
 }  // namespace

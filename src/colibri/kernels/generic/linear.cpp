@@ -43,70 +43,60 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "dense_linear: f32 or bf16");
-  const int64_t t = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t k = x.size(1);
   const bool bf = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({t, n}, x.options());
-  const int64_t nb = block_rows(k, w.element_size());
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * nb);
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      if (bf) {
-        auto xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-        auto wb = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * k;
-        dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
-      } else {
-        dot_block<float>(x.data_ptr<float>(), t, w.data_ptr<float>() + n0 * k, k, cols, acc.data(), nb);
-      }
-      store_rows(acc.data(), nb, t, cols, y, n0);
+  const uint16_t* wb = bf ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
+  const float* wf = bf ? nullptr : w.data_ptr<float>();
+  return dot_linear(x, w.size(0), [&](int64_t n0, int64_t cols, bool, float* out) {
+    if (!bf) {
+      std::memcpy(out, wf + n0 * k, cols * k * 4);
+      return;
     }
+    for (int64_t i = 0; i < cols * k; ++i) out[i] = simd::bf16_to_f32(wb[n0 * k + i]);
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {
+    lo = simd::bf16_pairs(wb + j * k + k0);
+    hi = simd::bf16_pairs(wb + j * k + k0 + 16);
   });
-  return y;
 }
 
-// Rows [n0, n0 + cols) of a q8 weight dequantized (q * scale of its group) into f32 rows, or bf16 rows (RNE).
-void q8_dequant_rows(const int8_t* qw, const void* sc, at::ScalarType st, int64_t k, int64_t g, int64_t n0,
-                     int64_t cols, bool bf, void* out) {
-  const int64_t groups = k / g, esz = bf ? 2 : 4;
-  for (int64_t j = 0; j < cols; ++j) {
-    void* dst = static_cast<char*>(out) + j * k * esz;
-    for (int64_t gi = 0; gi < groups; ++gi)
-      q8_store(qw + (n0 + j) * k + gi * g, g, load1(sc, (n0 + j) * groups + gi, st), bf, dst, gi * g);
-  }
-}
-
-// bf16 x, one scale per channel: y = scale * (x . q) over the exact codes; grouped scales (and f32 x):
-// x . (q * scale), the weights dequantized per block (bf16 x: rounded once).
+// bf16 x, one scale per channel: y = scale * (x . q) over the exact codes. Grouped scales (and f32 x):
+// x . (q * scale), the weights dequantized (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_linear: x must be f32/bf16");
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
-  const int64_t g = group_size ? group_size : k;
+  const int64_t g = group_size ? group_size : k, groups = k / g;
   TORCH_CHECK(qweight.size(1) == k && k % g == 0);
-  const bool bf = x.scalar_type() == at::kBFloat16;
+  const bool channel = x.scalar_type() == at::kBFloat16 && g == k;
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();
   const at::ScalarType st = scales.scalar_type();
-  if (!bf || g != k)
-    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf16, void* buf) {
-      q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf16, buf);
-    });
-  at::Tensor y = at::empty({t, n}, x.options());
-  const int64_t nb = block_rows(k, 1);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * nb);
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
-      for (int64_t j = 0; j < cols; ++j) {
-        const float s = load1(sc, n0 + j, st);
-        for (int64_t r = 0; r < t; ++r) acc[r * nb + j] *= s;
-      }
-      store_rows(acc.data(), nb, t, cols, y, n0);
+  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        q8_values(qw + (n0 + j) * k + gi * g, g, channel ? 1.f : load1(sc, (n0 + j) * groups + gi, st), bf,
+                  out + j * k + gi * g);
+  }, [&](int64_t n0, int64_t cols, float* acc, int64_t lda) {
+    if (!channel) return;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float s = load1(sc, n0 + j, st);
+      for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
     }
+  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {  // only reached for bf16 x, where per channel means g == k
+    const int8_t* q = qw + j * k + k0;
+    if (channel) {
+      lo = simd::code_pairs(q);
+      hi = simd::code_pairs(q + 16);
+      return;
+    }
+    alignas(32) float v[kStep];  // grouped: values as fill writes them
+    for (int64_t i = 0; i < kStep; ++i) {
+      const float s = load1(sc, j * groups + (k0 + i) / g, st);
+      v[i] = simd::round_bf16(simd::set1(static_cast<float>(q[i]) * s))[0];
+    }
+    lo = simd::f32_pairs(v);
+    hi = simd::f32_pairs(v + 16);
   });
-  return y;
 }
 
 }  // namespace

@@ -267,162 +267,213 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
 }
 
 // ---- dot form: dense rows, q8, q8k ----------------------------------------------------------------------------
+// Both operands are first laid out as f32 rows of kp = K rounded up to 32 (zero-padded: the AVX-512 tier's masked
+// tail loads): bf16 x and bf16-valued weights "pair-split" per 32-element step as [even 0-15][odd 0-15]
+// [even 16-31][odd 16-31] (8 each: the two halves of a vdpbf16ps register's pairs), f32 ones as they are. The
+// kernel then only loads and multiplies: each weight is widened, dequantized and rounded once per pass, not
+// once per row block.
 
-// Weight rows as a source of the dot form: pairs(j, k0, lo, hi) gives the 32 weights of row j from column k0 as
-// pairs (lanes 0-7: elements 0-15, lanes 8-15: elements 16-31; bf16 values), vals(j, k0, lo, hi) 16 f32 weights,
-// at(j, k, bf) one weight (bf16-valued when bf) for the zero-padded tail. Stored rows: bf16, f32, int8 codes.
-template <typename W>
-struct StoredRows {
-  const W* w;
-  int64_t ldw;
-  void pairs(int64_t j, int64_t k0, Pair& lo, Pair& hi) const {
-    const W* p = w + j * ldw + k0;
-    if constexpr (std::is_same_v<W, uint16_t>) {
-      lo = simd::bf16_pairs(p);
-      hi = simd::bf16_pairs(p + 16);
-    } else {
-      lo = simd::code_pairs(p);
-      hi = simd::code_pairs(p + 16);
-    }
-  }
-  void vals(int64_t j, int64_t k0, f8& lo, f8& hi) const {
-    const W* p = w + j * ldw + k0;
-    if constexpr (std::is_same_v<W, float>) {
-      lo = simd::load(p);
-      hi = simd::load(p + 8);
-    }
-  }
-  float at(int64_t j, int64_t k) const {
-    const W v = w[j * ldw + k];
-    if constexpr (std::is_same_v<W, uint16_t>) return simd::bf16_to_f32(v);
-    else return static_cast<float>(v);
-  }
-};
+constexpr int64_t kStep = 32;     // elements per dot-form step (one vdpbf16ps of 32 bf16; two f32 steps of 16)
+constexpr int64_t kKChunk = 1024; // k per pass over a row block's weights: the x rows stay in L1
 
-// acc[R][C] = lane partials of x[R rows] . w[C rows from j0] over K (bf16 x: 32 per step; f32 x: 16), then
-// y[r][j] = reduce16. A row's arithmetic depends on K alone.
-template <int R, int C, typename E, class Src>
-void dot_rc(const E* x, int64_t ldx, const Src& w, int64_t j0, int64_t k, float* y, int64_t ldy) {
-  constexpr bool bf = std::is_same_v<E, uint16_t>;
-  constexpr int64_t step = bf ? 32 : 16;
+inline int64_t padded(int64_t k) { return (k + kStep - 1) / kStep * kStep; }
+
+// 32 bf16-valued f32 -> the pair-split layout, in place-safe (out may not alias v).
+inline void split32(const float* v, float* out) {
+  const Pair lo = simd::f32_pairs(v), hi = simd::f32_pairs(v + 16);
+  simd::store(out, lo.even);
+  simd::store(out + 8, lo.odd);
+  simd::store(out + 16, hi.even);
+  simd::store(out + 24, hi.odd);
+}
+
+// One f32 row of k values (bf: bf16-valued) -> its dot-form layout of kp (split when bf), zero-padded.
+inline void lay_out(const float* v, int64_t k, bool bf, float* out) {
+  const int64_t full = k / kStep * kStep, kp = padded(k);
+  if (!bf) {
+    std::memcpy(out, v, k * 4);
+    std::fill(out + k, out + kp, 0.f);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < full; k0 += kStep) split32(v + k0, out + k0);
+  if (full < k) {
+    alignas(32) float t[kStep] = {};
+    std::memcpy(t, v + full, (k - full) * 4);
+    split32(t, out + full);
+  }
+}
+
+// x [T, K] (f32 or bf16) in the dot-form layout: [T][kp] f32.
+inline std::vector<float> lay_out_x(const at::Tensor& x) {
+  const int64_t t = x.size(0), k = x.size(1), kp = padded(k);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  std::vector<float> out(t * kp);
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> row(k);
+    for (int64_t r = b; r < e; ++r) {
+      if (bf) {
+        const uint16_t* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k;
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) simd::store(row.data() + i, simd::bf16x8(xr + i));
+        for (; i < k; ++i) row[i] = simd::bf16_to_f32(xr[i]);
+        lay_out(row.data(), k, true, out.data() + r * kp);
+      } else {
+        lay_out(x.data_ptr<float>() + r * k, k, false, out.data() + r * kp);
+      }
+    }
+  });
+  return out;
+}
+
+// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn laid-out columns (multiples of 32).
+template <bool BF, int R, int C>
+inline void dot_tile(const float* x, const float* w, int64_t ld, int64_t kn, f16* acc) {
   f16 a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = f16{simd::zero(), simd::zero()};
-  const int64_t full = k / step * step;
-  for (int64_t k0 = 0; k0 < full; k0 += step) {
-    if constexpr (bf) {
-      Pair wl[C], wh[C];
-      for (int c = 0; c < C; ++c) w.pairs(j0 + c, k0, wl[c], wh[c]);
-      for (int r = 0; r < R; ++r) {
-        const Pair xl = simd::bf16_pairs(x + r * ldx + k0), xh = simd::bf16_pairs(x + r * ldx + k0 + 16);
-        for (int c = 0; c < C; ++c) {
-          a[r][c].lo = simd::dpbf16(a[r][c].lo, wl[c], xl.even, xl.odd);
-          a[r][c].hi = simd::dpbf16(a[r][c].hi, wh[c], xh.even, xh.odd);
+    for (int c = 0; c < C; ++c) a[r][c] = acc[r * C + c];
+  for (int64_t k0 = 0; k0 < kn; k0 += kStep) {
+    if constexpr (BF) {  // lanes 0-7: pairs of elements 0-15; lanes 8-15: of 16-31 (one half at a time: the
+                         // accumulators, 2C weights and 2 x vectors fit AVX2's 16 registers)
+      for (int h = 0; h < 2; ++h) {
+        f8 we[C], wo[C];
+        for (int c = 0; c < C; ++c) we[c] = simd::load(w + c * ld + k0 + 16 * h), wo[c] = simd::load(w + c * ld + k0 + 16 * h + 8);
+        for (int r = 0; r < R; ++r) {
+          const f8 xe = simd::load(x + r * ld + k0 + 16 * h), xo = simd::load(x + r * ld + k0 + 16 * h + 8);
+          for (int c = 0; c < C; ++c) {
+            f8& v = h ? a[r][c].hi : a[r][c].lo;
+            v = simd::madd_exact(we[c], xe, simd::madd_exact(wo[c], xo, v));
+          }
         }
       }
-    } else {
-      f8 wl[C], wh[C];
-      for (int c = 0; c < C; ++c) w.vals(j0 + c, k0, wl[c], wh[c]);
-      for (int r = 0; r < R; ++r) {
-        const f8 xl = simd::load(x + r * ldx + k0), xh = simd::load(x + r * ldx + k0 + 8);
-        for (int c = 0; c < C; ++c) {
-          a[r][c].lo = simd::fma(xl, wl[c], a[r][c].lo);
-          a[r][c].hi = simd::fma(xh, wh[c], a[r][c].hi);
-        }
-      }
-    }
-  }
-  if (full < k) {  // the tail, zero-padded as the AVX-512 tier's masked loads
-    alignas(32) float wt[C][32] = {}, xt[32];
-    for (int c = 0; c < C; ++c)
-      for (int64_t i = 0; full + i < k; ++i) wt[c][i] = w.at(j0 + c, full + i);
-    for (int r = 0; r < R; ++r) {
-      std::fill(xt, xt + 32, 0.f);
-      for (int64_t i = 0; full + i < k; ++i) {
-        if constexpr (bf) xt[i] = simd::bf16_to_f32(x[r * ldx + full + i]);
-        else xt[i] = x[r * ldx + full + i];
-      }
-      for (int c = 0; c < C; ++c) {
-        if constexpr (bf) {
-          a[r][c].lo = simd::dpbf16(a[r][c].lo, simd::f32_pairs(wt[c]), simd::f32_pairs(xt).even, simd::f32_pairs(xt).odd);
-          a[r][c].hi = simd::dpbf16(a[r][c].hi, simd::f32_pairs(wt[c] + 16), simd::f32_pairs(xt + 16).even, simd::f32_pairs(xt + 16).odd);
-        } else {
-          a[r][c].lo = simd::fma(simd::load(xt), simd::load(wt[c]), a[r][c].lo);
-          a[r][c].hi = simd::fma(simd::load(xt + 8), simd::load(wt[c] + 8), a[r][c].hi);
+    } else {  // two steps of 16: lane i holds element i
+      for (int64_t h = 0; h < kStep; h += 16) {
+        f8 wl[C], wh[C];
+        for (int c = 0; c < C; ++c) wl[c] = simd::load(w + c * ld + k0 + h), wh[c] = simd::load(w + c * ld + k0 + h + 8);
+        for (int r = 0; r < R; ++r) {
+          const f8 xl = simd::load(x + r * ld + k0 + h), xh = simd::load(x + r * ld + k0 + h + 8);
+          for (int c = 0; c < C; ++c) {
+            a[r][c].lo = simd::fma(xl, wl[c], a[r][c].lo);
+            a[r][c].hi = simd::fma(xh, wh[c], a[r][c].hi);
+          }
         }
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + j0 + c] = simd::reduce16(a[r][c]);
+    for (int c = 0; c < C; ++c) acc[r * C + c] = a[r][c];
 }
 
-constexpr int kDotRows = 2, kDotCols = 2;  // register block of the dot form: 2 x 2 x 16 lanes (8 AVX2 registers)
+constexpr int kDotRows = 2, kDotCols = 2;  // register block: 2 x 2 x 16 lanes (8 AVX2 registers)
 
-// y[T, cols] (f32, row stride ldy) = x[T, K] . w[cols rows, K].
-template <typename E, class Src>
-void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+// y[r][j] for the rows of x (laid out, [T][kp]) and the weight rows of w (laid out, [cols][kp]): row blocks of
+// kDotRows walk K in chunks over every column pair, their partials kept between chunks (the same accumulation
+// as one pass), then reduce16. A row's arithmetic depends on K alone.
+template <bool BF>
+void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t kp, float* y, int64_t ldy) {
+  std::vector<f16> acc(kDotRows * (cols + kDotCols));
   for (int64_t r0 = 0; r0 < t; r0 += kDotRows) {
-    const bool two = t - r0 >= 2;
+    const int rr = std::min<int64_t>(kDotRows, t - r0);
+    std::fill(acc.begin(), acc.end(), f16{simd::zero(), simd::zero()});
+    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) {
+      const int64_t kn = std::min(kKChunk, kp - k0);
+      for (int64_t j = 0; j < cols; j += kDotCols) {
+        const bool two = cols - j >= 2;
+        f16* a = acc.data() + j * kDotRows;
+        const float* xr = x + r0 * kp + k0;
+        const float* wr = w + j * kp + k0;
+        if (rr == 2 && two) dot_tile<BF, 2, 2>(xr, wr, kp, kn, a);
+        else if (rr == 2) dot_tile<BF, 2, 1>(xr, wr, kp, kn, a);
+        else if (two) dot_tile<BF, 1, 2>(xr, wr, kp, kn, a);
+        else dot_tile<BF, 1, 1>(xr, wr, kp, kn, a);
+      }
+    }
     for (int64_t j = 0; j < cols; j += kDotCols) {
-      const bool pair = cols - j >= 2;
-      if (two && pair) dot_rc<2, 2>(x + r0 * k, k, w, j, k, y + r0 * ldy, ldy);
-      else if (two) dot_rc<2, 1>(x + r0 * k, k, w, j, k, y + r0 * ldy, ldy);
-      else if (pair) dot_rc<1, 2>(x + r0 * k, k, w, j, k, y + r0 * ldy, ldy);
-      else dot_rc<1, 1>(x + r0 * k, k, w, j, k, y + r0 * ldy, ldy);
+      const int64_t c = std::min<int64_t>(kDotCols, cols - j);
+      for (int r = 0; r < rr; ++r)
+        for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = simd::reduce16(acc[j * kDotRows + r * c + i]);
     }
   }
 }
 
-template <typename E, typename W = E>
-void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
-  dot_block_src(x, t, StoredRows<W>{w, k}, k, cols, y, ldy);
+// Decode (bf16 x, at most kDotRows rows, K a multiple of 32): the weights straight from their source in registers,
+// pairs(j, k0, lo, hi) giving the pairs of row j's 32 elements from k0 (the values fill would write, split), so
+// each weight is read and dequantized once with no buffer. The same accumulation as dot_rows.
+template <int R, class Pairs>
+void dot_direct(const float* x, int64_t kp, Pairs&& pairs, int64_t cols, float* y, int64_t ldy) {
+  for (int64_t j = 0; j < cols; j += 2) {
+    const int c = std::min<int64_t>(2, cols - j);
+    f16 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = f16{simd::zero(), simd::zero()};
+    for (int64_t k0 = 0; k0 < kp; k0 += kStep) {
+      Pair w[2][2];
+      for (int i = 0; i < c; ++i) pairs(j + i, k0, w[i][0], w[i][1]);
+      for (int r = 0; r < R; ++r) {
+        const float* p = x + r * kp + k0;
+        const f8 x0 = simd::load(p), x1 = simd::load(p + 8), x2 = simd::load(p + 16), x3 = simd::load(p + 24);
+        for (int i = 0; i < c; ++i) {
+          a[r][i].lo = simd::madd_exact(w[i][0].even, x0, simd::madd_exact(w[i][0].odd, x1, a[r][i].lo));
+          a[r][i].hi = simd::madd_exact(w[i][1].even, x2, simd::madd_exact(w[i][1].odd, x3, a[r][i].hi));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < c; ++i) y[r * ldy + j + i] = simd::reduce16(a[r][i]);
+  }
 }
 
-// Weight rows per parallel block: they stay in L2 while every x row passes over them.
-inline int64_t block_rows(int64_t k, int64_t esz) {
-  const int64_t rows = (256 << 10) / std::max<int64_t>(1, k * esz);
-  return std::max<int64_t>(4, std::min<int64_t>(64, rows / 4 * 4));
-}
+struct NoPairs {};
 
-// The buffered form (q8 with grouped scales or f32 x, q8k with many rows): y [T, n] in x's dtype, blocks of
-// weight rows each dequantized by dequant(n0, cols, bf, buf) into bf16 rows (bf16 x) or f32 rows (f32 x) of K,
-// then the dot form over them and every x row.
-template <class Dequant>
-at::Tensor buffered_linear(const at::Tensor& x, int64_t n, Dequant&& dequant) {
-  const int64_t t = x.size(0), k = x.size(1), nb = std::max<int64_t>(4, std::min<int64_t>(16, (128 << 10) / (k * 4) / 4 * 4));
+// The dot-form driver of every row-major kind: y [T, n] in x's dtype. fill(n0, cols, bf, out) writes weight rows
+// [n0, n0 + cols) as f32 rows of K (bf16-valued when bf: the values the AVX-512 tier hands vdpbf16ps) into out
+// [cols][K]; post(n0, cols, acc, lda) may scale the f32 results (q8 per channel) before the store.
+template <class Fill, class Post, class Pairs = NoPairs>
+at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, Pairs&& pairs = NoPairs{}) {
+  const int64_t t = x.size(0), k = x.size(1), kp = padded(k);
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
+  const std::vector<float> xl = lay_out_x(x);
+  // weight rows per task: their laid-out f32 block stays within 256 KiB (L2) while every x row passes over it
+  const int64_t nb = std::max<int64_t>(2, std::min<int64_t>(64, (64 << 10) / kp / 2 * 2));
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * nb);
-    std::vector<float> wbuf(nb * k);
+    std::vector<float> acc(t * nb), raw(nb * k), wl(nb * kp);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      dequant(n0, cols, bf, static_cast<void*>(wbuf.data()));
-      if (bf)
-        dot_block<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), t,
-                            reinterpret_cast<const uint16_t*>(wbuf.data()), k, cols, acc.data(), nb);
-      else
-        dot_block<float>(x.data_ptr<float>(), t, wbuf.data(), k, cols, acc.data(), nb);
+      if constexpr (!std::is_same_v<std::decay_t<Pairs>, NoPairs>) {
+        if (bf && t <= kDotRows && k % kStep == 0) {
+          auto src = [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) { pairs(n0 + j, k0, lo, hi); };
+          if (t == 1) dot_direct<1>(xl.data(), kp, src, cols, acc.data(), nb);
+          else dot_direct<2>(xl.data(), kp, src, cols, acc.data(), nb);
+          post(n0, cols, acc.data(), nb);
+          store_rows(acc.data(), nb, t, cols, y, n0);
+          continue;
+        }
+      }
+      fill(n0, cols, bf, raw.data());
+      for (int64_t j = 0; j < cols; ++j) lay_out(raw.data() + j * k, k, bf, wl.data() + j * kp);
+      if (bf) dot_rows<true>(xl.data(), t, wl.data(), cols, kp, acc.data(), nb);
+      else dot_rows<false>(xl.data(), t, wl.data(), cols, kp, acc.data(), nb);
+      post(n0, cols, acc.data(), nb);
       store_rows(acc.data(), nb, t, cols, y, n0);
     }
   });
   return y;
 }
 
-// n codes times scale s, as f32 (exact: q * scale) or bf16 (RNE as vcvtneps2bf16) into out at element off.
-inline void q8_store(const int8_t* q, int64_t n, float s, bool bf, void* out, int64_t off) {
+inline void no_post(int64_t, int64_t, float*, int64_t) {}
+
+// n codes times scale s as f32 (exact: q * scale), rounded to bf16 values when bf (RNE as vcvtneps2bf16; s is
+// finite and q * s zero or normal, see round_bf16_normal, where s comes from f16 or bf16 scales; an f32 scale of
+// a q8 weight gets the full rounding).
+inline void q8_values(const int8_t* q, int64_t n, float s, bool bf, float* out, bool normal = false) {
   int64_t i = 0;
   const f8 sv = simd::set1(s);
   for (; i + 8 <= n; i += 8) {
     const f8 v = simd::to_f(simd::s8x8(q + i)) * sv;
-    if (bf) simd::store_bf16(static_cast<uint16_t*>(out) + off + i, v);
-    else simd::store(static_cast<float*>(out) + off + i, v);
+    simd::store(out + i, !bf ? v : normal ? simd::round_bf16_normal(v) : simd::round_bf16(v));
   }
   for (; i < n; ++i) {
-    const float v = static_cast<float>(q[i]) * s;
-    if (bf) static_cast<uint16_t*>(out)[off + i] = simd::f32_to_bf16(v);
-    else static_cast<float*>(out)[off + i] = v;
+    const f8 v = simd::set1(static_cast<float>(q[i]) * s);
+    out[i] = bf ? simd::round_bf16(v)[0] : v[0];
   }
 }
 
