@@ -1,0 +1,519 @@
+// Generic-tier (avx2, portable) LOSSY int8-activation linears: q4_linear_i8 / q8_linear_i8 with the ops, arguments
+// and output bits of the AVX-512 VNNI tier's ../int8.cpp (its header gives the math and the invariance argument).
+//
+// What the bit-identity rests on:
+//   - activations: the same f32 steps per row and x group, with the AVX-512 lane structure: |x| maxima and x sums
+//     in 16 lanes (x[j] goes to lane j % 16, kept as two 8-lane halves), reduced by _mm512_reduce_max_ps's /
+//     _mm512_reduce_add_ps's trees (simd::reduce_max16, simd::reduce16); inv = 127 / m (a division, then
+//     multiplies), codes converted as vcvtps2dq (simd::cvt_rne: round to nearest even) and clamped to
+//     [-127, 127]; d = m / 127.
+//   - A (per row, column and group) is an exact int32 sum, so any exact integer method gives the AVX-512 tier's
+//     value. Here: unsigned codes u (q4: q in [0, 15]; q8: u = q + 128 split into nibbles u = 16 h + l) times the
+//     x codes by vpmaddubsw (u8 x s8 -> adjacent-pair int16 sums; |pair| <= 2 * 15 * 127 = 3810, never
+//     saturating), summed in int16 over windows of at most 8 quad steps (<= 30480 < 32767), then widened by
+//     vpmaddwd (q8: 16 * the high nibbles' sum plus the low ones'); A = that - off * sum(xq), off = 8 or 128.
+//     The portable build computes the same products with plain vector arithmetic.
+//   - the f32 steps per (row, column, group), in group order, written as in ../int8.cpp: f = float(A) * d, then
+//     q4 / q8 grouped: tot = fma(f, scale, tot); q8 per channel: tot = tot + f and tot * scale at the end; q4:
+//     plus (added last) the fma chain of zero * sum(x) over the groups; the output rounded once to x's dtype
+//     (bf16 as vcvtneps2bf16). -ffp-contract=off keeps every other product and sum separately rounded.
+// K is walked in chunks and rows in register blocks; neither changes a (row, column)'s sequence of f32 steps.
+//
+// Loop form: 64-column tiles (parallel; q4's stored tile); per K chunk the tile's codes are laid out as "quads"
+// (4 consecutive k of 8 columns per 32 bytes: 8 vectors per step for q4, 16 for q8's two nibble planes), then
+// each pair of code vectors (16 q4 columns, or the two planes of 8 q8 columns) meets every register block of
+// kRowBlock rows: x quads broadcast, one vpmaddubsw + vpaddw per row and vector.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../library.h"
+#include "simd.h"
+
+namespace {
+
+using simd::f8;
+using i32x8 = simd::i8;
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t s8x32 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(64)));  // a 64-byte aligned buffer unit
+
+constexpr int64_t kCols = 64;      // columns per tile (the q4 layout's tile)
+constexpr int kRowBlock = 4;       // x rows per register block: 4 x 2 int16 accumulators
+constexpr int64_t kChunk = 1024;   // k per laid-out chunk: 64 KiB of q4 quads, 128 KiB of q8 planes (in L2)
+
+enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
+
+template <class V>
+inline V vload(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// ---- integer primitives: the only code with an ISA form ------------------------------------------------------
+
+// u (unsigned bytes) x s (signed bytes), adjacent products summed into int16 lanes: vpmaddubsw (whose saturation
+// never triggers here: u <= 15, |s| <= 127).
+inline i16x16 maddubs(u8x32 u, s8x32 s) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i16x16>(_mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)));
+#else
+  const u16x16 uw = reinterpret_cast<u16x16>(u);
+  const i16x16 sw = reinterpret_cast<i16x16>(s);
+  const i16x16 ue = reinterpret_cast<i16x16>(uw & 0xff), uo = reinterpret_cast<i16x16>(uw >> 8);
+  const i16x16 se = (sw << 8) >> 8, so = sw >> 8;
+  return ue * se + uo * so;
+#endif
+}
+
+// Adjacent int16 lanes summed into int32 lanes: vpmaddwd with ones.
+inline i32x8 pair_sums(i16x16 v) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i32x8>(_mm256_madd_epi16(reinterpret_cast<__m256i>(v), _mm256_set1_epi16(1)));
+#else
+  const i32x8 w = reinterpret_cast<i32x8>(v);
+  return ((w << 16) >> 16) + (w >> 16);
+#endif
+}
+
+inline s8x32 broadcast4(const int8_t* p) {
+  int32_t q;
+  std::memcpy(&q, p, 4);
+  return reinterpret_cast<s8x32>(i32x8{} + q);
+}
+
+// ---- activations ---------------------------------------------------------------------------------------------
+
+// Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse; above
+// kKeepBytes they are given back when the call ends (as ../int8.cpp).
+constexpr size_t kKeepBytes = 16 << 20;
+
+struct ActBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+  std::vector<int32_t> qs;
+};
+thread_local ActBuffers act_buffers;
+
+struct Activations {
+  const int8_t* q;    // [T][K]
+  const float* d;     // [T][G] scale
+  const int32_t* qs;  // [T][G] -off * (sum of q): the offset term of A
+  const float* xs;    // [T][G] sum of x
+  int64_t groups;
+  ~Activations() {
+    if (act_buffers.q.capacity() > kKeepBytes) act_buffers = ActBuffers();
+  }
+};
+
+inline f8 x8(const void* x, bool bf, int64_t i) {
+  return bf ? simd::bf16x8(static_cast<const uint16_t*>(x) + i) : simd::load(static_cast<const float*>(x) + i);
+}
+inline f8 abs8(f8 v) { return simd::as_f(simd::as_u(v) & 0x7fffffffu); }
+
+Activations quantize_rows(const at::Tensor& x, int64_t xg, int32_t off) {
+  const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
+  ActBuffers& b = act_buffers;
+  b.q.resize(t * k);
+  b.d.resize(t * groups);
+  b.qs.resize(t * groups);
+  b.xs.resize(t * groups);
+  int8_t* q = b.q.data();
+  float *d = b.d.data(), *xs = b.xs.data();
+  int32_t* qs = b.qs.data();
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const void* p = x.data_ptr();
+  at::parallel_for(0, t, 1, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t base = r * k + gi * xg;
+        simd::f16 amax{}, sum{};  // lanes j % 16, as one AVX-512 register
+        for (int64_t j = 0; j < xg; j += 16) {
+          const f8 lo = x8(p, bf, base + j), hi = x8(p, bf, base + j + 8);
+          amax.lo = simd::max(amax.lo, abs8(lo));
+          amax.hi = simd::max(amax.hi, abs8(hi));
+          sum.lo = sum.lo + lo;
+          sum.hi = sum.hi + hi;
+        }
+        const float m = simd::reduce_max16(amax);
+        const f8 inv = simd::set1(m > 0.f ? 127.f / m : 0.f);
+        i32x8 qsum{};
+        for (int64_t j = 0; j < xg; j += 8) {
+          i32x8 qi = simd::cvt_rne(x8(p, bf, base + j) * inv);
+          qi = qi < -127 ? -127 : qi;
+          qi = qi > 127 ? 127 : qi;
+          qsum += qi;
+          for (int i = 0; i < 8; ++i) q[base + j + i] = static_cast<int8_t>(qi[i]);
+        }
+        int32_t s = 0;
+        for (int i = 0; i < 8; ++i) s += qsum[i];
+        d[r * groups + gi] = m / 127.f;
+        qs[r * groups + gi] = -off * s;
+        xs[r * groups + gi] = simd::reduce16(sum);
+      }
+  });
+  return Activations{q, d, qs, xs, groups};
+}
+
+// ---- weights as quads ----------------------------------------------------------------------------------------
+// A chunk of kn k of a tile is laid out pair by pair: pair p holds, for each quad step s (k = 4 s .. 4 s + 3),
+// two 32-byte vectors at buf + (p * kn / 4 + s) * 64 (+ 32): the pair's codes for the whole chunk are one
+// contiguous run. A vector holds 8 columns, byte 4i + kk = the code of its column i at k = 4 s + kk.
+//   q4: pair p = columns 16p .. 16p + 15 (vector h: 16p + 8h ..).
+//   q8: pair p = columns 8p .. 8p + 7, u = q + 128 in two nibble planes: vector 0 the low nibbles, 1 the high.
+
+inline uint8_t* slot(uint8_t* buf, int64_t steps, int64_t pair, int64_t s) { return buf + (pair * steps + s) * 64; }
+
+// Quads of k in [k0, k0 + kn) of the q4 tile at column n0 into buf (4 pairs).
+void q4_chunk(const uint8_t* qw, int64_t np, int64_t k, int64_t n0, int64_t k0, int64_t kn, uint8_t* buf) {
+  const int64_t cols = std::min(kCols, np - n0), steps = kn / 4;
+  const uint8_t* tile = qw + n0 * (k / 2);
+  if (cols == kCols) {  // byte (k, j) = q[j, k] | q[32 + j, k] << 4
+#if defined(__AVX2__)
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    for (int64_t s = 0; s < steps; ++s) {  // the bytes as quads first (byte column j: columns j and 32 + j), then
+      const uint8_t* rows = tile + (k0 + 4 * s) * 32;  // their nibbles
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 32 * i));
+      const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), a2 = _mm256_unpackhi_epi8(r[0], r[1]);
+      const __m256i b = _mm256_unpacklo_epi8(r[2], r[3]), b2 = _mm256_unpackhi_epi8(r[2], r[3]);
+      const __m256i p0 = _mm256_unpacklo_epi16(a, b), p1 = _mm256_unpackhi_epi16(a, b);     // 0-3 | 16-19, 4-7 | 20-23
+      const __m256i p2 = _mm256_unpacklo_epi16(a2, b2), p3 = _mm256_unpackhi_epi16(a2, b2);  // 8-11 | 24-27, ...
+      const __m256i q[4] = {_mm256_permute2x128_si256(p0, p1, 0x20), _mm256_permute2x128_si256(p2, p3, 0x20),
+                            _mm256_permute2x128_si256(p0, p1, 0x31), _mm256_permute2x128_si256(p2, p3, 0x31)};
+      for (int i = 0; i < 4; ++i) {  // byte columns 8i .. 8i + 7: vector i of pair i / 2 (low nibbles) and of
+        __m256i* lo = reinterpret_cast<__m256i*>(slot(buf, steps, i / 2, s)) + i % 2;      // pair 2 + i / 2
+        __m256i* hi = reinterpret_cast<__m256i*>(slot(buf, steps, 2 + i / 2, s)) + i % 2;  // (high)
+        _mm256_store_si256(lo, _mm256_and_si256(q[i], nib));
+        _mm256_store_si256(hi, _mm256_and_si256(_mm256_srli_epi16(q[i], 4), nib));
+      }
+    }
+#else
+    for (int64_t kk = 0; kk < kn; ++kk) {
+      const uint8_t* row = tile + (k0 + kk) * 32;
+      for (int64_t j = 0; j < 64; ++j)
+        slot(buf, steps, j / 16, kk / 4)[j % 16 * 4 + (kk & 3)] = j < 32 ? row[j] & 15 : row[j - 32] >> 4;
+    }
+#endif
+    return;
+  }
+  // the last tile of cols (16, 32 or 48) rows is stored as row pairs: byte (k, i) = q[2i, k] | q[2i + 1, k] << 4
+  for (int64_t kk = 0; kk < kn; ++kk)
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint8_t byte = tile[(k0 + kk) * (cols / 2) + j / 2];
+      slot(buf, steps, j / 16, kk / 4)[j % 16 * 4 + (kk & 3)] = (j & 1) ? byte >> 4 : byte & 15;
+    }
+}
+
+// q8 rows [n0, n0 + 8 pairs) (zero codes past n), k in [k0, k0 + kn), into buf.
+void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, int64_t kn, uint8_t* buf) {
+  const int64_t steps = kn / 4, pairs = std::min<int64_t>(8, (n - n0 + 7) / 8);
+#if defined(__AVX2__)
+  const __m256i nib = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t v = 0; v < pairs; ++v)
+    for (int64_t kk = 0; kk < kn; kk += 32) {  // 8 rows x 8 quads, transposed
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = n0 + 8 * v + i;
+        r[i] = row < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + row * k + k0 + kk))
+                       : _mm256_setzero_si256();
+      }
+      __m256i t[8], u[8];
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);      // quads 0, 1 | 4, 5 of rows 2i, 2i + 1
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);  // quads 2, 3 | 6, 7
+      }
+      for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i + 3
+        u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);      // quad 0 | 4
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);      // quad 1 | 5
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);  // quad 2 | 6
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);  // quad 3 | 7
+      }
+      for (int m = 0; m < 4; ++m) {
+        const __m256i lo = _mm256_permute2x128_si256(u[m], u[4 + m], 0x20);  // quad m of rows 0-7
+        const __m256i hi = _mm256_permute2x128_si256(u[m], u[4 + m], 0x31);  // quad m + 4
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_xor_si256(h ? hi : lo, flip);
+          __m256i* o = reinterpret_cast<__m256i*>(slot(buf, steps, v, kk / 4 + m + 4 * h));
+          _mm256_store_si256(o, _mm256_and_si256(q, nib));
+          _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), nib));
+        }
+      }
+    }
+#else
+  for (int64_t j = 0; j < 8 * pairs; ++j) {
+    const int64_t row = n0 + j;
+    const int8_t* src = row < n ? qw + row * k + k0 : nullptr;
+    for (int64_t kk = 0; kk < kn; ++kk) {
+      const uint8_t u = static_cast<uint8_t>((src ? src[kk] : 0) ^ 0x80);
+      uint8_t* o = slot(buf, steps, j / 8, kk / 4) + j % 8 * 4 + (kk & 3);
+      o[0] = u & 15;
+      o[32] = u >> 4;
+    }
+  }
+#endif
+}
+
+// ---- the register block --------------------------------------------------------------------------------------
+
+struct Weight {
+  const uint8_t* qw;        // q4 tiles [Np, K/2] or q8 codes [N, K]
+  const void* sc;           // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
+  at::ScalarType st;
+  int64_t cols, k, g;       // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
+};
+
+// One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
+// each group's f32 steps in order. A group is NW windows of W quad steps (W = 8; x groups of 16: one of 4), summed
+// in int16 over each window.
+//   wb: the pair's chunk (64 bytes per step); xq: x codes of the block's first row at the chunk's first k (row
+//   stride ldx); d, qs: the block's first row's group 0 (row stride ldg; qs holds -off * sum(xq)); prm: per group (q4, q8 grouped) the
+//   pair's 16 (q4) or 8 (q8) column scales, group stride lds.
+template <int R, int K, int W, int NW>
+__attribute__((noinline)) void block_groups(const uint8_t* wb, const int8_t* xq, int64_t ldx, int64_t g0, int64_t g1,
+                                            const float* d, const int32_t* qs, int64_t ldg, const float* prm,
+                                            int64_t lds, float* tot) {
+  constexpr int64_t steps = W * NW;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const int64_t s0 = (gi - g0) * steps;
+    i32x8 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = i32x8{};
+    for (int64_t w0 = s0; w0 < s0 + steps; w0 += W) {
+      i16x16 c[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = i16x16{};
+      // not fully unrolled: GCC then reassociates the int16 sums into trees and spills every product
+#pragma GCC unroll 2
+      for (int s = 0; s < W; ++s) {
+        const uint8_t* p = wb + (w0 + s) * 64;
+        const u8x32 a = vload<u8x32>(p), b = vload<u8x32>(p + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const s8x32 xb = broadcast4(xq + r * ldx + 4 * (w0 + s));
+          c[r][0] += maddubs(a, xb);
+          c[r][1] += maddubs(b, xb);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] += pair_sums(c[r][0]);
+        acc[r][1] += pair_sums(c[r][1]);
+      }
+    }
+    // the f32 steps of ../int8.cpp's group_dot, per row and 8 columns. (The empty asm keeps GCC from holding
+    // tot in registers across the groups: it then spilled them around every window, measured slower.)
+    asm("" : "+r"(tot));
+    for (int r = 0; r < R; ++r) {
+      const int64_t o = r * ldg + gi;
+      const f8 dv = simd::set1(d[o]);
+      const i32x8 base = i32x8{} + qs[o];
+      if constexpr (K == kQ4) {
+        for (int j = 0; j < 2; ++j) {
+          const f8 f = simd::to_f(acc[r][j] + base) * dv;
+          float* t = tot + r * kCols + 8 * j;
+          simd::store(t, simd::fma(f, simd::load(prm + gi * lds + 8 * j), simd::load(t)));
+        }
+      } else {
+        const f8 f = simd::to_f((acc[r][0] + (acc[r][1] << 4)) + base) * dv;  // u = l + 16 h
+        float* t = tot + r * kCols;
+        if constexpr (K == kQ8Channel) simd::store(t, simd::load(t) + f);
+        else simd::store(t, simd::fma(f, simd::load(prm + gi * lds), simd::load(t)));
+      }
+    }
+  }
+}
+
+// q4: tot[R][16] (row stride kCols) += per row the fma chain over the groups of zero * sum(x), from 0 (../int8.cpp
+// adds it last). z: the 16 columns' zeros of group 0, group stride lds; xs: the first row's sums (row stride G).
+template <int R>
+__attribute__((noinline)) void zero_terms(const float* z, int64_t lds, const float* xs, int64_t groups, float* tot) {
+  f8 zv[R][2] = {};
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const f8 z0 = simd::load(z + gi * lds), z1 = simd::load(z + gi * lds + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const f8 xv = simd::set1(xs[r * groups + gi]);
+      zv[r][0] = simd::fma(z0, xv, zv[r][0]);
+      zv[r][1] = simd::fma(z1, xv, zv[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) simd::store(tot + r * kCols + 8 * j, simd::load(tot + r * kCols + 8 * j) + zv[r][j]);
+}
+
+// f(first row, row count as a constant) over blocks of kRowBlock rows and one remainder block.
+template <typename F>
+void row_blocks(int64_t t, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + kRowBlock <= t; r0 += kRowBlock) f(r0, std::integral_constant<int, kRowBlock>{});
+  switch (t - r0) {
+    case 1: f(r0, std::integral_constant<int, 1>{}); break;
+    case 2: f(r0, std::integral_constant<int, 2>{}); break;
+    case 3: f(r0, std::integral_constant<int, 3>{}); break;
+    default: break;
+  }
+}
+
+// out[0 .. n) = p[i .. i + n) as f32 (exact: f32, bf16 or f16 values).
+void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float* out) {
+  const float* pf = static_cast<const float*>(p) + i;
+  const uint16_t* ph = static_cast<const uint16_t*>(p) + i;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    simd::store(out + j, t == at::kFloat ? simd::load(pf + j) : t == at::kBFloat16 ? simd::bf16x8(ph + j)
+                                                                                  : simd::f16x8(ph + j));
+  for (; j < n; ++j)
+    out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
+}
+
+// A tile's column parameters, zero past its last column: q4 per group scales [64] then zeros [64]; q8 grouped per
+// group scales [64]; q8 per channel scales [64].
+template <int K>
+void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, float* prm) {
+  if constexpr (K == kQ4) {  // (scale, zero) pairs [G, Np, 2]
+    alignas(32) float buf[2 * kCols];
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float* o = prm + gi * 2 * kCols;
+      to_f32(w.sc, w.st, (gi * w.cols + n0) * 2, 2 * cols, buf);
+      if (cols == kCols) {
+        for (int j = 0; j < kCols; j += 8) {
+          const f8 a = simd::load(buf + 2 * j), b = simd::load(buf + 2 * j + 8);
+          simd::store(o + j, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
+          simd::store(o + kCols + j, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15));
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < kCols; ++j) {
+        o[j] = j < cols ? buf[2 * j] : 0.f;
+        o[kCols + j] = j < cols ? buf[2 * j + 1] : 0.f;
+      }
+    }
+  } else if constexpr (K == kQ8Grouped) {  // [N, G]
+    std::vector<float> row(groups);
+    for (int64_t j = 0; j < kCols; ++j) {
+      if (j < cols) to_f32(w.sc, w.st, (n0 + j) * groups, groups, row.data());
+      for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? row[gi] : 0.f;
+    }
+  } else {  // [N]
+    std::fill(prm, prm + kCols, 0.f);
+    to_f32(w.sc, w.st, n0, cols, prm);
+  }
+}
+
+template <int K>
+at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
+  const int64_t t = x.size(0), k = w.k, xg = w.g;
+  at::Tensor y = at::empty({t, w.cols}, x.options());
+  if (t == 0) return y;
+  const Activations a = quantize_rows(x, xg, K == kQ4 ? 8 : 128);
+  const int64_t groups = a.groups, ldy = w.cols;
+  const bool out_f32 = y.scalar_type() == at::kFloat;
+  void* yp = y.data_ptr();
+  const int64_t tiles = (w.cols + kCols - 1) / kCols;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    // a K chunk of the tile's quads (64-byte aligned), kept for the thread's next call
+    static thread_local std::vector<i32x16> buf;
+    buf.resize(std::min(kChunk, k) / 4 * (K == kQ4 ? 4 : 8));
+    // per group: q4 scales [64] then zeros [64]; q8 grouped: scales [64]; q8 per channel: scales [64]
+    std::vector<float> prm(K == kQ8Channel ? kCols : groups * (K == kQ4 ? 2 : 1) * kCols);
+    std::vector<float> tot(t * kCols);
+    for (int64_t tile = b; tile < e; ++tile) {
+      const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
+      tile_params<K>(w, groups, n0, cols, prm.data());
+      std::fill(tot.begin(), tot.end(), 0.f);
+      // vector pairs: q4 16 columns each (stored tiles hold a multiple of 16), q8 the two planes of 8 columns
+      const int64_t pairs = K == kQ4 ? cols / 16 : (cols + 7) / 8;
+      const int64_t pair_cols = K == kQ4 ? 16 : 8;
+      for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+        const int64_t kn = std::min(kChunk, k - k0), g0 = k0 / xg, g1 = (k0 + kn) / xg;
+        uint8_t* bp = reinterpret_cast<uint8_t*>(buf.data());
+        if constexpr (K == kQ4) q4_chunk(w.qw, w.cols, k, n0, k0, kn, bp);
+        else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, bp);
+        for (int64_t pr = 0; pr < pairs; ++pr) {  // the pair's codes for the chunk stay in L1 over the rows
+          const uint8_t* wb = slot(bp, kn / 4, pr, 0);
+          const float* pp = prm.data() + pr * pair_cols;
+          const int64_t lds = K == kQ4 ? 2 * kCols : kCols;
+          row_blocks(t, [&](int64_t r0, auto R) {
+            constexpr int rr = decltype(R)::value;
+            auto run = [&](auto W, auto NW) {
+              block_groups<rr, K, decltype(W)::value, decltype(NW)::value>(
+                  wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups, a.qs + r0 * groups, groups, pp, lds,
+                  tot.data() + r0 * kCols + pr * pair_cols);
+            };
+            using I4 = std::integral_constant<int, 4>;
+            using I8 = std::integral_constant<int, 8>;
+            switch (xg) {
+              case 16: run(I4{}, std::integral_constant<int, 1>{}); break;
+              case 32: run(I8{}, std::integral_constant<int, 1>{}); break;
+              case 64: run(I8{}, std::integral_constant<int, 2>{}); break;
+              case 128: run(I8{}, std::integral_constant<int, 4>{}); break;
+              default: run(I8{}, std::integral_constant<int, 8>{}); break;
+            }
+          });
+        }
+      }
+      if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, added last
+        for (int64_t pr = 0; pr < pairs; ++pr)
+          row_blocks(t, [&](int64_t r0, auto R) {
+            zero_terms<decltype(R)::value>(prm.data() + kCols + 16 * pr, 2 * kCols, a.xs + r0 * groups, groups,
+                                           tot.data() + r0 * kCols + 16 * pr);
+          });
+      for (int64_t r = 0; r < t; ++r) {
+        float* o = tot.data() + r * kCols;
+        if constexpr (K == kQ8Channel)
+          for (int64_t j = 0; j < cols; ++j) o[j] *= prm[j];
+        if (out_f32) {
+          std::memcpy(static_cast<float*>(yp) + r * ldy + n0, o, cols * 4);
+        } else {
+          uint16_t* yo = static_cast<uint16_t*>(yp) + r * ldy + n0;
+          for (int64_t j = 0; j < cols; j += 8) simd::store_bf16(yo + j, simd::load(o + j), std::min<int64_t>(8, cols - j));
+        }
+      }
+    }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
+  TORCH_CHECK(k % 64 == 0, name, ": K must be a multiple of 64");
+}
+
+at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
+                        int64_t group_size) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2, g = group_size;
+  check_x(x, k, "q4_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
+              np % 16 == 0 && g % 16 == 0 && 256 % g == 0 && k % g == 0,
+              "q4_linear_i8: shapes do not match the stored layout");
+  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(), np, k, g};
+  return linear_i8<kQ4>(x, w);
+}
+
+at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8_linear_i8");
+  const int64_t xg = group_size ? group_size : 64;
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && 256 % xg == 0 && k % xg == 0,
+              "q8_linear_i8: group size must divide 256 and K");
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
+           n, k, xg};
+  return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
+}
+
+}  // namespace
+
+COLIBRI_LIBRARY(m) {
+  m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
+  m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
+}

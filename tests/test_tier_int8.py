@@ -1,0 +1,97 @@
+"""The LOSSY int8-activation ops (q4_linear_i8, q8_linear_i8) give the same bits in every kernel tier this CPU can
+run them in (avx512: its VNNI code needs avx512_vnni; avx2 and portable: generic/int8.cpp, any CPU the tier runs
+on): q4 at x groups of 32, 64 and 128, q8 per channel and grouped, f32 and bf16 x, pass sizes 1 to 64 (each tier's
+rows also equal the reference's rows of a 64-row pass: batch-invariant across tiers), tail tiles, K past a chunk,
+f16 / f32 scales and one or two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colibri import kernels
+from colibri.quant import quantize
+
+ROWS = (1, 2, 3, 5, 16, 17, 64)
+
+
+def _int8_tiers() -> list[str]:
+    """The runnable tiers whose int8 ops this CPU runs (the avx512 tier's need avx512_vnni)."""
+    have = kernels._cpu_flags()
+    return [n for n in kernels.runnable_tiers() if all(f in have for f in kernels.TIERS[n].int8.cpu_flags)]
+
+
+@pytest.fixture(scope="module")
+def tier_ops():
+    built = {name: kernels.tier_ops(name) for name in _int8_tiers()}
+    assert "portable" in built
+    return built
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _cases(n: int, k: int):
+    """(name, fn(ops, x)) for the q4 and q8 kinds of an [n, k] weight."""
+    w = _randn(n, k, seed=1) * 0.1
+    cases = []
+    for g in (32, 64, 128):
+        b = quantize(w, "q4", g)._buffers
+        cases.append((f"q4g{g}", lambda o, x, b=b, g=g: o.q4_linear_i8(x, b["qweight"], b["scales_zeros"], g)))
+    for g in (0, 32, 128):
+        b = quantize(w, "q8", g)._buffers
+        cases.append((f"q8g{g}", lambda o, x, b=b, g=g: o.q8_linear_i8(x, b["qweight"], b["scales"], g)))
+    return cases
+
+
+def _check(tier_ops, name, fn, x):
+    ref = fn(tier_ops["portable"], x)
+    for tier, o in tier_ops.items():
+        for t in ROWS:
+            y = fn(o, x[:t])
+            assert y.dtype == x.dtype and torch.equal(y, ref[:t]), f"{name} {x.dtype} T={t}: {tier} differs"
+
+
+# 200 rows: q4 pads to 208 (a 16-column tail tile), q8 ends in an 8-column block; K = 2304: past a 1024-k chunk
+@pytest.mark.parametrize("shape", [(200, 256), (64, 2304)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_tiers_agree_at_every_pass_size(tier_ops, shape, dtype):
+    x = _randn(max(ROWS), shape[1], seed=2).to(dtype)
+    x[0, :64] = 0  # a zero group (d = 0)
+    x[1, 5] *= 40  # an outlier: its group's step grows
+    for name, fn in _cases(*shape):
+        _check(tier_ops, name, fn, x)
+
+
+def test_int8_tiers_agree_on_other_scale_dtypes_and_tails(tier_ops):
+    """f16 and f32 scales, x groups of 16 and 256, q4 tail tiles of 32 and 48 columns, q8 codes of -128."""
+    g = torch.Generator().manual_seed(3)
+    x = _randn(max(ROWS), 512, seed=4).bfloat16()
+    for np_, grp in ((96, 16), (112, 256)):
+        qw = torch.randint(0, 256, (np_, 256), generator=g, dtype=torch.uint8)
+        sz = _randn(512 // grp, np_, 2, seed=5) * 0.05
+        for dt in (torch.float16, torch.float32):
+            _check(tier_ops, f"q4 Np={np_} g{grp} {dt}",
+                   lambda o, xx, s=sz.to(dt), q=qw, gg=grp: o.q4_linear_i8(xx, q, s, gg), x)
+    qw = torch.randint(-128, 128, (45, 512), generator=g, dtype=torch.int8)
+    for grp in (0, 16, 256):
+        sc = (_randn(45, 512 // grp, seed=6) if grp else _randn(45, seed=6)).abs() * 0.01
+        for dt in (torch.float16, torch.float32):
+            _check(tier_ops, f"q8 g{grp} {dt}", lambda o, xx, s=sc.to(dt), gg=grp: o.q8_linear_i8(xx, qw, s, gg), x)
+
+
+def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
+    w = quantize(_randn(320, 1024, seed=7) * 0.1, "q4", 64)._buffers
+    x = _randn(37, 1024, seed=8).bfloat16()
+    fn = lambda o, t: o.q4_linear_i8(x[:t], w["qweight"], w["scales_zeros"], 64)  # noqa: E731
+    ref = fn(tier_ops["portable"], 37)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for tier, o in tier_ops.items():
+                for t in (1, 6, 37):
+                    assert torch.equal(fn(o, t), ref[:t]), f"{tier} T={t} threads={n}"
+    finally:
+        torch.set_num_threads(threads)
