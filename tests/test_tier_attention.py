@@ -1,0 +1,74 @@
+"""attend gives the same bits in every kernel tier this CPU can run (avx512: attention.cpp; avx2 and portable:
+generic/attention.cpp): f32, bf16 and mixed q/k/v, head dims that are multiples of 16, of 8 only, and of neither,
+GQA groups of 1 to 6 (the generic tiers' head groups of up to 4 and their remainders), sliding windows, softcap,
+scores far enough apart that exp lands below 2^-126, queries that see no key, views with strided rows as the
+engine passes them, and one or two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colibri import kernels
+
+TIERS = kernels.runnable_tiers()
+
+
+@pytest.fixture(scope="module")
+def tier_ops():
+    built = {name: kernels.tier_ops(name) for name in TIERS}
+    assert "portable" in built
+    return built
+
+
+def _randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _qkv(H, Hkv, D, T, S, dtypes, seed):
+    """q as the engine's [T, H, D] projection transposed to [H, T, D]; k and v as the first S rows of a longer
+    cache (strided rows, contiguous last dim)."""
+    dq, dk, dv = dtypes
+    q = _randn(T, H, D, seed=seed).to(dq).transpose(0, 1)
+    k = _randn(Hkv, S + 7, D, seed=seed + 1).to(dk)[:, :S]
+    v = _randn(Hkv, S + 7, D, seed=seed + 2).to(dv)[:, :S]
+    return q, k, v
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = [  # H, Hkv, D, T, S, (q, k, v dtypes), positions, window, scale, softcap
+    (8, 2, 64, 1, 300, (BF16,) * 3, "decode", 0, 0.125, 0.0),
+    (8, 2, 64, 37, 37, (BF16,) * 3, "prefill", 0, 0.125, 0.0),
+    (9, 3, 80, 20, 90, (F32,) * 3, "prefill", 7, 80 ** -0.5, 30.0),
+    (6, 1, 40, 5, 70, (BF16, BF16, F32), "prefill", 16, 40 ** -0.5, 0.0),
+    (4, 4, 20, 6, 33, (F32, BF16, BF16), "scattered", 0, 1.0, 0.0),
+    (5, 1, 256, 3, 50, (F32,) * 3, "prefill", 0, 0.0625, 50.0),
+    (2, 1, 9, 17, 17, (F32,) * 3, "prefill", 3, 20.0, 0.0),  # scores far apart: exp below 2^-126 and to 0
+    (12, 2, 128, 2, 600, (BF16,) * 3, "decode", 0, 128 ** -0.5, 0.0),
+]
+
+
+def _positions(kind, T, S):
+    if kind == "scattered":  # some past the cache, some negative (no visible key: zeros)
+        return torch.tensor([S + 3, -1, 0, S // 2, -4, 1][:T])
+    return torch.arange(S - T, S)  # decode / prefill: the last T positions
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_attend_tiers_agree(tier_ops, case):
+    H, Hkv, D, T, S, dtypes, kind, window, scale, cap = CASES[case]
+    q, k, v = _qkv(H, Hkv, D, T, S, dtypes, seed=10 * case)
+    pos = _positions(kind, T, S)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ref = tier_ops["portable"].attend(q, k, v, pos, window, scale, cap)
+            assert ref.isfinite().all()
+            for tier, o in tier_ops.items():
+                got = o.attend(q, k, v, pos, window, scale, cap)
+                assert torch.equal(got, ref), f"case {case} ({n} threads): {tier} differs from portable"
+    finally:
+        torch.set_num_threads(threads)
+    if kind == "scattered":
+        assert not ref[:, 1].any() and not ref[:, 4].any()  # the queries that see no key
