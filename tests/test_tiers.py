@@ -1,0 +1,165 @@
+"""Every kernel tier this CPU can run (avx512, avx2, portable: the portable tier always) gives the same bits: each
+linear kind in bf16 and f32 at pass sizes 1, 3, 16, 64, pointwise, and whole models' logits and greedy tokens
+(the tiny families; the README demo's default container). Attention and the LOSSY int8 ops are crossed in
+test_tier_attention.py and test_tier_int8.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from colibri import kernels
+from colibri.quant import from_gguf, quantize
+from test_kquant import k_blocks
+
+ROWS = (1, 3, 16, 64)
+TIERS = kernels.runnable_tiers()
+
+
+@pytest.fixture(scope="module")
+def tier_ops():
+    built = {name: kernels.tier_ops(name) for name in TIERS}
+    assert "portable" in built
+    return built
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _linear_cases(n: int, k: int):
+    """(name, x dtypes, fn(ops, x)) for every stored kind of an [n, k] weight."""
+    w = _randn(n, k, seed=1) * 0.1
+    cases = [("f32", (torch.float32,), lambda o, x: o.dense_linear(x, w)),
+             ("bf16", (torch.bfloat16,), lambda o, x: o.dense_linear(x, w.bfloat16()))]
+    both = (torch.float32, torch.bfloat16)
+    for g in (32, 64, 128):
+        if k % g == 0:
+            b = quantize(w, "q4", g)._buffers
+            cases.append((f"q4g{g}", both, lambda o, x, b=b, g=g: o.q4_linear(x, b["qweight"], b["scales_zeros"], g)))
+    for g in (0, 32):
+        b = quantize(w, "q8", g)._buffers
+        cases.append((f"q8g{g}", both, lambda o, x, b=b, g=g: o.q8_linear(x, b["qweight"], b["scales"], g)))
+    if k % 256 == 0:
+        for qtype, op in ((QT.Q4_K, "q4k_linear"), (QT.Q6_K, "q8k_linear")):
+            b = from_gguf(k_blocks(qtype, n, k, seed=n), qtype, (n, k))._buffers
+            cases.append((op[:3], both, lambda o, x, b=b, op=op: getattr(o, op)(x, b["qweight"], b["scales"],
+                                                                               b["supers"])))
+    return cases
+
+
+# 200 rows: q4 pads to 208 (a 16-column tail tile); K = 96: a dot-form tail; K = 2304: past a 1024-column chunk
+@pytest.mark.parametrize("shape", [(200, 256), (64, 96), (37, 2304)])
+def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
+    for name, dtypes, fn in _linear_cases(*shape):
+        for dtype in dtypes:
+            x = _randn(max(ROWS), shape[1], seed=2).to(dtype)
+            ref = fn(tier_ops["portable"], x)
+            for tier, o in tier_ops.items():
+                for t in ROWS:
+                    y = fn(o, x[:t])
+                    assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
+
+
+def test_pointwise_tiers_agree(tier_ops):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (_randn(64 * 300, seed=3) * 4).to(dtype)
+        for fn in ("silu", "sigmoid", "gelu", "rsqrt"):
+            xi = x.abs() + 0.1 if fn == "rsqrt" else x
+            ref = tier_ops["portable"].pointwise(xi, fn, 1024)
+            for tier, o in tier_ops.items():
+                assert torch.equal(o.pointwise(xi, fn, 1024), ref), f"{fn} {dtype}: {tier}"
+
+
+@pytest.fixture
+def each_tier():
+    """Runs a function under every runnable tier (the process tier switched with kernels.use) -> {tier: result}."""
+    def run(fn):
+        out = {}
+        try:
+            for tier in TIERS:
+                kernels.use(tier)
+                assert kernels.tier() == tier
+                out[tier] = fn()
+        finally:
+            kernels.use(None)
+        return out
+    return run
+
+
+@pytest.mark.parametrize("fam", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_tiny_family_logits_and_tokens_equal_on_every_tier(tiny_model_dir, each_tier, tmp_path, fam):
+    """bf16 dense weights (the dot form) and a q4 container (the outer form) of each tiny family."""
+    import colibri
+    from colibri.convert import cached_container
+
+    src = tiny_model_dir(fam)
+    q4 = cached_container(src, tmp_path, "q4")
+    ids = [(7 * i + 3) % 384 for i in range(20)]
+
+    def run():
+        got = []
+        for path, dtype in ((src, "bfloat16"), (q4, None)):
+            with colibri.load(path, dtype=dtype) as m:
+                got.append((m.logits(ids), m.generate(ids, max_tokens=8, temperature=0).token_ids))
+        return got
+
+    results = each_tier(run)
+    ref = results["portable"]
+    for tier, got in results.items():
+        for (logits, tokens), (rl, rt) in zip(got, ref):
+            assert torch.equal(logits, rl), f"{fam}: {tier} logits differ from portable"
+            assert tokens == rt
+
+
+def test_readme_demo_tokens_equal_on_every_tier(each_tier):
+    """The README demo's model (SmolLM2-135M's GGUF, converted to its default container) decodes the same
+    greedy tokens on every tier."""
+    import colibri
+    from colibri.convert import default_container
+    from colibri.errors import ModelLoadError
+
+    try:
+        path = default_container()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+    def run():
+        with colibri.load(path) as m:
+            return m.generate("Name three uses of a hash map.", max_tokens=24, temperature=0).token_ids
+
+    results = each_tier(run)
+    assert len(set(map(tuple, results.values()))) == 1, results
+
+
+def test_portable_tier_compiles_for_aarch64(tmp_path):
+    """The portable tier is the one ARM machines (Apple Silicon, Graviton, Ampere) run; it cannot run here, so it
+    is cross-compiled (each source to an object file with Debian's aarch64 g++, which .ci/run installs) to show it
+    builds for aarch64, with NEON fma for the exact steps (fmla) and no call to a software fmaf."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
+    tier = kernels.TIERS["portable"]
+    inc = [f"-isystem{p}" for p in cpp_extension.include_paths()] + [f"-isystem{sysconfig.get_paths()['include']}"]
+    procs = []
+    for src in tier.sources:
+        obj = tmp_path / (src.replace("/", "_") + ".o")
+        cmd = [cxx, "-std=c++17", "-O2", "-fopenmp", "-ffp-contract=off", "-DCOLIBRI_NS=colibri_portable", *inc,
+               "-c", str(tier.src_dir / src), "-o", str(obj)]
+        procs.append((src, obj, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    for src, obj, p in procs:
+        out = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, f"{src} does not compile for aarch64:\n{out[-3000:]}"
+        assert obj.stat().st_size > 0
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:
+        dis = subprocess.run([objdump, "-d", str(tmp_path / "generic_linear.cpp.o")], capture_output=True,
+                             text=True, check=True).stdout
+        assert "fmla" in dis and "fmaf" not in dis
