@@ -60,3 +60,14 @@ def tiny_model_dir(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tier_ops():
+    """{tier: its torch.ops namespace} for every native kernel tier this CPU runs, built once (the portable tier
+    always): the cross-tier tests compare them."""
+    from colibri import kernels
+
+    built = {name: kernels.tier_ops(name) for name in kernels.runnable_tiers()}
+    assert "portable" in built
+    return built

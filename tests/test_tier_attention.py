@@ -11,14 +11,6 @@ import torch
 
 from colibri import kernels
 
-TIERS = kernels.runnable_tiers()
-
-
-@pytest.fixture(scope="module")
-def tier_ops():
-    built = {name: kernels.tier_ops(name) for name in TIERS}
-    assert "portable" in built
-    return built
 
 
 def _randn(*shape, seed, scale=1.0):

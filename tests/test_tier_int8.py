@@ -22,10 +22,8 @@ def _int8_tiers() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tier_ops():
-    built = {name: kernels.tier_ops(name) for name in _int8_tiers()}
-    assert "portable" in built
-    return built
+def tier_ops(tier_ops):
+    return {name: ops for name, ops in tier_ops.items() if name in _int8_tiers()}
 
 
 def _randn(*shape, seed):

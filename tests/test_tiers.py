@@ -17,13 +17,6 @@ ROWS = (1, 3, 16, 64)
 TIERS = kernels.runnable_tiers()
 
 
-@pytest.fixture(scope="module")
-def tier_ops():
-    built = {name: kernels.tier_ops(name) for name in TIERS}
-    assert "portable" in built
-    return built
-
-
 def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
