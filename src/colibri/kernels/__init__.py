@@ -36,7 +36,8 @@ theirs in the last bits. `colibri kernels` lists all this.
 
 LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`, `--lossy-int8-activations`, or
 `COLIBRI_LOSSY_INT8=1`): q4 and q8 weights multiply activations quantized per row and per group to int8 with
-AVX-512 VNNI dot products, about twice the arithmetic rate of the exact bf16 kernels on long passes. Still
+int8 dot products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the
+portable one: the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still
 batch-invariant; its quality cost is in docs/performance.md. Process-wide, like the kernel tier: once set, every
 model in the process uses it. Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need,
 a one-line notice says so and the exact kernels run.
@@ -103,9 +104,6 @@ class Tier:
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
                     "pointwise.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/tiles.h", "library.h")
-# not yet: generic/int8.cpp's ops are not to be used until it is written (then: usable=True and the CPU flags
-# they need)
-_INT8_NOT_YET = Int8(False)
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "attention.cpp", "int8.cpp", "kquant.cpp", "pointwise.cpp"),
          ("tiles.h", "library.h"),
@@ -114,9 +112,9 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"),
          Int8(True, ("avx512_vnni",))),
     Tier("avx2", "colibri_avx2", _GENERIC_SOURCES, _GENERIC_HEADERS, (*_GENERIC_FLAGS, "-mavx2", "-mfma", "-mf16c"),
-         ("avx2", "fma", "f16c"), _INT8_NOT_YET),
+         ("avx2", "fma", "f16c"), Int8(True)),  # vpmaddubsw: AVX2 itself
     # no -m flags: the compiler's baseline ISA, which every CPU it targets runs
-    Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), _INT8_NOT_YET),
+    Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), Int8(True)),
 )}
 NATIVE = tuple(TIERS)  # best first: the order auto tries them in
 VALUES = ("auto", *NATIVE, "torch")  # what COLIBRI_KERNELS takes ("native": an alias of auto)
