@@ -20,10 +20,10 @@ q4k / q8k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quan
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
-  native (colibri.kernels, AVX-512): q4 with bf16 x: per group, x . (q - 8) by bf16 dot products of the exact
+  native (colibri.kernels: the avx512, avx2 and portable tiers, bit-identical to each other): q4 with bf16 x: per group, x . (q - 8) by bf16 dot products of the exact
     codes, then scale * that + zero * sum(x) in f32, output rounded once to bf16; q8 with bf16 x: weights
     q * scale rounded to bf16, f32 accumulation. f32 x: the `dequantize()` weights exactly, f32 accumulation.
-  torch fallback (COLIBRI_KERNELS=torch, or no AVX-512): bf16 x: torch's int4 / int8 weight-only kernels at
+  torch fallback (COLIBRI_KERNELS=torch, or no C++ compiler): bf16 x: torch's int4 / int8 weight-only kernels at
     every row count (their rows do not interact); grouped q8 and f32 x: a few MiB of rows at a time are
     dequantized in f32 (exactly the `dequantize()` values), rounded to x's dtype and multiplied with a GEMM run
     on fixed 16-row blocks (`kernels.blocked`).
