@@ -71,13 +71,18 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
           q8_values(qw + (n0 + j) * k + 256 * b + 16 * i, 16, d * static_cast<float>(c[i]), bf,
                     out + j * k + 256 * b + 16 * i, true);
       }
-  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {  // k0 % 32 == 0: two scale groups of 16
-    const float d = simd::f16_to_f32(sup[j * (k / 256) + k0 / 256]);
-    const int8_t* c = sc + j * (k / 16) + k0 / 16;
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
+    // the row's d * sc into its scratch at its first step: one f16 conversion per 256 weights, not per step
+    if (k0 == 0) {
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const float d = simd::f16_to_f32(sup[j * (k / 256) + b]);
+        for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[j * (k / 16) + 16 * b + i]);
+      }
+    }
     const int8_t* q = qw + j * k + k0;
     for (int h = 0; h < 2; ++h) {
       const Pair v = simd::code_pairs(q + 16 * h);
-      const f8 sv = simd::set1(d * static_cast<float>(c[h]));
+      const f8 sv = simd::set1(s[k0 / 16 + h]);
       (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
     }
   });

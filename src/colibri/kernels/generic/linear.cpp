@@ -53,7 +53,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
       return;
     }
     for (int64_t i = 0; i < cols * k; ++i) out[i] = simd::bf16_to_f32(wb[n0 * k + i]);
-  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {
     lo = simd::bf16_pairs(wb + j * k + k0);
     hi = simd::bf16_pairs(wb + j * k + k0 + 16);
   });
@@ -82,7 +82,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
       const float s = load1(sc, n0 + j, st);
       for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
     }
-  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) {  // only reached for bf16 x, where per channel means g == k
+  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {  // bf16 x only: per channel means g == k
     const int8_t* q = qw + j * k + k0;
     if (channel) {
       lo = simd::code_pairs(q);

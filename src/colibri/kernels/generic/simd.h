@@ -208,7 +208,7 @@ inline Pair bf16_pairs(const uint16_t* p) {
 inline Pair code_pairs(const int8_t* p) {
 #if defined(__AVX2__)
   const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // 16 x i16
-  const __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24), o = _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24);
+  const __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16), o = _mm256_srai_epi32(v, 16);
   return Pair{reinterpret_cast<f8>(_mm256_cvtepi32_ps(e)), reinterpret_cast<f8>(_mm256_cvtepi32_ps(o))};
 #else
   typedef int16_t s16 __attribute__((vector_size(16), aligned(1)));

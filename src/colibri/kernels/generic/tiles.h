@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -396,29 +397,37 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
 }
 
 // Decode (bf16 x, at most kDotRows rows, K a multiple of 32): the weights straight from their source in registers,
-// pairs(j, k0, lo, hi) giving the pairs of row j's 32 elements from k0 (the values fill would write, split), so
-// each weight is read and dequantized once with no buffer. The same accumulation as dot_rows.
-template <int R, class Pairs>
-void dot_direct(const float* x, int64_t kp, Pairs&& pairs, int64_t cols, float* y, int64_t ldy) {
-  for (int64_t j = 0; j < cols; j += 2) {
-    const int c = std::min<int64_t>(2, cols - j);
-    f16 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = f16{simd::zero(), simd::zero()};
-    for (int64_t k0 = 0; k0 < kp; k0 += kStep) {
-      Pair w[2][2];
-      for (int i = 0; i < c; ++i) pairs(j + i, k0, w[i][0], w[i][1]);
+// pairs(j, k0, lo, hi, scratch) giving the pairs of row j's 32 elements from k0 (the values fill would write,
+// split), so each weight is read and dequantized once with no buffer; scratch (kp floats) is the row's own while
+// its steps run, k0 = 0 first (a source may keep per-row scales there). The same accumulation as dot_rows.
+// (Column counts are compile-time: accumulators indexed by a run-time count went to the stack.)
+template <int R, int C, class Pairs>
+inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j, float* y, int64_t ldy, float* scratch) {
+  f16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = f16{simd::zero(), simd::zero()};
+  for (int64_t k0 = 0; k0 < kp; k0 += kStep) {
+    for (int c = 0; c < C; ++c) {
+      Pair lo, hi;
+      pairs(j + c, k0, lo, hi, scratch + c * kp);
       for (int r = 0; r < R; ++r) {
         const float* p = x + r * kp + k0;
-        const f8 x0 = simd::load(p), x1 = simd::load(p + 8), x2 = simd::load(p + 16), x3 = simd::load(p + 24);
-        for (int i = 0; i < c; ++i) {
-          a[r][i].lo = simd::madd_exact(w[i][0].even, x0, simd::madd_exact(w[i][0].odd, x1, a[r][i].lo));
-          a[r][i].hi = simd::madd_exact(w[i][1].even, x2, simd::madd_exact(w[i][1].odd, x3, a[r][i].hi));
-        }
+        a[r][c].lo = simd::madd_exact(lo.even, simd::load(p), simd::madd_exact(lo.odd, simd::load(p + 8), a[r][c].lo));
+        a[r][c].hi = simd::madd_exact(hi.even, simd::load(p + 16), simd::madd_exact(hi.odd, simd::load(p + 24), a[r][c].hi));
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < c; ++i) y[r * ldy + j + i] = simd::reduce16(a[r][i]);
   }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + j + c] = simd::reduce16(a[r][c]);
+}
+
+// Two weight rows at a time: each step is two dependent roundings per accumulator, so four independent chains keep
+// the FMA units busy where one row's two would wait on their latency.
+template <int R, class Pairs>
+void dot_direct(const float* x, int64_t kp, Pairs&& pairs, int64_t cols, float* y, int64_t ldy, float* scratch) {
+  int64_t j = 0;
+  for (; j + 2 <= cols; j += 2) dot_direct_rows<R, 2>(x, kp, pairs, j, y, ldy, scratch);
+  if (j < cols) dot_direct_rows<R, 1>(x, kp, pairs, j, y, ldy, scratch);
 }
 
 struct NoPairs {};
@@ -435,25 +444,30 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
   // weight rows per task: their laid-out f32 block stays within 256 KiB (L2) while every x row passes over it
   const int64_t nb = std::max<int64_t>(2, std::min<int64_t>(64, (64 << 10) / kp / 2 * 2));
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * nb), raw(nb * k), wl(nb * kp);
+    // not value-initialized: every element is written before it is read (fresh zeroed pages of a few hundred
+    // KiB per call cost as much as a decode row's arithmetic)
+    constexpr bool has_pairs = !std::is_same_v<std::decay_t<Pairs>, NoPairs>;
+    const bool direct = has_pairs && bf && t <= kDotRows && k % kStep == 0;
+    std::unique_ptr<float[]> acc(new float[t * nb]), raw(direct ? nullptr : new float[nb * k]),
+        wl(new float[(direct ? 2 : nb) * kp]);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
-      if constexpr (!std::is_same_v<std::decay_t<Pairs>, NoPairs>) {
-        if (bf && t <= kDotRows && k % kStep == 0) {
-          auto src = [&](int64_t j, int64_t k0, Pair& lo, Pair& hi) { pairs(n0 + j, k0, lo, hi); };
-          if (t == 1) dot_direct<1>(xl.data(), kp, src, cols, acc.data(), nb);
-          else dot_direct<2>(xl.data(), kp, src, cols, acc.data(), nb);
-          post(n0, cols, acc.data(), nb);
-          store_rows(acc.data(), nb, t, cols, y, n0);
+      if constexpr (has_pairs) {
+        if (direct) {
+          auto src = [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* row) { pairs(n0 + j, k0, lo, hi, row); };
+          if (t == 1) dot_direct<1>(xl.data(), kp, src, cols, acc.get(), nb, wl.get());
+          else dot_direct<2>(xl.data(), kp, src, cols, acc.get(), nb, wl.get());
+          post(n0, cols, acc.get(), nb);
+          store_rows(acc.get(), nb, t, cols, y, n0);
           continue;
         }
       }
-      fill(n0, cols, bf, raw.data());
-      for (int64_t j = 0; j < cols; ++j) lay_out(raw.data() + j * k, k, bf, wl.data() + j * kp);
-      if (bf) dot_rows<true>(xl.data(), t, wl.data(), cols, kp, acc.data(), nb);
-      else dot_rows<false>(xl.data(), t, wl.data(), cols, kp, acc.data(), nb);
-      post(n0, cols, acc.data(), nb);
-      store_rows(acc.data(), nb, t, cols, y, n0);
+      fill(n0, cols, bf, raw.get());
+      for (int64_t j = 0; j < cols; ++j) lay_out(raw.get() + j * k, k, bf, wl.get() + j * kp);
+      if (bf) dot_rows<true>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb);
+      else dot_rows<false>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb);
+      post(n0, cols, acc.get(), nb);
+      store_rows(acc.get(), nb, t, cols, y, n0);
     }
   });
   return y;
