@@ -396,7 +396,7 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
   }
 }
 
-// Decode (bf16 x, at most kDotRows rows, K a multiple of 32): the weights straight from their source in registers,
+// Decode (bf16 x, at most kDirectRows rows, K a multiple of 32): the weights straight from their source in registers,
 // pairs(j, k0, lo, hi, scratch) giving the pairs of row j's 32 elements from k0 (the values fill would write,
 // split), so each weight is read and dequantized once with no buffer; scratch (kp floats) is the row's own while
 // its steps run, k0 = 0 first (a source may keep per-row scales there). The same accumulation as dot_rows.
@@ -423,12 +423,16 @@ inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j,
 
 // Two weight rows at a time: each step is two dependent roundings per accumulator, so four independent chains keep
 // the FMA units busy where one row's two would wait on their latency.
+// (Three or four x rows: one weight row at a time, their accumulators fill the registers.)
 template <int R, class Pairs>
 void dot_direct(const float* x, int64_t kp, Pairs&& pairs, int64_t cols, float* y, int64_t ldy, float* scratch) {
   int64_t j = 0;
-  for (; j + 2 <= cols; j += 2) dot_direct_rows<R, 2>(x, kp, pairs, j, y, ldy, scratch);
-  if (j < cols) dot_direct_rows<R, 1>(x, kp, pairs, j, y, ldy, scratch);
+  if constexpr (R <= 2)
+    for (; j + 2 <= cols; j += 2) dot_direct_rows<R, 2>(x, kp, pairs, j, y, ldy, scratch);
+  for (; j < cols; ++j) dot_direct_rows<R, 1>(x, kp, pairs, j, y, ldy, scratch);
 }
+
+constexpr int kDirectRows = 4;  // decode and speculation's short passes read dot-form weights straight
 
 struct NoPairs {};
 
@@ -447,7 +451,7 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
     // not value-initialized: every element is written before it is read (fresh zeroed pages of a few hundred
     // KiB per call cost as much as a decode row's arithmetic)
     constexpr bool has_pairs = !std::is_same_v<std::decay_t<Pairs>, NoPairs>;
-    const bool direct = has_pairs && bf && t <= kDotRows && k % kStep == 0;
+    const bool direct = has_pairs && bf && t <= kDirectRows && k % kStep == 0;
     std::unique_ptr<float[]> acc(new float[t * nb]), raw(direct ? nullptr : new float[nb * k]),
         wl(new float[(direct ? 2 : nb) * kp]);
     for (int64_t blk = b; blk < e; ++blk) {
@@ -455,8 +459,12 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
       if constexpr (has_pairs) {
         if (direct) {
           auto src = [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* row) { pairs(n0 + j, k0, lo, hi, row); };
-          if (t == 1) dot_direct<1>(xl.data(), kp, src, cols, acc.get(), nb, wl.get());
-          else dot_direct<2>(xl.data(), kp, src, cols, acc.get(), nb, wl.get());
+          switch (t) {
+            case 1: dot_direct<1>(xl.data(), kp, src, cols, acc.get(), nb, wl.get()); break;
+            case 2: dot_direct<2>(xl.data(), kp, src, cols, acc.get(), nb, wl.get()); break;
+            case 3: dot_direct<3>(xl.data(), kp, src, cols, acc.get(), nb, wl.get()); break;
+            default: dot_direct<4>(xl.data(), kp, src, cols, acc.get(), nb, wl.get()); break;
+          }
           post(n0, cols, acc.get(), nb);
           store_rows(acc.get(), nb, t, cols, y, n0);
           continue;
