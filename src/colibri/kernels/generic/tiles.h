@@ -134,29 +134,29 @@ inline void q4_codes(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float off,
       buf[k * kTile + j] = j < cols ? static_cast<float>(q4_code(w, n0, cols, j, k0 + k)) + off : 0.f;
 }
 
-// One group of R rows (bf16 x as f32 in xf [R][g]) over the column vectors {v0, v1}: A by dpbf16 steps over the
-// group's code pairs from `codes(k, v)` (f32 codes minus 8 of row k, column vector v), then
-// tot = tot + fma(A, s, z * xsum) per column.
-template <int R, class Codes>
+// One group of R rows (bf16 x as f32 in xf [R][g]) over V column vectors vid[0..V): A by dpbf16 steps over the
+// group's code pairs from codes(k, p) (p[i]: f32 codes minus 8 of rows k, k + 1 for column vector vid[i]), then
+// tot = tot + fma(A, s, z * xsum) per column. Each step is two dependent roundings per accumulator: R * V
+// independent chains (at least 4) keep the FMA units from waiting on their latency.
+template <int R, int V, class Codes>
 inline void q4_group(Codes&& codes, int64_t g, const float* xf, const float* xs, const float* s, const float* z,
-                     int v0, int v1, float* tot) {
-  f8 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
+                     const int* vid, float* tot) {
+  f8 a[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) a[r][i] = simd::zero();
   for (int64_t k = 0; k < g; k += 2) {
-    Pair p0, p1;
-    codes(k, v0, v1, p0, p1);
+    Pair p[V];
+    codes(k, p);
     for (int r = 0; r < R; ++r) {
       const f8 xe = simd::set1(xf[r * kMaxGroup + k]), xo = simd::set1(xf[r * kMaxGroup + k + 1]);
-      a[r][0] = simd::dpbf16(a[r][0], p0, xe, xo);
-      a[r][1] = simd::dpbf16(a[r][1], p1, xe, xo);
+      for (int i = 0; i < V; ++i) a[r][i] = simd::dpbf16(a[r][i], p[i], xe, xo);
     }
   }
   for (int r = 0; r < R; ++r) {
     const f8 xv = simd::set1(xs[r]);
-    for (int i = 0; i < 2; ++i) {
-      const int v = i ? v1 : v0;
-      float* o = tot + r * kTile + 8 * v;
-      simd::store(o, simd::load(o) + simd::fma(a[r][i], simd::load(s + 8 * v), simd::load(z + 8 * v) * xv));
+    for (int i = 0; i < V; ++i) {
+      float* o = tot + r * kTile + 8 * vid[i];
+      simd::store(o, simd::load(o) + simd::fma(a[r][i], simd::load(s + 8 * vid[i]), simd::load(z + 8 * vid[i]) * xv));
     }
   }
 }
@@ -239,25 +239,33 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
             xsum[r] = xs[(r0 + r) * groups + gi];
           }
           float* tot = acc.data() + r0 * kTile;
-          if (direct) {
-            for (int c = 0; c < 4; ++c)  // column vectors c and c + 4 come from the same bytes
-              q4_group<rr>(
-                  [&](int64_t kk, int, int, Pair& p0, Pair& p1) {
-                    q4_row8(tp, kg + kk, c, -8.f, p0.even, p1.even);
-                    q4_row8(tp, kg + kk + 1, c, -8.f, p0.odd, p1.odd);
+          if (direct) {  // column vectors c and c + 4 come from the same bytes; one row: two such pairs at once
+            constexpr int h = rr == 1 ? 2 : 1;
+            for (int c = 0; c < 4; c += h) {
+              int vid[2 * h];
+              for (int i = 0; i < h; ++i) vid[i] = c + i, vid[h + i] = c + i + 4;
+              q4_group<rr, 2 * h>(
+                  [&](int64_t kk, Pair* p) {
+                    for (int i = 0; i < h; ++i) {
+                      q4_row8(tp, kg + kk, c + i, -8.f, p[i].even, p[h + i].even);
+                      q4_row8(tp, kg + kk + 1, c + i, -8.f, p[i].odd, p[h + i].odd);
+                    }
                   },
-                  g, xf, xsum, s, z, c, c + 4, tot);
+                  g, xf, xsum, s, z, vid, tot);
+            }
           } else {
             const float* cb = buf.data();
-            for (int c = 0; c < kVecs; c += 2)
-              q4_group<rr>(
-                  [&](int64_t kk, int v0, int v1, Pair& p0, Pair& p1) {
-                    p0.even = simd::load(cb + kk * kTile + 8 * v0);
-                    p0.odd = simd::load(cb + (kk + 1) * kTile + 8 * v0);
-                    p1.even = simd::load(cb + kk * kTile + 8 * v1);
-                    p1.odd = simd::load(cb + (kk + 1) * kTile + 8 * v1);
+            for (int c = 0; c < kVecs; c += 2) {
+              const int vid[2] = {c, c + 1};
+              q4_group<rr, 2>(
+                  [&](int64_t kk, Pair* p) {
+                    for (int i = 0; i < 2; ++i) {
+                      p[i].even = simd::load(cb + kk * kTile + 8 * (c + i));
+                      p[i].odd = simd::load(cb + (kk + 1) * kTile + 8 * (c + i));
+                    }
                   },
-                  g, xf, xsum, s, z, c, c + 1, tot);
+                  g, xf, xsum, s, z, vid, tot);
+            }
           }
         });
       }
