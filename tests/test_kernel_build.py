@@ -223,6 +223,11 @@ def test_a_bad_setting_is_a_one_line_error_before_anything_runs(monkeypatch, cap
     assert cli.main(["run", "--model", "/nonexistent", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == ("error: COLIBRI_KERNELS=bogus is not understood; use one of: auto, avx2,"
                                        " portable, torch\n")
+    # the library: colibri.load refuses it before reading a weight (the path does not even exist)
+    import colibri
+    from colibri.errors import InputError
+    with pytest.raises(InputError, match="^COLIBRI_KERNELS=bogus is not understood"):
+        colibri.load("/nonexistent")
 
 
 def test_colibri_kernels_lists_the_tiers(monkeypatch, capsys):

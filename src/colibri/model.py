@@ -352,5 +352,9 @@ def load(path: str | Path | EngineConfig | None = None, **kwargs) -> Model:
     kv_quant="q8" stores K and V as int8 (lossy: docs/quality.md). kv_block: tokens per KV block (default: 64,
     fewer for a model whose 64-token block would exceed 4 MiB: kv.block_for).
     """
+    try:  # a bad COLIBRI_KERNELS / COLIBRI_LOSSY_INT8 fails here, before any weight is read
+        kernels.check_env()
+    except ValueError as e:
+        raise InputError(str(e)) from None
     config = path if isinstance(path, EngineConfig) else EngineConfig.from_kwargs(path, **kwargs)
     return Model(config)
