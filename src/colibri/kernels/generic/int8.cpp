@@ -18,6 +18,8 @@
 //     plus (added last) the fma chain of zero * sum(x) over the groups; the output rounded once to x's dtype
 //     (bf16 as vcvtneps2bf16). -ffp-contract=off keeps every other product and sum separately rounded.
 // K is walked in chunks and rows in register blocks; neither changes a (row, column)'s sequence of f32 steps.
+// q4k_linear_i8 / q8k_linear_i8 (GGUF Q4_K / Q6_K as stored) are q4 (group 32) / q8 grouped (group 16) with the
+// per-tile scale read decoding the two-level scales (Weight::sup): the bits of those ops given the f32 scales.
 //
 // Loop form, at every pass size: 64-column tiles (parallel; q4's stored tile). Per K chunk of kChunk the tile's
 // codes are laid out as "quads" (4 consecutive k of 8 columns in 32 bytes), pair by pair (a pair: 16 q4 columns,
@@ -274,6 +276,11 @@ struct Weight {
   const void* sc;           // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
   at::ScalarType st;
   int64_t cols, k, g;       // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
+  // GGUF K-quant mode (q4k_linear_i8 / q8k_linear_i8): sc holds the stored 8-bit scale codes (q4k: uint8 (sc, m)
+  // [K/32, Np, 2]; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k:
+  // [N, K/256]); tile_params decodes them per tile into the f32 (scale, zero) / scale values a stored-f32 call
+  // would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
+  const void* sup = nullptr;
 };
 
 // One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
@@ -382,6 +389,30 @@ void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float* out) {
 template <int K>
 void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, float* prm) {
   if constexpr (K == kQ4) {  // (scale, zero) pairs [G, Np, 2]
+    if (w.sup) {  // q4k: (sc, m) codes [G, Np, 2], (d, dmin) [G / 8, Np, 2]; cols is a multiple of 16
+      const uint8_t* scm = static_cast<const uint8_t*>(w.sc);
+      const uint16_t* dd = static_cast<const uint16_t*>(w.sup);
+      const f8 eight = simd::set1(8.f);
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        float* o = prm + gi * 2 * kCols;
+        const uint8_t* c = scm + (gi * w.cols + n0) * 2;
+        const uint16_t* h = dd + ((gi / 8) * w.cols + n0) * 2;
+        for (int64_t j = 0; j < cols; j += 8) {
+          simd::h8 cm;  // 8 columns' (sc, m) byte pairs
+          std::memcpy(&cm, c + 2 * j, 16);
+          const simd::u8 cw = __builtin_convertvector(cm, simd::u8);
+          const simd::u8 hw = simd::loadu(reinterpret_cast<const uint32_t*>(h + 2 * j));  // (d, dmin) half pairs
+          const f8 d = simd::f16x8(hw), dmin = simd::f16x8(hw >> 16);
+          const f8 s = d * simd::to_f(reinterpret_cast<i32x8>(cw & 0xffu));
+          const f8 z = eight * s - dmin * simd::to_f(reinterpret_cast<i32x8>(cw >> 8));
+          simd::store(o + j, s);
+          simd::store(o + kCols + j, z);
+        }
+        std::fill(o + cols, o + kCols, 0.f);
+        std::fill(o + kCols + cols, o + 2 * kCols, 0.f);
+      }
+      return;
+    }
     alignas(32) float buf[2 * kCols];
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
@@ -402,7 +433,14 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
   } else if constexpr (K == kQ8Grouped) {  // [N, G]
     std::vector<float> row(groups);
     for (int64_t j = 0; j < kCols; ++j) {
-      if (j < cols) to_f32(w.sc, w.st, (n0 + j) * groups, groups, row.data());
+      if (j < cols && w.sup) {  // q8k: int8 codes [N, G] (groups of 16; G a multiple of 16), f16 [N, G / 16]
+        const int8_t* c = static_cast<const int8_t*>(w.sc) + (n0 + j) * groups;
+        const uint16_t* h = static_cast<const uint16_t*>(w.sup) + (n0 + j) * (groups / 16);
+        for (int64_t gi = 0; gi < groups; gi += 8)
+          simd::store(row.data() + gi, simd::set1(simd::f16_to_f32(h[gi / 16])) * simd::to_f(simd::s8x8(c + gi)));
+      } else if (j < cols) {
+        to_f32(w.sc, w.st, (n0 + j) * groups, groups, row.data());
+      }
       for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? row[gi] : 0.f;
     }
   } else {  // [N]
@@ -515,9 +553,48 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
 }
 
+// GGUF Q4_K kept as stored (colibri.quant's q4k): the q4 tile codes, (sc, m) uint8 [K/32, Np, 2], (d, dmin) f16
+// [K/256, Np, 2]; the bits of q4_linear_i8 with group 32 and the f32 (d * sc, 8 * d * sc - dmin * m).
+at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4k_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kByte && np % 16 == 0 && k % 256 == 0,
+              "q4k_linear_i8: qweight must be contiguous uint8 [Np, K/2], Np a multiple of 16, K of 256");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.dim() == 3 &&
+              scales.size(0) == k / 32 && scales.size(1) == np && scales.size(2) == 2,
+              "q4k_linear_i8: scales must be contiguous uint8 [K/32, Np, 2]");
+  TORCH_CHECK(supers.is_contiguous() && supers.scalar_type() == at::kHalf && supers.dim() == 3 &&
+              supers.size(0) == k / 256 && supers.size(1) == np && supers.size(2) == 2,
+              "q4k_linear_i8: supers must be contiguous f16 [K/256, Np, 2]");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type(), np, k, 32, supers.data_ptr()};
+  return linear_i8<kQ4>(x, w);
+}
+
+// GGUF Q6_K kept as stored (colibri.quant's q8k): int8 codes [N, K], int8 scales [N, K/16], f16 supers
+// [N, K/256]; the bits of q8_linear_i8 with group 16 and the f32 scales d * sc.
+at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8k_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar && k % 256 == 0,
+              "q8k_linear_i8: qweight must be contiguous int8 [N, K], K a multiple of 256");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kChar && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == k / 16,
+              "q8k_linear_i8: scales must be contiguous int8 [N, K/16]");
+  TORCH_CHECK(supers.is_contiguous() && supers.scalar_type() == at::kHalf && supers.dim() == 2 &&
+              supers.size(0) == n && supers.size(1) == k / 256,
+              "q8k_linear_i8: supers must be contiguous f16 [N, K/256]");
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
+           n, k, 16, supers.data_ptr()};
+  return linear_i8<kQ8Grouped>(x, w);
+}
+
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
   m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
   m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
+  m.def("q4k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear_i8);
+  m.def("q8k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear_i8);
 }
