@@ -23,6 +23,11 @@
 //     from the stored tile in registers.
 //   dot (q8 up to kDotMaxRows rows, x groups a multiple of 64): see q8_dot16; the codes are read as stored.
 
+// GGUF K-quants in their stored form (q4k_linear_i8, q8k_linear_i8): the same kernels (Weight.sup set), with each
+// group's scale computed where the stored one is read, from the 8-bit codes and the f16 super-scales, in f32 with
+// every step rounded: q4k (s, z) = (d * sc, 8 * s - dmin * m), q8k scale = d * sc. Bit for bit the q4 / q8 (group
+// 16) results with those scales stored as f32.
+
 // The VNNI code is compiled for that target only (the pragma below): the rest of the library loads on machines
 // without it, and Python uses these ops only where /proc/cpuinfo lists avx512_vnni.
 
@@ -284,10 +289,49 @@ struct Weight {
   const void* sc;         // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
   at::ScalarType st;
   int64_t esz, cols, k, g;  // cols: output columns (q4: Np); g: the weight's group (q8 per channel: the x group)
+  // K-quants: f16 super-scales; sc then holds 8-bit codes. q4k: (d, dmin) [G/8, Np, 2] with sc (sc, m) u8 [G, Np, 2];
+  // q8k: d [N, G/16] with sc s8 [N, G]. Null: sc holds the scales themselves.
+  const uint16_t* sup = nullptr;
 };
+
+// q4k: (s, z) of group gi for the 64 columns at n0 (zero past the last column), s = d * sc, z = 8 * s - dmin * m
+// (the q4 codes count from 8: z folds in the 8 * s that the K-quant's q in [0, 15] has over them).
+void q4k_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
+  const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
+  const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2;
+  const uint16_t* q = w.sup + (gi / 8 * w.cols + n0) * 2;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int c = 0; c < 4; ++c) {
+    if (16 * c >= cols) {
+      prm[c] = prm[4 + c] = _mm512_setzero_ps();
+      continue;
+    }
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));  // (sc, m) of 16 columns
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, even, hi));
+    const __m512 m = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, odd, hi));
+    const __m512 e0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
+    const __m512 e1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c + 16)));
+    const __m512 d = _mm512_permutex2var_ps(e0, even, e1), dmin = _mm512_permutex2var_ps(e0, odd, e1);
+    const __m512 s = _mm512_mul_ps(d, sc);
+    prm[c] = s;
+    prm[4 + c] = _mm512_sub_ps(_mm512_mul_ps(eight, s), _mm512_mul_ps(dmin, m));
+  }
+}
+
+// q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
+inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
+  if (!w.sup) return scalar_of(w.sc, n * groups + gi, w.st);
+  return _cvtsh_ss(w.sup[n * (groups / 16) + gi / 16]) *
+         static_cast<float>(static_cast<const int8_t*>(w.sc)[n * groups + gi]);
+}
 
 // (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column).
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
+  if (w.sup) return q4k_params(w, gi, n0, prm);
   alignas(64) float buf[2 * kCols] = {};
   const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
   const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2 * w.esz;
@@ -378,7 +422,7 @@ __attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, c
     if constexpr (K == kQ8Grouped) {
       alignas(64) float s[16] = {};
       for (int j = 0; j < 16; ++j)
-        if (n0 + j < w.cols) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
+        if (n0 + j < w.cols) s[j] = q8_scale(w, n0 + j, gi, groups);
       prm = _mm512_load_ps(s);
     }
 #pragma GCC unroll 8
@@ -445,7 +489,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
           q4_params(w, gi, n0, &prm[gi * 8]);
         } else if constexpr (K == kQ8Grouped) {
           alignas(64) float s[kCols] = {};
-          for (int64_t j = 0; j < cols; ++j) s[j] = scalar_of(w.sc, (n0 + j) * groups + gi, w.st);
+          for (int64_t j = 0; j < cols; ++j) s[j] = q8_scale(w, n0 + j, gi, groups);
           for (int c = 0; c < 4; ++c) prm[gi * 8 + c] = _mm512_load_ps(s + 16 * c);
         }
       }
@@ -557,6 +601,14 @@ at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return linear_i8<kQ4>(x, w, g);
 }
 
+// q8 (w.g: the x group; group_size 0: per channel): the dot form for small passes where the x group allows it.
+at::Tensor q8_run(const at::Tensor& x, const Weight& w, int64_t group_size) {
+  const int64_t xg = w.g;
+  if (xg % 64 == 0 && x.size(0) <= kDotMaxRows)
+    return group_size ? q8_linear_dot<kQ8Grouped>(x, w) : q8_linear_dot<kQ8Channel>(x, w);
+  return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
+}
+
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   check_x(x, k, "q8_linear_i8");
@@ -565,9 +617,40 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
               "q8_linear_i8: group size must divide 256 and K");
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
            static_cast<int64_t>(scales.element_size()), n, k, xg};
-  if (xg % 64 == 0 && x.size(0) <= kDotMaxRows)
-    return group_size ? q8_linear_dot<kQ8Grouped>(x, w) : q8_linear_dot<kQ8Channel>(x, w);
-  return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
+  return q8_run(x, w, group_size);
+}
+
+// GGUF Q4_K as stored (colibri.quant q4k): the q4 tiles (group 32), (sc, m) u8 [K/32, Np, 2], (d, dmin) f16
+// [K/256, Np, 2]. Bit for bit q4_linear_i8 with the f32 (s, z) of q4k_params, group 32.
+at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4k_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous() &&
+              qweight.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
+              supers.scalar_type() == at::kHalf && np % 16 == 0 && k % 256 == 0 && scales.dim() == 3 &&
+              scales.size(0) == k / 32 && scales.size(1) == np && scales.size(2) == 2 && supers.dim() == 3 &&
+              supers.size(0) == k / 256 && supers.size(1) == np && supers.size(2) == 2,
+              "q4k_linear_i8: shapes do not match the stored layout");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, 1, np, k, 32,
+           reinterpret_cast<const uint16_t*>(supers.data_ptr())};
+  return linear_i8<kQ4>(x, w, 32);
+}
+
+// GGUF Q6_K as stored (colibri.quant q8k): codes s8 [N, K], scale codes s8 [N, K/16], d f16 [N, K/256]. Bit for bit
+// q8_linear_i8 with the f32 scales d * sc, group 16.
+at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8k_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous() &&
+              qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
+              supers.scalar_type() == at::kHalf && k % 256 == 0 && scales.dim() == 2 && scales.size(0) == n &&
+              scales.size(1) == k / 16 && supers.dim() == 2 && supers.size(0) == n && supers.size(1) == k / 256,
+              "q8k_linear_i8: shapes do not match the stored layout");
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, 1, n, k, 16,
+           reinterpret_cast<const uint16_t*>(supers.data_ptr())};
+  return q8_run(x, w, 16);
 }
 
 }  // namespace
@@ -577,4 +660,6 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
 COLIBRI_LIBRARY(m) {
   m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
   m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
+  m.def("q4k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear_i8);
+  m.def("q8k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear_i8);
 }

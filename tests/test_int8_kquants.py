@@ -1,0 +1,88 @@
+"""The LOSSY int8-activation ops on GGUF K-quants as stored (q4k_linear_i8, q8k_linear_i8), which decode each
+group's scale on the fly from the 8-bit codes and the f16 super-scales, give the bits of the q4 / q8 int8 ops on the
+same codes with those scales materialized in f32 (q4k: s = d * sc, z = 8 * s - dmin * m, group 32; q8k: d * sc,
+group 16), in every kernel tier whose int8 ops this CPU runs: f32 and bf16 x, pass sizes 1 to 100, a 16-column q4
+tail tile, 8-row q8 tails, K past a 1024-k chunk, one or two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from colibri.quant import from_gguf
+
+from test_kquant import k_blocks
+from test_tier_int8 import _int8_tiers
+
+ROWS = (1, 3, 5, 16, 64, 100)
+# 200 rows: q4k pads to 208 (a 16-column tail tile), q8k ends in an 8-row block; K = 2304: past a 1024-k chunk
+SHAPES = [(200, 1536), (37, 2304), (64, 256)]
+
+
+@pytest.fixture(scope="module")
+def tier_ops(tier_ops):
+    return {name: ops for name, ops in tier_ops.items() if name in _int8_tiers()}
+
+
+def _weights(n: int, k: int) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for qt, kind in ((QT.Q4_K, "q4k"), (QT.Q6_K, "q8k")):
+        w = from_gguf(k_blocks(qt, n, k, seed=n + k), qt, (n, k))
+        assert w.kind.name == kind
+        out[kind] = w._buffers
+    return out
+
+
+def _q4_scales_zeros(b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(s, z) f32 [K/32, Np, 2] as the kernel computes them, each f32 step rounded."""
+    sc = b["scales"].float()
+    sup = b["supers"].float().repeat_interleave(8, dim=0)
+    s = sup[..., 0] * sc[..., 0]
+    z = s * 8 - sup[..., 1] * sc[..., 1]
+    return torch.stack([s, z], dim=-1).contiguous()
+
+
+def _q8_scales(b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """d * sc, f32 [N, K/16] (exact)."""
+    return (b["supers"].float().repeat_interleave(16, dim=1) * b["scales"].float()).contiguous()
+
+
+def _x(t: int, k: int, dtype, seed: int) -> torch.Tensor:
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0  # a zero group (d = 0)
+    if t > 1:
+        x[1, 5] *= 40  # an outlier
+    return x.to(dtype)
+
+
+def _check(ops, n: int, k: int, rows, dtypes, where: str = "") -> None:
+    w = _weights(n, k)
+    b4, b8 = w["q4k"], w["q8k"]
+    sz, s8 = _q4_scales_zeros(b4), _q8_scales(b8)
+    for tier, o in ops.items():
+        for dtype in dtypes:
+            for t in rows:
+                x = _x(t, k, dtype, seed=t)
+                y = o.q4k_linear_i8(x, b4["qweight"], b4["scales"], b4["supers"])
+                ref = o.q4_linear_i8(x, b4["qweight"], sz, 32)
+                assert y.dtype == dtype and torch.equal(y, ref), f"q4k {n}x{k} {dtype} T={t}{where}: {tier} differs"
+                y = o.q8k_linear_i8(x, b8["qweight"], b8["scales"], b8["supers"])
+                ref = o.q8_linear_i8(x, b8["qweight"], s8, 16)
+                assert y.dtype == dtype and torch.equal(y, ref), f"q8k {n}x{k} {dtype} T={t}{where}: {tier} differs"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kquants_equal_the_materialized_scales(tier_ops, shape, dtype):
+    _check(tier_ops, *shape, ROWS, [dtype])
+
+
+def test_int8_kquants_do_not_depend_on_the_thread_count(tier_ops):
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            _check(tier_ops, 200, 1536, (1, 6, 37), [torch.bfloat16], f" threads={n}")
+    finally:
+        torch.set_num_threads(threads)
