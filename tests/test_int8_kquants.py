@@ -86,3 +86,32 @@ def test_int8_kquants_do_not_depend_on_the_thread_count(tier_ops):
             _check(tier_ops, 200, 1536, (1, 6, 37), [torch.bfloat16], f" threads={n}")
     finally:
         torch.set_num_threads(threads)
+
+
+def test_k_quant_weights_use_them_in_the_lossy_mode_only():
+    """Q4KWeight / Q8KWeight.linear: the int8 ops when the LOSSY mode is on (rows independent of the pass, error
+    against the exact weights bounded), the exact kernels when it is off."""
+    from colibri import kernels
+    from test_kquant import reference
+
+    n, k = 200, 1536
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    try:
+        kernels.use("auto")
+        for qt in (QT.Q4_K, QT.Q6_K):
+            raw = k_blocks(qt, n, k, seed=11)
+            w = from_gguf(raw, qt, (n, k))
+            want = x.double() @ reference(raw, qt, n, k).double().T
+            exact = w.linear(x)
+            kernels.set_int8_activations(True)
+            lossy = w.linear(x)
+            b = w._buffers
+            op = kernels.ops().q4k_linear_i8 if qt == QT.Q4_K else kernels.ops().q8k_linear_i8
+            assert torch.equal(lossy, op(x, b["qweight"], b["scales"], b["supers"])[:, :n])
+            assert torch.equal(w.linear(x[3:5]), lossy[3:5])
+            assert not torch.equal(lossy, exact)
+            assert ((lossy.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+            kernels.set_int8_activations(None)
+    finally:
+        kernels.set_int8_activations(None)
+        kernels.use(None)

@@ -638,6 +638,8 @@ class Q4KWeight(Q4Weight):
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
+                return kernels.ops().q4k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
             return kernels.ops().q4k_linear(x, b["qweight"], b["scales"], b["supers"])
         return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
 
@@ -665,6 +667,8 @@ class Q8KWeight(Q8Weight):
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy: x per 16 values
+                return kernels.ops().q8k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
             return kernels.ops().q8k_linear(x, b["qweight"], b["scales"], b["supers"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 

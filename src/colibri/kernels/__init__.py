@@ -35,9 +35,10 @@ themselves; the native tiers give each other's bits (tests/test_tiers.py), the f
 theirs in the last bits. `colibri kernels` lists all this.
 
 LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`, `--lossy-int8-activations`, or
-`COLIBRI_LOSSY_INT8=1`): q4 and q8 weights multiply activations quantized per row and per group to int8 with
-int8 dot products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the
-portable one: the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still
+`COLIBRI_LOSSY_INT8=1`): q4, q8, q4k and q8k weights (the K-quants' two-level scales decoded per group, as
+stored) multiply activations quantized per row and per group (q8k: per 16) to int8 with int8 dot products
+(AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one: the
+same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still
 batch-invariant; its quality cost is in docs/performance.md. Process-wide, like the kernel tier: once set, every
 model in the process uses it. Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need,
 a one-line notice says so and the exact kernels run.
@@ -68,7 +69,7 @@ LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
 HERE = Path(__file__).parent
 # the ops every native tier registers (same names and signatures in each); a build that lacks one failed
 OPS = ("q4_linear", "q8_linear", "dense_linear", "q4k_linear", "q8k_linear", "attend", "pointwise", "q4_linear_i8",
-       "q8_linear_i8")
+       "q8_linear_i8", "q4k_linear_i8", "q8k_linear_i8")
 # -fopenmp: at::parallel_for is a header template whose OpenMP region compiles to a serial loop without it (the
 # kernels then used one core of two); the library links the libgomp.so.1 torch has already loaded.
 _LDFLAGS = ("-fopenmp",)
@@ -537,9 +538,9 @@ def int8_activations() -> bool:
 
 
 def int8_supports(k: int, group_size: int) -> bool:
-    """Whether the int8 kernels take a weight with K inputs and this group size (0: q8 per channel); the exact
-    kernels run the others."""
-    return k % 64 == 0 and group_size in (0, 32, 64, 128, 256)
+    """Whether the int8 kernels take a weight with K inputs and this group size (0: q8 per channel; 16: q8k's
+    scale groups, its activations quantized per 16); the exact kernels run the others."""
+    return k % 64 == 0 and group_size in (0, 16, 32, 64, 128, 256)
 
 
 def describe() -> dict:
