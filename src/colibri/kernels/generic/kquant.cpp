@@ -62,23 +62,20 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int8_t* sc = scales.data_ptr<int8_t>();
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
   // w = q * (d * sc), d * sc in f32 per 16 columns: exact in f32; bf16 x: rounded once
-  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
-    for (int64_t j = 0; j < cols; ++j)
-      for (int64_t b = 0; b < k / 256; ++b) {
-        const float d = simd::f16_to_f32(sup[(n0 + j) * (k / 256) + b]);
-        const int8_t* c = sc + (n0 + j) * (k / 16) + 16 * b;
-        for (int64_t i = 0; i < 16; ++i)
-          q8_values(qw + (n0 + j) * k + 256 * b + 16 * i, 16, d * static_cast<float>(c[i]), bf,
-                    out + j * k + 256 * b + 16 * i, true);
-      }
-  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
-    // the row's d * sc into its scratch at its first step: one f16 conversion per 256 weights, not per step
-    if (k0 == 0) {
-      for (int64_t b = 0; b < k / 256; ++b) {
-        const float d = simd::f16_to_f32(sup[j * (k / 256) + b]);
-        for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[j * (k / 16) + 16 * b + i]);
-      }
+  auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]: one f16 conversion per 256 weights
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const float d = simd::f16_to_f32(sup[j * (k / 256) + b]);
+      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[j * (k / 16) + 16 * b + i]);
     }
+  };
+  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
+    std::vector<float> s(k / 16);
+    for (int64_t j = 0; j < cols; ++j) {
+      row_scales(n0 + j, s.data());
+      for (int64_t i = 0; i < k / 16; ++i) q8_values(qw + (n0 + j) * k + 16 * i, 16, s[i], bf, out + j * k + 16 * i, true);
+    }
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
+    if (k0 == 0) row_scales(j, s);  // into the row's scratch at its first step
     const int8_t* q = qw + j * k + k0;
     for (int h = 0; h < 2; ++h) {
       const Pair v = simd::code_pairs(q + 16 * h);

@@ -89,10 +89,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
       hi = simd::code_pairs(q + 16);
       return;
     }
-    alignas(32) float v[kStep];  // grouped: values as fill writes them
-    for (int64_t i = 0; i < kStep; ++i) {
-      const float s = load1(sc, j * groups + (k0 + i) / g, st);
-      v[i] = simd::round_bf16(simd::set1(static_cast<float>(q[i]) * s))[0];
+    alignas(32) float v[kStep];  // grouped: values as fill writes them, a run of one group's scale at a time
+    for (int64_t i = 0; i < kStep;) {
+      const int64_t gi = (k0 + i) / g, n = std::min<int64_t>(kStep - i, (gi + 1) * g - (k0 + i));
+      q8_values(q + i, n, load1(sc, j * groups + gi, st), true, v + i);
+      i += n;
     }
     lo = simd::f32_pairs(v);
     hi = simd::f32_pairs(v + 16);

@@ -113,11 +113,6 @@ inline f8 round_bf16_normal(f8 v) {
   return as_f((u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
 }
 
-inline uint16_t f32_to_bf16(float f) {
-  const f8 v = set1(f);
-  return static_cast<uint16_t>(bf16_round_bits(v)[0] >> 16);
-}
-
 // 8 f32 -> bf16 stored at p (n < 8: the first n)
 inline void store_bf16(uint16_t* p, f8 v, int64_t n = 8) {
   const u8 b = bf16_round_bits(v) >> 16;
