@@ -39,14 +39,8 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
 
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
-              supers.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q4k_linear: x must be f32/bf16");
-  TORCH_CHECK(scales.scalar_type() == at::kByte && supers.scalar_type() == at::kHalf, "q4k_linear: u8 / f16 scales");
+  check_q4k(x, qweight, scales, supers);
   const int64_t k = x.size(1), np = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 && scales.size(0) == k / 32 &&
-              scales.size(1) == np && supers.size(0) == k / 256 && supers.size(1) == np,
-              "q4k_linear: shapes do not match the stored layout");
   const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, 2, np, k, 32};
   const uint8_t* sc = scales.data_ptr<uint8_t>();
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
@@ -96,14 +90,8 @@ struct Q8kRows {
 
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous() &&
-              supers.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8k_linear: x must be f32/bf16");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
-              supers.scalar_type() == at::kHalf, "q8k_linear: int8 codes and scales, f16 supers");
+  check_q8k(x, qweight, scales, supers);
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) == k && k % 256 == 0 && scales.size(0) == n && scales.size(1) == k / 16 &&
-              supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* sup = supers.data_ptr<at::Half>();

@@ -22,11 +22,8 @@ namespace {
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                      int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales_zeros.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q4_linear: x must be f32/bf16");
+  check_q4(x, qweight, scales_zeros, group_size);
   const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
-  TORCH_CHECK(qweight.size(1) * 2 == k && scales_zeros.size(1) == np && np % 16 == 0 && k % g == 0 &&
-              kChunk % g == 0, "q4_linear: shapes do not match the stored layout");
   Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
        scales_zeros.scalar_type(), scales_zeros.element_size(), np, k, g};
   auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) { q4_group_params(w, gi, n0, s, z); };
@@ -34,9 +31,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "dense_linear: f32 or bf16");
+  check_dense(x, w);
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0);
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
@@ -84,11 +79,9 @@ void q8_dequant_rows(const int8_t* qw, const void* sc, at::ScalarType st, int64_
 // passes of at most kRows rows, else widened once per block into a buffer: the same values in the same order).
 // Grouped scales (and f32 x): x . (q * scale), the weights dequantized per block (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_linear: x must be f32/bf16");
+  check_q8(x, qweight, scales, group_size);
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   const int64_t g = group_size ? group_size : k;
-  TORCH_CHECK(qweight.size(1) == k && k % g == 0);
   const bool bf = x.scalar_type() == at::kBFloat16;
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();

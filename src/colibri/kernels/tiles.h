@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "args.h"
 #include "library.h"
 #include <immintrin.h>
 

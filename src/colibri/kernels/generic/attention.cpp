@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "../args.h"
 #include "../library.h"
 #include "simd.h"
 
@@ -93,18 +94,6 @@ inline f8 reduce8(const f8 t[8]) {
   return c(b(a(t[0], t[4]), a(t[1], t[5])), b(a(t[2], t[6]), a(t[3], t[7])));
 }
 #undef SHUFFLE
-
-struct View {  // a [heads, rows, Dh] tensor with a contiguous last dimension
-  const char* p;
-  int64_t s0, s1;  // strides in bytes
-  const char* row(int64_t h, int64_t i) const { return p + h * s0 + i * s1; }
-};
-
-View view_of(const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "attend: q, k, v must be [heads, rows, Dh] with contiguous rows");
-  const int64_t e = t.element_size();
-  return View{static_cast<const char*>(t.data_ptr()), t.stride(0) * e, t.stride(1) * e};
-}
 
 struct Pass {  // what every task of one attend() call shares
   View qv, kv, vv;
@@ -285,12 +274,8 @@ void attend_heads(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                   int64_t window, double scale, double softcap) {
+  check_attend(q, k, v, positions);
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
-  TORCH_CHECK(H % Hkv == 0 && k.size(2) == D && v.size(0) == Hkv && v.size(1) == S && v.size(2) == D);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong);
-  for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16, "attend: f32 or bf16 only");
-  TORCH_CHECK(D <= 1024, "attend: head dim above 1024");
   const View qv = view_of(q), kv = view_of(k), vv = view_of(v);
   const bool qb = q.scalar_type() == at::kBFloat16, kb = k.scalar_type() == at::kBFloat16,
              vb = v.scalar_type() == at::kBFloat16;

@@ -8,11 +8,8 @@ namespace {
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                      int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales_zeros.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q4_linear: x must be f32/bf16");
+  check_q4(x, qweight, scales_zeros, group_size);
   const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
-  TORCH_CHECK(qweight.size(1) * 2 == k && scales_zeros.size(1) == np && np % 16 == 0 && k % g == 0 &&
-              256 % g == 0, "q4_linear: shapes do not match the stored layout");
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
              scales_zeros.scalar_type(), np, k, g};
   auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {  // (scale, zero) pairs of the stored dtype
@@ -40,9 +37,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "dense_linear: f32 or bf16");
+  check_dense(x, w);
   const int64_t k = x.size(1);
   const bool bf = x.scalar_type() == at::kBFloat16;
   const uint16_t* wb = bf ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
@@ -62,11 +57,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
 // bf16 x, one scale per channel: y = scale * (x . q) over the exact codes. Grouped scales (and f32 x):
 // x . (q * scale), the weights dequantized (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_linear: x must be f32/bf16");
+  check_q8(x, qweight, scales, group_size);
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   const int64_t g = group_size ? group_size : k, groups = k / g;
-  TORCH_CHECK(qweight.size(1) == k && k % g == 0);
   const bool channel = x.scalar_type() == at::kBFloat16 && g == k;
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();

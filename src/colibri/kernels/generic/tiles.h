@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../args.h"
 #include "../library.h"
 #include "simd.h"
 

@@ -1,0 +1,88 @@
+// What every kernel tier's ops accept, checked in one place (the avx512 files and generic/ share it): the stored
+// layouts of colibri/quant.py, with one-line errors. No ISA code here.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace {
+
+inline void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [T, K] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be f32/bf16");
+}
+
+// q4: qweight [Np, K/2] tiles, scales_zeros [K/g, Np, 2]; g divides the 256-k chunks the tiers walk.
+inline void check_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t g) {
+  check_x(x, "q4_linear");
+  const int64_t k = x.size(1), np = qweight.size(0);
+  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && qweight.size(1) * 2 == k &&
+              scales_zeros.size(1) == np && np % 16 == 0 && g > 0 && k % g == 0 && 256 % g == 0,
+              "q4_linear: shapes do not match the stored layout");
+}
+
+inline void check_dense(const at::Tensor& x, const at::Tensor& w) {
+  check_x(x, "dense_linear");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+              "dense_linear: w must be a contiguous [N, K] matrix of x's dtype");
+}
+
+// q8: qweight int8 [N, K], scales per channel (g = 0) or per group of g.
+inline void check_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t g) {
+  check_x(x, "q8_linear");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.size(1) == x.size(1) &&
+              x.size(1) % (g ? g : x.size(1)) == 0, "q8_linear: shapes do not match the stored layout");
+}
+
+// q4k: the q4 tiles, scales u8 [K/32, Np, 2] (sc, m), supers f16 [K/256, Np, 2] (d, dmin).
+inline void check_q4k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& supers) {
+  check_x(x, "q4k_linear");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous());
+  TORCH_CHECK(scales.scalar_type() == at::kByte && supers.scalar_type() == at::kHalf, "q4k_linear: u8 / f16 scales");
+  const int64_t k = x.size(1), np = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 && scales.size(0) == k / 32 &&
+              scales.size(1) == np && supers.size(0) == k / 256 && supers.size(1) == np,
+              "q4k_linear: shapes do not match the stored layout");
+}
+
+// q8k: codes int8 [N, K], scales int8 [N, K/16], supers f16 [N, K/256].
+inline void check_q8k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& supers) {
+  check_x(x, "q8k_linear");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous());
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
+              supers.scalar_type() == at::kHalf, "q8k_linear: int8 codes and scales, f16 supers");
+  const int64_t k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == k && k % 256 == 0 && scales.size(0) == n && scales.size(1) == k / 16 &&
+              supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
+}
+
+// ---- attention -------------------------------------------------------------------------------------------------
+
+struct View {  // a [heads, rows, Dh] tensor with a contiguous last dimension
+  const char* p;
+  int64_t s0, s1;  // strides in bytes
+  const char* row(int64_t h, int64_t i) const { return p + h * s0 + i * s1; }
+};
+
+inline View view_of(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, "attend: q, k, v must be [heads, rows, Dh] with contiguous rows");
+  const int64_t e = t.element_size();
+  return View{static_cast<const char*>(t.data_ptr()), t.stride(0) * e, t.stride(1) * e};
+}
+
+inline void check_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q, k, v must be [heads, rows, Dh]");
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && k.size(2) == D && v.size(0) == Hkv && v.size(1) == S && v.size(2) == D,
+              "attend: q, k, v shapes do not agree");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
+              "attend: positions must be int64 [T]");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16, "attend: f32 or bf16 only");
+  TORCH_CHECK(D <= 1024, "attend: head dim above 1024");
+}
+
+}  // namespace
