@@ -12,6 +12,10 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
+  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
+  for (int64_t b = 0; b < 2 * kTile; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(pm + kTile) + b);
+  if (gi % 8 == 0)
+    for (int64_t b = 0; b < 4 * kTile; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(pd + kTile) + b);
   for (int64_t j = 0; j < kTile; j += 8) {
     if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
       simd::store(s + j, simd::zero());
