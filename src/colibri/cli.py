@@ -69,9 +69,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                                                    " early (default on; never changes tokens)"),
                   None),
     "lossy_int8_activations": (dict(action="store_true", default=None,
-                                    help="LOSSY: q4/q8 weights multiply int8-quantized activations (AVX-512 VNNI),"
-                                         " faster prefill and batches at a small quality cost (docs/performance.md;"
-                                         " COLIBRI_LOSSY_INT8=1 does the same)"), None),
+                                    help="LOSSY: q4/q8 weights and the GGUF K-quants multiply int8-quantized"
+                                         " activations (every native tier), faster prefill and batches at a small"
+                                         " quality cost (docs/performance.md; COLIBRI_LOSSY_INT8=1 does the same)"),
+                               None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=defaults.DEFAULT_MAX_TOKENS,
