@@ -464,7 +464,7 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
 //     summed per group by a fixed tree (int32: exact in any order).
 
 constexpr int64_t kDirectRows = 4;
-constexpr int64_t kAhead = 512;  // bytes of each weight row fetched ahead of their use
+constexpr int64_t kAhead = 1024;  // bytes of each weight row fetched ahead of their use
 
 inline u8x32 load32(const void* p) { return vload<u8x32>(p); }
 

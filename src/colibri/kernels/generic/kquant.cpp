@@ -69,6 +69,7 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
     if (k0 == 0) row_scales(j, s);  // into the row's scratch at its first step
     const int8_t* q = qw + j * k + k0;
+    __builtin_prefetch(q + 2048);  // rows are consecutive: past the row's end this is the next one's start
     for (int h = 0; h < 2; ++h) {
       const Pair v = simd::code_pairs(q + 16 * h);
       const f8 sv = simd::set1(s[k0 / 16 + h]);

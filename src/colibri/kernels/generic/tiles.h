@@ -232,6 +232,8 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t kg = gi * g;
         params_bf16(gi, n0, s, z);
+        if (direct)  // the tile's codes two groups ahead (one run: the rows of k follow each other)
+          for (int64_t b = 0; b < g * kTile / 2; b += 64) __builtin_prefetch(tp + (kg + 2 * g) * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8.f, buf.data());
         for_rows(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
