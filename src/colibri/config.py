@@ -39,8 +39,9 @@ class EngineConfig:
     cost; 0: off; N: N whenever an n-gram matches). ngram: the longest n-gram matched. ngram_cache_size: entries
     of the n-gram cache shared by all sequences (0: prompt lookup only). lookahead: MoE under a memory limit,
     predict the next layer's experts with its router and read them early (never changes tokens).
-    lossy_int8_activations: LOSSY, q4 / q8 linears quantize activations to int8 per row and group (AVX-512 VNNI;
-    faster long passes, cost in docs/performance.md); process-wide once set (colibri.kernels)."""
+    lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group
+    (every native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md);
+    process-wide once set (colibri.kernels)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
