@@ -19,6 +19,7 @@ import colibri.model
 import tiny_models
 from colibri import atomic, cli, convert as conv, swap
 from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
+from faults import FailingReads
 
 PROMPT = tiny_models.token_ids(10, 384, seed=5)
 TOKENS = 6
@@ -140,7 +141,7 @@ def test_read_errors_at_random_reads_fail_one_request(good, reference, seed):
         streamed = m.store.placement.streamed
         page = m.checkpoint.pages[rng.choice(streamed)]
         at = page.offset + rng.randrange(page.nbytes) // 4096 * 4096
-        m.store.reader.inject_error(page.file, at)
+        FailingReads(m.store.reader).fail(page.file, at)
         with pytest.raises(StorageError, match="Input/output error"):
             m.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True)
         assert m.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).token_ids == reference

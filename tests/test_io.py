@@ -13,6 +13,7 @@ from colibri import io
 from colibri.errors import ColibriError, StorageError
 from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes,
                         probe_bandwidth)
+from faults import FailingReads
 
 MiB = 1 << 20
 FILE_SIZE = 40 * MiB + 1234  # an unaligned tail: the last read ends at EOF inside a 4096 block
@@ -120,14 +121,14 @@ def test_injected_error_then_next_read_succeeds(data_file):
     path, data = data_file
     buf = AlignedBuffer(8 * MiB)
     with Reader([path], io_threads=2, request_size=MiB) as reader:
-        reader.inject_error(0, offset=4 * MiB + 10)
+        disk = FailingReads(reader).fail(0, offset=4 * MiB + 10)
         with pytest.raises(StorageError) as ei:
             reader.read(0, 0, 8 * MiB, buf, label="page 3")
         msg = str(ei.value)
         assert "page 3" in msg and str(path) in msg and f"offset {4 * MiB}" in msg and "Input/output" in msg
         assert reader.read(0, 0, 8 * MiB, buf) is buf  # the injection fired once
         assert buf.tensor(0, 8 * MiB).numpy().tobytes() == data[:8 * MiB]
-        reader.inject_error(0)  # any offset
+        disk.fail(0)  # any offset
         with pytest.raises(StorageError):
             reader.read(0, 16 * MiB, MiB, buf)
         assert reader.stats().errors == 2

@@ -14,6 +14,7 @@ import torch
 
 from colibri import placement
 from colibri.streaming import PageState
+from faults import FailingReads
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 
@@ -116,7 +117,7 @@ def test_read_error_names_page_and_file_and_engine_recovers(containers):
     m.store.hold()  # the placement's own pins: the rest streams, through the faulty reads
     streamed = m.store.placement.streamed[0]
     page = m.checkpoint.pages[streamed]
-    m.store.reader.inject_error(page.file, page.offset)
+    FailingReads(m.store.reader).fail(page.file, page.offset)
     with pytest.raises(StorageError) as info:
         m.generate(PROMPT, max_tokens=8, ignore_eos=True)
     msg = str(info.value)

@@ -179,12 +179,11 @@ class _Read:
 
 
 class _Request:
-    __slots__ = ("read", "offset", "length", "need", "view", "taken", "inject")
+    __slots__ = ("read", "offset", "length", "need", "view", "taken")
 
     def __init__(self, read, offset, length, need, view):
         self.read, self.offset, self.length, self.need, self.view = read, offset, length, need, view
         self.taken = False
-        self.inject = False
 
 
 class Reader:
@@ -216,7 +215,6 @@ class Reader:
         self._cv = threading.Condition(threading.RLock())
         self._heap: list[tuple[int, int, _Request]] = []
         self._seq = itertools.count()
-        self._injected: dict[tuple[int, int | None], int] = {}
         self._stats = IOStats(direct=all(self._direct), io_threads=io_threads, request_size=request_size)
         self._inflight = 0
         self._active_since = 0.0
@@ -300,12 +298,6 @@ class Reader:
                 r.taken = True
                 heapq.heappush(self._heap, (priority, next(self._seq), nr))
 
-    def inject_error(self, file_index: int, offset: int | None = None, times: int = 1) -> None:
-        """Test hook: the next `times` requests of file `file_index` covering byte `offset` (any offset: None)
-        fail with EIO as if the disk had returned it."""
-        with self._cv:
-            self._injected[(file_index, offset)] = self._injected.get((file_index, offset), 0) + times
-
     def stats(self) -> IOStats:
         """A snapshot of the counters."""
         with self._cv:
@@ -363,20 +355,11 @@ class Reader:
                 if not read.future.set_running_or_notify_cancel():
                     read.skip = True
                     continue
-            req.inject = self._take_injection(read.file_index, req.offset, req.length)
             read.inflight += 1
             if self._inflight == 0:
                 self._active_since = time.perf_counter()
             self._inflight += 1
             return req
-
-    def _take_injection(self, file_index: int, offset: int, length: int) -> bool:
-        for key, left in self._injected.items():
-            f, at = key
-            if f == file_index and left > 0 and (at is None or offset <= at < offset + length):
-                self._injected[key] = left - 1
-                return True
-        return False
 
     def _worker(self) -> None:
         while True:
@@ -445,13 +428,11 @@ class Reader:
 
     def _do(self, req: _Request) -> None:
         i = req.read.file_index
-        if req.inject:
-            raise OSError(errno.EIO, "Input/output error (injected by the test hook)")
         fd, direct = self._fds[i], self._direct[i]
         done = 0
         while done < req.need:
             try:
-                n = os.preadv(fd, [req.view[done:]], req.offset + done)
+                n = self._pread(i, fd, req.view[done:], req.offset + done)
             except OSError as e:
                 if e.errno == errno.EINVAL and direct and done == 0 and not self._require_direct:
                     fd, direct = self._fall_back(i), False  # the filesystem accepted O_DIRECT at open, not here
@@ -464,6 +445,11 @@ class Reader:
             done += n
         if not direct:
             os.posix_fadvise(fd, req.offset, req.length, os.POSIX_FADV_DONTNEED)
+
+    def _pread(self, file_index: int, fd: int, view: memoryview, offset: int) -> int:
+        """One read system call: bytes of file `file_index` (open as `fd`) at `offset` into `view`; the count read.
+        The one place bytes come off the disk: an OSError raised here fails its request as the disk's would."""
+        return os.preadv(fd, [view], offset)
 
     def _fall_back(self, i: int) -> int:
         with self._cv:
