@@ -1,9 +1,9 @@
-"""A real `colibri serve` child process on a free local port, for the server tests."""
+"""A real `colibri serve` child process on a free local port, for the server tests (with `hooks`, started through
+serve_with_faults.py: faults put in from the test side)."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -33,14 +33,13 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        env = {**os.environ}
-        if hooks:
-            env["COLIBRI_SERVE_TEST_HOOKS"] = json.dumps(hooks)
-        cmd = colibri_cmd() + ["serve", "--port", str(self.port), *args]
+        launcher = [sys.executable, str(Path(__file__).with_name("serve_with_faults.py")), json.dumps(hooks)] \
+            if hooks else colibri_cmd()
+        cmd = launcher + ["serve", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.stderr, text=True)
         self.statuses: list[tuple[int, str]] = []
         self._wait(timeout)
 

@@ -1,8 +1,8 @@
 """`colibri serve` end to end: the official openai client and raw HTTP against a real server process.
 
 One server per module (SmolLM2-135M-Instruct from its container, weights streamed under a memory limit, an API
-key, 8 sequences and a queue of 2); the test-only hooks hold its model load back (so /health is seen during
-loading), mark a prompt text that makes the engine fail, and shorten the SSE keep-alive period.
+key, 8 sequences and a queue of 2), started through serve_with_faults.py: its model load is held back (so
+/health is seen during loading), a prompt text makes the engine fail, and the SSE keep-alive period is short.
 """
 
 from __future__ import annotations

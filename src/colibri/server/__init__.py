@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
+from typing import Callable
 
 from colibri.config import EngineConfig
 from colibri.errors import ColibriError, InputError
@@ -24,24 +25,26 @@ def model_id(config: EngineConfig) -> str:
 
 
 def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None) -> None:
+          max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None, load: Callable | None = None,
+          keepalive_s: float | None = None) -> None:
     """Serve until SIGINT/SIGTERM. The socket opens first; the model loads in the engine thread meanwhile (a
-    load that fails stops the server with that error)."""
+    load that fails stops the server with that error). `load(config)` builds the model (default
+    `worker.load_model`: as `colibri run` loads it); `keepalive_s` is the SSE keep-alive period (default
+    `app.KEEPALIVE_S`)."""
     import uvicorn
 
     from colibri.server.app import Settings, create_app
     from colibri.server.metrics import ServerMetrics
-    from colibri.server.worker import Hooks, Worker
+    from colibri.server.worker import Worker
 
     from colibri.model import open_model
     ckpt, _, _ = open_model(config.model_path())  # a wrong path or architecture: one line, before the socket
     ckpt.close()
-    hooks = Hooks.from_env()
     metrics = ServerMetrics()
-    worker = Worker(config, max_queue, hooks, metrics)
-    settings = Settings(model_id=name or model_id(config), api_key=api_key, hooks=hooks)
-    if hooks.keepalive_s is not None:
-        settings.keepalive_s = hooks.keepalive_s
+    worker = Worker(config, max_queue, metrics, load)
+    settings = Settings(model_id=name or model_id(config), api_key=api_key)
+    if keepalive_s is not None:
+        settings.keepalive_s = keepalive_s
     app = create_app(settings, worker, metrics)
     if not _loopback(host) and api_key is None:
         print(f"colibri serve: warning: listening on {host} without --api-key: anyone who can reach this port"

@@ -25,7 +25,7 @@ from colibri.server import schema, tools
 from colibri.server.metrics import ServerMetrics
 from colibri.server.replies import ChatReply, CompletionReply
 from colibri.server.schema import APIError, ChatRequest, CompletionRequest
-from colibri.server.worker import Event, Hooks, Job, Worker
+from colibri.server.worker import Event, Job, Worker
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413 before it is read whole
 KEEPALIVE_S = 5.0  # an SSE comment goes out after this long without a token (long prefills, a full queue)
@@ -37,7 +37,6 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     keepalive_s: float = KEEPALIVE_S
-    hooks: Hooks = field(default_factory=Hooks)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -137,18 +136,17 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         forced = tools.forced_start(req) if tool_list else ""
         messages = tools.template_messages(req.messages)
 
-        def render() -> tuple[str, list[int]]:
+        def render() -> list[int]:
             extra = {"tools": tool_list} if tool_list else {}
-            text = tok.apply_chat_template(messages, **extra) + forced
-            return text, tok.encode(text, add_special_tokens=False)
+            return tok.encode(tok.apply_chat_template(messages, **extra) + forced, add_special_tokens=False)
 
         try:
-            text, ids = await asyncio.to_thread(render)
+            ids = await asyncio.to_thread(render)
         except InputError as e:
             raise APIError(400, str(e), param="messages", code="invalid_messages") from None
         params = schema.sampling_params(req, len(ids), worker.model.context_length)
         queue: asyncio.Queue = asyncio.Queue()
-        job = Job(ids, params, asyncio.get_running_loop(), queue, fault=_faulty(settings, text))
+        job = Job(ids, params, asyncio.get_running_loop(), queue)
         names = frozenset(t["function"]["name"] for t in tool_list) if tool_list else None
         reply = ChatReply(settings.model_id, len(ids), names, forced)
         return await answer(request, req, [job], queue, reply)
@@ -163,19 +161,14 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         except InputError as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(ids, schema.sampling_params(req, len(ids), model.context_length), loop, queue, index=i,
-                    fault=_faulty(settings, p if isinstance(p, str) else ""))
-                for i, (p, ids) in enumerate(zip(prompts, encoded))]
+        jobs = [Job(ids, schema.sampling_params(req, len(ids), model.context_length), loop, queue, index=i)
+                for i, ids in enumerate(encoded)]
         echo = prompts if req.echo else None
         reply = CompletionReply(settings.model_id, [len(i) for i in encoded], echo)
         return await answer(request, req, jobs, queue, reply)
 
     metrics.attach(worker)
     return app
-
-
-def _faulty(settings: Settings, text: str) -> bool:
-    return bool(settings.hooks.fault_text) and settings.hooks.fault_text in text
 
 
 def _prompts(prompt) -> list:

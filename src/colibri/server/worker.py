@@ -11,40 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from colibri.config import EngineConfig
-from colibri.errors import ColibriError, InputError
+from colibri.errors import ColibriError
 from colibri.sampling import SamplingParams
 from colibri.server.schema import APIError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
 RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of the last 10 s
-
-
-@dataclass
-class Hooks:
-    """Test-only fault injection, from the environment variable COLIBRI_SERVE_TEST_HOOKS (JSON), never set in
-    normal use: `load_delay_s` holds the model load back; a forward pass serving a prompt that contains
-    `fault_text` raises (an engine fault inside that request); `keepalive_s` shortens the SSE keep-alive period."""
-
-    load_delay_s: float = 0.0
-    fault_text: str | None = None
-    keepalive_s: float | None = None
-
-    @classmethod
-    def from_env(cls) -> "Hooks":
-        import json
-        raw = os.environ.get("COLIBRI_SERVE_TEST_HOOKS")
-        try:
-            return cls(**json.loads(raw)) if raw else cls()
-        except (ValueError, TypeError) as e:
-            raise InputError(f"COLIBRI_SERVE_TEST_HOOKS (test-only) is not valid: {e}; unset it") from None
 
 
 @dataclass
@@ -66,7 +46,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     index: int = 0
-    fault: bool = False
     t0: float = field(default_factory=time.perf_counter)
     req: object = None
     aborted: bool = False
@@ -82,29 +61,23 @@ class Job:
             pass
 
 
-class _FaultyArch:
-    """The family math with a test fault: a pass serving a marked request raises."""
-
-    def __init__(self, arch, engine, marked: set):
-        self._arch, self._engine, self._marked = arch, engine, marked
-
-    def forward(self, store, batch):
-        if any(r.id in self._marked for r in self._engine.running):
-            raise RuntimeError("injected test fault (COLIBRI_SERVE_TEST_HOOKS)")
-        return self._arch.forward(store, batch)
-
-    def __getattr__(self, name):
-        return getattr(self._arch, name)
+def load_model(config: EngineConfig):
+    """The model `config` names, loaded as `colibri run` loads it."""
+    from colibri.model import load
+    return load(config)
 
 
 class Worker:
-    """Owns the model; `submit` and `abort` are called from the HTTP side, everything else runs in its thread."""
+    """Owns the model; `submit` and `abort` are called from the HTTP side, everything else runs in its thread.
 
-    def __init__(self, config: EngineConfig, max_queue: int, hooks: Hooks | None = None, metrics=None):
+    `load(config)` builds the model in the engine thread (default `load_model`); a caller that serves a model
+    built another way, or wraps the loaded one, passes its own."""
+
+    def __init__(self, config: EngineConfig, max_queue: int, metrics=None, load: Callable | None = None):
         self.config = config
         self.max_queue = max_queue
-        self.hooks = hooks or Hooks()
         self.metrics = metrics
+        self._load_model = load or load_model
         self.state = LOADING
         self.error: str | None = None
         self.model = None
@@ -117,7 +90,6 @@ class Worker:
         self._stop = False
         self._durations: deque[float] = deque(maxlen=32)
         self._steps: deque[tuple[float, int, int, float]] = deque()  # (time, tokens, bytes read, read seconds)
-        self._marked: set[int] = set()
         self.snapshot: dict = {}
         self.on_failed = None  # called (from the engine thread) when the model failed to load
         self._thread = threading.Thread(target=self._main, name="colibri-engine", daemon=True)
@@ -203,13 +175,7 @@ class Worker:
 
     def _load(self) -> None:
         t0 = time.perf_counter()
-        if self.hooks.load_delay_s:
-            time.sleep(self.hooks.load_delay_s)
-        from colibri.model import load
-        self.model = load(self.config)
-        if self.hooks.fault_text:
-            eng = self.model.engine
-            eng.arch = _FaultyArch(eng.arch, eng, self._marked)
+        self.model = self._load_model(self.config)
         self.load_s = time.perf_counter() - t0
         self._publish()
         self.state = READY
@@ -237,8 +203,6 @@ class Worker:
                 except ColibriError as e:
                     self._finish(job, "error", APIError(400, str(e), code="invalid_request"))
                     continue
-                if job.fault:
-                    self._marked.add(job.req.id)
                 self._jobs.append(job)
             if eng.unfinished:
                 io0, t = self._io(), time.perf_counter()
@@ -281,7 +245,6 @@ class Worker:
     def _finish(self, job: Job, reason: str, error: APIError | None = None, metrics=None) -> None:
         if job.done:
             return
-        self._marked.discard(getattr(job.req, "id", None))
         with self._cond:
             job.done = True
             self._outstanding -= 1
