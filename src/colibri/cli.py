@@ -113,8 +113,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
     "requantize": (dict(action="store_true",
-                        help="GGUF input: re-quantize its Q4_K / Q6_K tensors by the q4 policy (lossy, the policy"
-                             " before exact K-quant import) instead of keeping them exactly (default)"), None),
+                        help="GGUF input: re-quantize its Q4_K / Q6_K tensors by the q4 policy (lossy: rounded"
+                             " a second time) instead of keeping them exactly (default)"), None),
     "host": (dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"), None),
     "port": (dict(type=int, default=8000, help="TCP port (default 8000)"), None),
     "api_key": (dict(help="require 'Authorization: Bearer KEY' on /v1 requests"), "COLIBRI_API_KEY"),
@@ -496,12 +496,12 @@ def streams_dense(args) -> bool:
 
 def quiet_openmp(args) -> None:
     """Runs that stream a dense model's weights get OMP_WAIT_POLICY=PASSIVE: torch's OpenMP workers then sleep
-    between kernels instead of spinning for ~3 ms (libgomp's default), and spinning workers took the CPU time
-    the reads need. Measured on the 2-core VM (`colibri bench`): Qwen2.5-Coder-1.5B q4 under 400M 6.7 -> 9.0
-    tok/s (reads 7.2 -> 9.6 GB/s), the 7B shape under 1G 1.8 -> 2.1 tok/s. Not for MoE (the Mixtral shape under
-    4G went 0.93 -> 0.78 tok/s: workers asleep through a 30 ms expert read wake slowly, an expert FFN took 8 ms
-    instead of 4) nor all in RAM (Qwen2.5-1.5B 27.8 -> 25.7 tok/s). OpenMP reads it once, when
-    torch loads: a user's own OMP_WAIT_POLICY wins, and in-process callers keep theirs."""
+    between kernels instead of spinning (libgomp's default), since a spinning worker holds a core that the
+    weight reads, which interleave with compute, need. Not for MoE: its compute waits a whole expert read at a
+    time, and workers asleep that long wake slowly, which costs more than spinning takes from the reads; nor
+    all in RAM, where nothing is read. The figures are in docs/performance.md, section "Disk" ("Spinning
+    OpenMP workers slow the reads"). OpenMP reads it once, when torch loads: a user's own OMP_WAIT_POLICY
+    wins, and in-process callers keep theirs."""
     if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and streams_dense(args):
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
