@@ -65,7 +65,7 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype, rows: int =
     # the head's rows: its output blocks, their concatenation and the f32 logits the sampler reads
     head = rows * args.vocab_size * (2 * b + 4) + rows * d * b
     # attention's and the FFN's temporaries are counted together: the small ones freed after attention stay in
-    # the heap while the FFN allocates (measured on SmolLM2: a layer peaks above either alone)
+    # the heap while the FFN allocates, so a layer's peak is above either alone
     return int(SLACK * (residual + max(qkv + rope + attn + ffn, head))) + PASS_FIXED
 
 
@@ -282,7 +282,8 @@ def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | 
     pools, kernel caches, the pages of library code each kernel lives in) is part of the measured baseline
     rather than charged to the budget. `arch` given (the model's math): one prefill and one two-sequence decode
     pass of a miniature of it (a layer of each kind, 64 wide, random weights), which pages in the code the real
-    passes run (measured: 4-5 MiB of libtorch that the kernels below alone leave out); returns that pass's
+    passes run (libtorch code that the kernels below alone leave out; its size is in docs/performance.md,
+    section "Streaming under `--memory-limit`"); returns that pass's
     logits [2, V] and the ids before them, for the caller to warm the sampler on (`sampling.warm_up`)."""
     import torch.nn.functional as F
 
@@ -294,8 +295,8 @@ def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | 
     torch.softmax(x.float(), dim=-1)
     if arch is not None:
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the same kernels' code, without the wake-ups of threads that a busy machine
-        try:  # delays (with 2 threads 0.05-0.5 s, with 1 5-25 ms)
+        torch.set_num_threads(1)  # the same kernels' code, without waiting on the wake-ups of worker threads,
+        try:  # which a busy machine delays (docs/performance.md, "Streaming under `--memory-limit`")
             return _warm_forward(arch, dtype)
         finally:
             torch.set_num_threads(threads)
@@ -351,8 +352,9 @@ def _libc():
 
 
 def trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc malloc_trim). Parsing a large tokenizer.json leaves ~40 MB of
-    freed heap resident (measured, Qwen2.5's 151k-token vocabulary: 85 MB -> 44 MB)."""
+    """Return freed heap memory to the OS (glibc malloc_trim). Parsing a large tokenizer.json leaves much of its
+    freed heap resident; the loader trims it before measuring the runtime baseline, so it does not count there
+    (figure: docs/performance.md, "Figures moved from source comments")."""
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)

@@ -156,8 +156,8 @@ def forward_groups(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, int | 
 
 
 # Under q4, the attention value projection and the FFN down projection (mixtral: w2) are stored as q8, as
-# llama.cpp's Q4_K_M keeps attn_v / ffn_down at higher precision: measured on SmolLM2 (docs/quality.md) they carry
-# most of q4's perplexity cost for ~15 % more bytes.
+# llama.cpp's Q4_K_M keeps attn_v / ffn_down at higher precision: they carry most of q4's perplexity cost for a
+# small share of the bytes (figures: docs/quality.md, "Reading the table").
 SENSITIVE = ("self_attn.v_proj.", "down_proj.", ".w2.")
 
 
@@ -355,7 +355,7 @@ def records(manifest: dict) -> tuple[dict[str, TensorEntry], list[PageEntry]]:
 
 
 class ContainerCheckpoint:
-    """A converted container (loaders.Checkpoint), its manifest's tensors and pages read back as the
+    """A converted container (loaders.checkpoint.Checkpoint), its manifest's tensors and pages read back as the
     TensorEntry / PageEntry records the converter wrote."""
 
     format = "container"
@@ -426,7 +426,8 @@ class ContainerCheckpoint:
 
     def load(self, name: str):
         """A float tensor (a view over the bytes read) or a quantized weight object, its checksum verified (crc32
-        over the bytes just read: ~4 GB/s, a few percent of the load)."""
+        over the bytes just read, in memory: cheap beside the read; its rate is in docs/performance.md, "Figures
+        moved from source comments")."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the container")

@@ -49,7 +49,7 @@ class ConvertOptions:
     quant: str = "q4"
     group_size: int = 64
     page_size_mb: int = 64
-    calibration: str = "none"  # measured in docs/quality.md: calibration lost to the fixed policy on prose
+    calibration: str = "none"  # the fixed policy (why: docs/quality.md, "What the measurements say")
     bits_per_weight: float | None = None
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"

@@ -6,8 +6,8 @@ still fits. Streamed pages go through equal-size staging slots, so a dense model
 exactly the streamed bytes once per forward pass, with no LRU thrash. Lookup and head tables (the token
 embedding, an untied lm_head) are never staged whole: the lookup reads only its tokens' rows and the head
 streams row blocks through two small buffers; their small companions stay resident. MoE experts get the budget
-left after pinning as an expert cache. The store (colibri.streaming) carries a placement out; the elastic pool
-(colibri.elastic) pins and unpins streamed pages beyond it as the KV cache's need changes.
+left after pinning as an expert cache. The store (colibri.streaming) carries a placement out, and its elastic
+pins (`StreamingStore.fit`) pin and unpin streamed pages beyond it as the KV cache's need changes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from colibri.io import ALIGN, align_up, huge_align
 # of scopes), and experts last: each is needed by only top_k / num_experts of the tokens.
 PIN_ORDER = {"attention": 0, "head": 1, "embedding": 2, "shared_expert": 3, "ffn": 4, "expert": 5}
 BLOCK_BYTES = 4 << 20  # rows of the head read per block...
-HEAD_BUFFERS = 2  # ...through this many buffers (4 measured no faster on Qwen2.5-1.5B under 400M, noise +-15 %)
+HEAD_BUFFERS = 2  # ...through this many buffers: one computes while the next is read (more buffers did no
+# better: docs/performance.md, "Figures moved from source comments")
 ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4", "q8k", "q4k")  # kinds whose rows (q4, q4k: 64-row tiles) are
 # contiguous bytes
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
@@ -223,8 +224,7 @@ def block_buffer_bytes(t: TensorEntry) -> int:
 def auto_depth(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
     """Pages to read ahead by default: the most streamed pages one layer has, plus one. Prefetch counts pages
     after the current scope, so with fewer than that, each layer's last page is read on demand, with compute
-    waiting (measured: Llama-2-7B q4 under 1 GiB, 3 pages a layer, depth 2 ran at 0.78 of the I/O bound and
-    depth 4 at 0.93)."""
+    waiting (figures: docs/performance.md, "Figures moved from source comments")."""
     count: dict[int, int] = {}
     for pid in streamed:
         if pages[pid].kind not in ("expert", "embedding", "head"):
@@ -274,7 +274,7 @@ def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: in
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
         prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
     # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
-    # Qwen2.5-Coder-1.5B q4 under 250M ran at 0.62 of the I/O bound with depth 0 (only 2 slots fit depth 3's 5)
+    # depth 0 serializes reads and compute (docs/performance.md, "Figures moved from source comments")
     while prefetch_depth > 0 and costs.need(streamed, prefetch_depth) > room:
         prefetch_depth -= 1
 

@@ -46,7 +46,7 @@ QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
 TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
-_CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step (8 MiB measured best of 1-32 MiB; fits the 32 MiB L3)
+_CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step, small enough to stay in the L3 (docs/performance.md)
 SCRATCH_BYTES = _CHUNK_BYTES * 3 // 2  # what _scratch keeps: the f32 step and its bf16 copy (budget.reserve)
 _local = threading.local()
 
@@ -294,9 +294,10 @@ class Q4Weight(_QuantWeight):
         return sz[..., 0], sz[..., 1]  # [G, r1 - r0] each
 
     def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, zero) of tiles t0..t1 as contiguous f32 [tiles, G, 1, 64], built per dequantize step (strided
-        broadcasts in the loop cost 5x more than contiguous ones; a copy for the whole weight, kept, cost twice
-        the stored scales for every resident weight)."""
+        """(scale, zero) of tiles t0..t1 as contiguous f32 [tiles, G, 1, 64], built per dequantize step: strided
+        broadcasts in the loop cost several times more than contiguous ones (docs/performance.md, "Figures moved
+        from source comments"), and a kept f32 copy for the whole weight would double the RAM of 16-bit stored
+        scales, for every resident weight."""
         (_, k), g = self.shape, self.group_size
         sz = self._buffers["scales_zeros"][:, t0 * _TILE:t1 * _TILE].float().view(k // g, t1 - t0, _TILE, 2)
         p = sz.permute(3, 1, 0, 2).unsqueeze(3).contiguous()  # [2, tiles, G, 1, 64]
@@ -417,9 +418,9 @@ def _bf16_round_up(t: torch.Tensor) -> torch.Tensor:
 
 Q4_FIT_ITERS = 6
 # elements per quantization step (1 MiB of f32): bounds converter memory, and keeps the fit's elementwise passes
-# in L2 (measured 4x faster than 16 MiB steps, for the plain and the importance-weighted fit alike). Each pass is
-# too small to split across threads: the fit runs on one (measured 14x faster than two on a loaded 2-core host,
-# where a parallel region waits for a descheduled thread).
+# in L2 (for the plain and the importance-weighted fit alike). Each pass is too small to split across threads:
+# the fit runs on one, since on a loaded host a parallel region waits for a descheduled thread (both timed:
+# docs/performance.md, "Conversion").
 QUANTIZE_CHUNK = 1 << 18
 
 
@@ -428,8 +429,9 @@ def _q4_fit(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Starts from the min/max fit (error <= scale/2 everywhere) and refines by alternating least squares: with the
     codes fixed, the scale and zero minimizing the squared error are a linear regression of w on (q - 8); with
-    those fixed, codes are re-rounded. The best fit seen per group is kept (clipping an outlier may pay). On
-    Gaussian-like weights this lowers the mean squared error ~20 % over min/max at the same bits.
+    those fixed, codes are re-rounded. The best fit seen per group is kept (clipping an outlier may pay), so the
+    squared error is never above min/max's at the same bits (how much lower: docs/quality.md, "Reading the
+    table").
     """
     lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
     scale = (hi - lo) / 15
@@ -564,7 +566,7 @@ GGUF_EXACT = {
     "Q4_1": QuantKind("q4", 32, torch.float32),
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
-# ... and the K-quants, kept exactly unless a conversion asks to re-quantize them (the old policy)
+# ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
 GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q8k", 16, torch.float16)}
 
 

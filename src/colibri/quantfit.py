@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-CANDIDATES = 5  # grids with 14.5, 14.75, ..., 15.5 steps across the group's range (11 from 14 to 16: ~1 % lower
-REFINE_ITERS = 2  # weighted error on random weights, twice the time)
+CANDIDATES = 5  # grids with 14.5, 14.75, ..., 15.5 steps across the group's range (a wider search buys little
+REFINE_ITERS = 2  # error for its time: docs/quality.md, "Reading the table")
 IMPORTANCE_FLOOR = 1e-3  # of a row of groups' mean importance: no channel is ignored outright
 
 

@@ -176,8 +176,9 @@ class StreamingStore:
         staging = self._free + self._blocks
         for buf in staging:  # fault the buffers in now (huge pages where the kernel has them), not mid-token
             buf.tensor().fill_(0)
-        # the share of the staging slots and head blocks in transparent huge pages: on a VM, O_DIRECT into 4 KiB
-        # pages read 2-3x slower (io.AlignedBuffer); reported so a slow run can be told apart from a slow disk
+        # the share of the staging slots and head blocks in transparent huge pages: O_DIRECT into 4 KiB pages can
+        # read much slower (io.AlignedBuffer; docs/performance.md, "Disk"); reported so a slow run can be
+        # told apart from a slow disk
         big = [b for b in staging if b.nbytes >= HUGE_PAGE]  # smaller buffers never get huge pages
         huge, total = huge_page_bytes(big), sum(b.nbytes for b in big)
         self.staging_huge_fraction = round(huge / total, 4) if huge is not None and total else None

@@ -2,9 +2,9 @@
 model ties it to `token_embd.weight`, often at another precision): found, so that a quantized container stores
 the table once and reads it both as the lookup (rows) and as the head (row blocks).
 
-Two quantizations of one matrix differ by their rounding error (measured: 4.4 % relative RMS for Qwen2.5-0.5B's
-Q5_0 embedding against its Q8_0 output, 7.4 % for Qwen2.5-1.5B's Q4_K against Q6_K); an untied model's head and
-embedding are unrelated matrices (~140 %). The single table is made from the one with more bytes (the finer).
+Two quantizations of one matrix differ only by their rounding error, a relative RMS difference far below
+TIE_TOLERANCE; an untied model's head and embedding are unrelated matrices, far above it (figures:
+docs/quality.md, "Reading the table"). The single table is made from the one with more bytes (the finer).
 """
 
 from __future__ import annotations

@@ -205,9 +205,9 @@ class Engine:
 
     def _drafts_within_pins(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Drafts are optional work: a pass carrying them must fit beside the weights as pinned now, since a page
-        the elastic budget unpinned for them would be read again by every later pass (measured on prose under a
-        limit: one 12-token draft pass cost a 29 MB pin, +3.7 % reads per pass for the rest of the run). The
-        longest draft is halved until the pass fits."""
+        the elastic budget unpinned for them would be read again by every later pass, for the rest of the run
+        (docs/performance.md, "Speculative decoding", "Where prose lost its 5 %"). The longest draft is halved
+        until the pass fits."""
         spare = getattr(self.store, "spare", None)
         if self._fit is None or spare is None or not any(req.draft for req, _ in plan):
             return plan

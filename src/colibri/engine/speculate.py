@@ -32,16 +32,17 @@ if TYPE_CHECKING:
 ADAPTIVE_MAX = 16  # the most draft tokens the gate proposes
 RAMP_START = 4  # a sequence's first draft holds at most this many tokens; each verified draft sets the next
 # bound to 2 * accepted + 2 (doubling while every draft stands), so a text where drafts fail never pays for long
-# ones on the prior alone (prose under a limit: a first 12-token draft cost 2.3x a plain pass, contended)
+# ones on the prior alone (a long draft's pass costs a multiple of a plain one: docs/performance.md,
+# "Speculative decoding")
 EXPLORE_EVERY = 8  # steps a gated-off sequence waits before it drafts one token again (acceptance may change)
 PRIOR = (1.0, 2.0)  # acceptance prior (successes, trials): 0.5, worth two observations
 DECAY = 0.9  # weight of the past in a sequence's acceptance estimate, per verified draft
 PASS_SIZES = 256  # passes of more tokens (prompt chunks) are not measured
 
 
-# RAM the drafter's Python structures take, measured with tracemalloc on random 50k-vocabulary text (ngram 4): a
-# shared-cache entry with its share of the retained sequences 290-375 bytes; a sequence's lookup index ~415 bytes a
-# token, i.e. ~104 per token and n-gram length. Rounded up: the engine counts them in the KV pool's budget.
+# RAM the drafter's Python structures take, as upper bounds of tracemalloc measurements (docs/performance.md,
+# "Speculative decoding"): bytes per shared-cache entry (with its share of the retained sequences), and bytes
+# of a sequence's lookup index per token and n-gram length. The engine counts them in the KV pool's budget.
 CACHE_ENTRY_BYTES = 400
 INDEX_BYTES_PER_TOKEN_AND_N = 120
 

@@ -8,9 +8,10 @@
   is the speed if reads and compute overlapped fully.
 * `pipeline` / `simulate`: one decode pass replayed the way the streaming store runs it: a scope waits for its
   pages, prefetch reads at most `prefetch_depth` pages past the current scope into free staging slots, head row
-  blocks and routed experts are demand reads. On qwen2.5-0.5B q4 that matters: the head computes for ~20 ms
-  while only the prefetched pages can be read, so reads and compute overlap far less than the minimum of the
-  bounds assumes.
+  blocks and routed experts are demand reads. That matters where one scope computes long against the layers
+  (a large head, as qwen2.5-0.5B's; docs/performance.md, "Figures moved from source comments"): while it
+  computes only the prefetched pages can be read, so reads and compute overlap far less than the minimum of
+  the bounds assumes.
 
 The bandwidth and compute seconds it takes come from the probes (perf.probes); perf.runner puts them together.
 """
@@ -265,7 +266,7 @@ def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slo
     for all its pages, then starts reading up to `depth` pages past its end into free staging slots, computes,
     releases its pages and reads ahead again; routed experts and head row blocks are demand reads issued when
     the math reaches them. The disk serves one request at a time at the probed bandwidth (`busy_bandwidth`
-    while compute runs: on this VM reads slow from ~10 to ~7 GB/s under a 2-thread matmul), and compute runs
+    while compute runs: reads slow down under a matmul; docs/performance.md, "Disk"), and compute runs
     `slowdown` times slower while the disk is busy (both measured by the compute probe); compute that follows a
     wait of `wake_gap_s` or more first spends `wake_s` waking up. Returns the last of `passes` cyclic passes
     (the steady state) and the time it waited for reads."""

@@ -205,8 +205,9 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
         return sum(t[k] * n for k, (_, n) in timers.items())
 
     idle = run()
-    # the first layer after a long wait for reads runs slower: measured 1.8 ms more for a 7B-shape layer after
-    # 10 ms idle with OMP_WAIT_POLICY=PASSIVE (not after 5 ms; ~0.4 ms with the default spin after 30 ms)
+    # the first layer after a wait for reads of WAKE_GAP_S or more runs slower (its threads, and on a VM their
+    # vCPUs, went to sleep; more so with OMP_WAIT_POLICY=PASSIVE): `wake` is that extra time, in seconds, for one
+    # layer (figures: docs/performance.md, "Streaming under `--memory-limit`")
     kind = "dense" if "dense" in timers else "moe"
     with torch.inference_mode():
         wake = max(0.0, _woken(timers[kind][0]) - idle[kind])

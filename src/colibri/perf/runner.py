@@ -76,8 +76,8 @@ def predict(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int
     stop = threading.Event()  # ends the second probe when the timing under reads is done
     if per_token:
         # The disk alone (its rate while compute is idle), then a second probe that runs exactly while compute is
-        # timed again: the slowdown of compute under reads, and the disk's rate under compute (5.7-7.9 GB/s
-        # against ~10 GB/s alone on the host-cached disk); the pipeline model uses both rates.
+        # timed again: the slowdown of compute under reads, and the disk's rate under compute (lower than alone:
+        # docs/performance.md, "Streaming under `--memory-limit`"); the pipeline model uses both rates.
         disk.update(disk_probe(lay.data_file, io_threads, probe_seconds))
         reads = threading.Thread(target=lambda: busy.update(disk_probe(lay.data_file, io_threads, 60.0, 1, stop)),
                                  daemon=True)
