@@ -22,6 +22,8 @@
 //     columns walk all of K over them, their f32 sums in L1. q4 passes of at most 4 rows take the quads straight
 //     from the stored tile in registers.
 //   dot (q8 up to kDotMaxRows rows, x groups a multiple of 64): see q8_dot16; the codes are read as stored.
+//   decode (q8k up to kDirectRows rows, its x groups of 16): generic/int8_decode.h's q8 form, shared with the
+//     generic tiers (AVX2 instructions, which every CPU of this tier has).
 
 // GGUF K-quants in their stored form (q4k_linear_i8, q8k_linear_i8): the same kernels (Weight.sup set), with each
 // group's scale computed where the stored one is read, from the 8-bit codes and the f16 super-scales, in f32 with
@@ -34,6 +36,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "library.h"
+#include "generic/int8_decode.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -583,6 +586,32 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   return y;
 }
 
+// q8k passes of at most kDirectRows rows: generic/int8_decode.h's q8 decode form (its x groups of 16 do not fit
+// the dot form), 64-column blocks (parallel). The same int32 sums and f32 steps per (row, column, group) as the
+// quads, so the same bits.
+at::Tensor q8k_decode(const at::Tensor& x, const Weight& w) {
+  const int64_t t = x.size(0), k = w.k, groups = k / 16;
+  at::Tensor y = at::empty({t, w.cols}, x.options());
+  if (t == 0) return y;
+  const Activations a = quantize_rows(x, 16);
+  const Out out(y);
+  const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
+  const int8_t* sc = static_cast<const int8_t*>(w.sc);
+  at::parallel_for(0, (w.cols + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float acc[kDirectRows * kCols];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * kCols, cols = std::min(kCols, w.cols - n0);
+      std::fill(acc, acc + t * kCols, 0.f);
+      for (int64_t r = 0; r < t; ++r)
+        for (int64_t c = 0; c < cols; c += 8)
+          q8_direct<false>(qw + (n0 + c) * k, cols - c, k, 16, a.q + r * k, a.d + r * groups, nullptr, 0,
+                           sc + (n0 + c) * groups, w.sup + (n0 + c) * (k / 256), acc + r * kCols + c);
+      store_columns(acc, kCols, t, cols, out, 0, n0);
+    }
+  });
+  return y;
+}
+
 void check_x(const at::Tensor& x, int64_t k, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
@@ -650,7 +679,7 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
               "q8k_linear_i8: shapes do not match the stored layout");
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, 1, n, k, 16,
            reinterpret_cast<const uint16_t*>(supers.data_ptr())};
-  return q8_run(x, w, 16);
+  return x.size(0) <= kDirectRows ? q8k_decode(x, w) : q8_run(x, w, 16);
 }
 
 }  // namespace

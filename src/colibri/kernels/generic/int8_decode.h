@@ -1,0 +1,253 @@
+// Pieces of the LOSSY int8 linears shared by every tier's library: the integer primitives of the generic tiers
+// (an AVX2 form under __AVX2__, plain vector arithmetic otherwise) and the decode forms (passes of at most
+// kDirectRows rows reading the stored q4 tiles / q8 rows directly). The avx512 tier's int8.cpp uses the q8 decode
+// form for q8k (groups of 16, which its VNNI dot form does not take); generic/int8.cpp uses both. Everything here
+// has internal linkage: each library gets its own copy, compiled for its own flags.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+using simd::f8;
+using i32x8 = simd::i8;
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t s8x32 __attribute__((vector_size(32)));
+
+template <class V>
+inline V vload(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// ---- integer primitives: the only code with an ISA form ------------------------------------------------------
+
+// u (unsigned bytes) x s (signed bytes), adjacent products summed into int16 lanes: vpmaddubsw (whose saturation
+// never triggers here: u <= 15, |s| <= 127).
+inline i16x16 maddubs(u8x32 u, s8x32 s) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i16x16>(_mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)));
+#else
+  const u16x16 uw = reinterpret_cast<u16x16>(u);
+  const i16x16 sw = reinterpret_cast<i16x16>(s);
+  const i16x16 ue = reinterpret_cast<i16x16>(uw & 0xff), uo = reinterpret_cast<i16x16>(uw >> 8);
+  const i16x16 se = (sw << 8) >> 8, so = sw >> 8;
+  return ue * se + uo * so;
+#endif
+}
+
+// Adjacent int16 lanes summed into int32 lanes: vpmaddwd with ones.
+inline i32x8 pair_sums(i16x16 v) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i32x8>(_mm256_madd_epi16(reinterpret_cast<__m256i>(v), _mm256_set1_epi16(1)));
+#else
+  const i32x8 w = reinterpret_cast<i32x8>(v);
+  return ((w << 16) >> 16) + (w >> 16);
+#endif
+}
+
+inline s8x32 broadcast4(const int8_t* p) {
+  int32_t q;
+  std::memcpy(&q, p, 4);
+  return reinterpret_cast<s8x32>(i32x8{} + q);
+}
+
+// ---- decode: short passes read the stored layouts directly -----------------------------------------------------
+// At T <= kDirectRows (decode, speculation's verify passes) laying a chunk out as quads costs more than its
+// arithmetic: each code would be moved once and used by one or two rows. These forms take the same A (exact
+// int32 sums, any method gives them) and apply the same f32 steps per (row, column, group), in group order, so the
+// output bits are the chunk path's.
+//   q4 (full 64-column tiles): two consecutive k rows of a tile (32 bytes each: byte j holds columns j and 32 + j)
+//     interleaved bytewise give per column the (k, k + 1) code pair, which vpmaddubsw multiplies by the broadcast
+//     (x[k], x[k + 1]) pair; int16 sums over 8 pairs (<= 30480), widened to int32 per window. Half 0 (the low
+//     unpack) holds columns 0-7, 16-23, 32-39, 48-55; half 1 the other 32.
+//   q8 (row-major): 32 codes of a weight row against 32 x codes as |w| x (x with w's sign) by vpmaddubsw
+//     (|pair| <= 2 * 128 * 127 = 32512), then vpmaddwd: int32 lane i sums k = 4i .. 4i + 3; eight rows' lanes
+//     summed per group by a fixed tree (int32: exact in any order).
+
+constexpr int64_t kDirectRows = 4;
+constexpr int64_t kAhead = 1024;  // bytes of each weight row fetched ahead of their use
+
+inline u8x32 load32(const void* p) { return vload<u8x32>(p); }
+
+// Bytes of a and b interleaved, per 128-bit half: half h of each (bytes 8h .. 8h + 7 of both halves): the
+// vpunpcklbw (h = 0) / vpunpckhbw (h = 1) order.
+template <int H>
+inline u8x32 interleave(u8x32 a, u8x32 b) {
+#if defined(__AVX2__)
+  const __m256i x = reinterpret_cast<__m256i>(a), y = reinterpret_cast<__m256i>(b);
+  return reinterpret_cast<u8x32>(H ? _mm256_unpackhi_epi8(x, y) : _mm256_unpacklo_epi8(x, y));
+#else
+  u8x32 r;
+  for (int l = 0; l < 2; ++l)
+    for (int i = 0; i < 8; ++i) {
+      r[16 * l + 2 * i] = a[16 * l + 8 * H + i];
+      r[16 * l + 2 * i + 1] = b[16 * l + 8 * H + i];
+    }
+  return r;
+#endif
+}
+
+// int16 lanes 8h .. 8h + 7 widened to int32.
+template <int H>
+inline i32x8 widen(i16x16 v) {
+#if defined(__AVX2__)
+  const __m256i w = reinterpret_cast<__m256i>(v);
+  return reinterpret_cast<i32x8>(_mm256_cvtepi16_epi32(H ? _mm256_extracti128_si256(w, 1) : _mm256_castsi256_si128(w)));
+#endif
+  typedef int16_t i16x8 __attribute__((vector_size(16)));
+  i16x8 h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + 16 * H, 16);
+  return __builtin_convertvector(h, i32x8);
+}
+
+// Sums of 4 consecutive products of 32 signed codes w and x: lane i = sum of w[j] x[j], j = 4i .. 4i + 3.
+inline i32x8 dot4(s8x32 w, s8x32 x) {
+#if defined(__AVX2__)
+  const __m256i a = reinterpret_cast<__m256i>(w), b = reinterpret_cast<__m256i>(x);
+  return pair_sums(reinterpret_cast<i16x16>(_mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(b, a))));
+#else
+  const i16x16 ww = reinterpret_cast<i16x16>(w), xw = reinterpret_cast<i16x16>(x);
+  const i16x16 p = ((ww << 8) >> 8) * ((xw << 8) >> 8) + (ww >> 8) * (xw >> 8);  // |.| <= 32512
+  return pair_sums(p);
+#endif
+}
+
+// v[c] (8 columns' int32 lanes) -> per column c the sum of lanes 0-3 (lo) and of lanes 4-7 (hi).
+struct Halves {
+  i32x8 lo, hi;
+};
+inline Halves column_sums(const i32x8* v) {
+#if defined(__AVX2__)
+  auto h = [](i32x8 a, i32x8 b) {
+    return reinterpret_cast<i32x8>(_mm256_hadd_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+  };
+  const __m256i q0 = reinterpret_cast<__m256i>(h(h(v[0], v[1]), h(v[2], v[3])));  // c0-3 lo | c0-3 hi
+  const __m256i q1 = reinterpret_cast<__m256i>(h(h(v[4], v[5]), h(v[6], v[7])));  // c4-7 lo | c4-7 hi
+  return Halves{reinterpret_cast<i32x8>(_mm256_permute2x128_si256(q0, q1, 0x20)),
+                reinterpret_cast<i32x8>(_mm256_permute2x128_si256(q0, q1, 0x31))};
+#else
+  Halves r;
+  for (int c = 0; c < 8; ++c) {
+    r.lo[c] = v[c][0] + v[c][1] + v[c][2] + v[c][3];
+    r.hi[c] = v[c][4] + v[c][5] + v[c][6] + v[c][7];
+  }
+  return r;
+#endif
+}
+
+// One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols]) gets each group's f32
+// steps. xq: the row's codes; d, qs: its per-group scale and offset term; prm: group 0's scales (group stride lds).
+__attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
+                                         const float* d, const int32_t* qs, const float* prm, int64_t lds,
+                                         float* tot) {
+  const u8x32 nib = u8x32{} + 15;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
+    for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
+      i16x16 c[4] = {};  // interleave h, low / high nibbles
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const int64_t kk = w0 + 2 * p;
+        const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
+        int16_t pr;
+        std::memcpy(&pr, xq + kk, 2);
+        const s8x32 xb = reinterpret_cast<s8x32>(i16x16{} + pr);
+        const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
+        c[0] += maddubs(a & nib, xb);
+        c[1] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib, xb);
+        c[2] += maddubs(b & nib, xb);
+        c[3] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib, xb);
+      }
+      for (int h = 0; h < 2; ++h) {
+        acc[4 * h + 0] += widen<0>(c[2 * h]);
+        acc[4 * h + 1] += widen<1>(c[2 * h]);
+        acc[4 * h + 2] += widen<0>(c[2 * h + 1]);
+        acc[4 * h + 3] += widen<1>(c[2 * h + 1]);
+      }
+    }
+    const f8 dv = simd::set1(d[gi]);
+    const i32x8 base = i32x8{} + qs[gi];
+    for (int h = 0; h < 2; ++h)
+      for (int v = 0; v < 4; ++v) {
+        const int64_t col = 16 * v + 8 * h;
+        const f8 f = simd::to_f(acc[4 * h + v] + base) * dv;
+        simd::store(tot + col, simd::fma(f, simd::load(prm + gi * lds + col), simd::load(tot + col)));
+      }
+  }
+}
+
+// One row of x against up to 8 q8 weight rows (w: the first, row stride k; rows >= n read row n - 1, their sums
+// land in columns past the tile's end): tot (the row's 8 columns) gets each group's f32 steps in group order
+// (grouped: fma with the group's scales, per channel: a plain sum), kept in a register. A step covers 64 k: four
+// groups of 16, two of 32, one of 64, or part of a larger group (summed over its steps).
+//   Group scales: q8 grouped from prm (the tile's table, group stride lds); q8k (sc, sup set: int8 codes [N, K/16]
+//   and f16 supers [N, K/256] of row 0) decoded here, d * sc (exact in f32, the value tile_params gives), four
+//   codes per row and step: a table would cost more per weight than the codes' arithmetic.
+template <bool Channel>
+__attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, int64_t xg, const int8_t* xq,
+                                         const float* d, const float* prm, int64_t lds, const int8_t* sc,
+                                         const uint16_t* sup, float* tot) {
+  const int8_t* rows[8];
+  int64_t rc[8];
+  for (int c = 0; c < 8; ++c) {
+    rc[c] = std::min<int64_t>(c, n - 1);
+    rows[c] = w + rc[c] * k;
+  }
+  f8 acc = simd::load(tot);
+  f8 sd{};       // q8k: the rows' d of the current 256
+  i32x8 codes{};  // q8k: the rows' four scale codes of the step (byte g: group 4 s + g)
+  auto step = [&](int64_t gi, i32x8 a) {
+    const f8 f = simd::to_f(a) * simd::set1(d[gi]);
+    if constexpr (Channel) {
+      acc = acc + f;
+    } else if (sc) {
+      const int sh = 8 * (3 - static_cast<int>(gi & 3));
+      acc = simd::fma(f, sd * simd::to_f((codes << sh) >> 24), acc);
+    } else {
+      acc = simd::fma(f, simd::load(prm + gi * lds), acc);
+    }
+  };
+  i32x8 big{};  // a group of more than 64: its steps' sums
+  for (int64_t k0 = 0; k0 < k; k0 += 64) {
+    if (sc) {
+      if (k0 % 256 == 0)
+        for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(sup[rc[c] * (k / 256) + k0 / 256]);
+      for (int c = 0; c < 8; ++c) std::memcpy(&codes[c], sc + rc[c] * (k / 16) + k0 / 16, 4);
+    }
+    i32x8 v0[8], v1[8];
+    const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __builtin_prefetch(rows[c] + k0 + kAhead);
+      v0[c] = dot4(vload<s8x32>(rows[c] + k0), x0);
+      v1[c] = dot4(vload<s8x32>(rows[c] + k0 + 32), x1);
+    }
+    const Halves a = column_sums(v0), b = column_sums(v1);
+    if (xg == 16) {
+      step(k0 / 16, a.lo);
+      step(k0 / 16 + 1, a.hi);
+      step(k0 / 16 + 2, b.lo);
+      step(k0 / 16 + 3, b.hi);
+    } else if (xg == 32) {
+      step(k0 / 32, a.lo + a.hi);
+      step(k0 / 32 + 1, b.lo + b.hi);
+    } else {
+      big += (a.lo + a.hi) + (b.lo + b.hi);
+      if ((k0 + 64) % xg == 0) {
+        step(k0 / xg, big);
+        big = i32x8{};
+      }
+    }
+  }
+  simd::store(tot, acc);
+}
+
+}  // namespace
