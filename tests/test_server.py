@@ -167,9 +167,13 @@ def test_over_long_prompt_and_oversized_body(server):
 def test_queue_full_is_429_with_retry_after(server):
     body = {"model": "smollm2", "prompt": "1, 2, 3, 4,", "max_tokens": 64, "temperature": 0, "stream": True}
     statuses, lock = [], threading.Lock()
+    # all 14 sent together: a request that finished before the last one was sent would free its slot, and more
+    # than 10 could then be accepted without the queue bound being wrong
+    start = threading.Barrier(14)
     with httpx.Client(timeout=120, headers=server.headers) as http:
 
         def one() -> None:
+            start.wait(timeout=60)
             with http.stream("POST", server.url + "/v1/completions", json=body) as r:
                 with lock:
                     statuses.append((r.status_code, r.headers.get("retry-after"),
