@@ -14,8 +14,7 @@ Each native tier is one shared library compiled with torch.utils.cpp_extension a
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
 side in one process (tests compare them). They run on torch's own thread pool (at::parallel_for). Why a JIT build:
 it needs only a C++ compiler and the `ninja` package at run time, takes 1-2 minutes once per machine and torch
-version (66-128 s measured for avx512 on a shared 2-core machine, 11 s of it torch's headers; progress on
-stderr), and the install stays `pip install -e .` with no compile step or build isolation (a setup.py build would
+version (docs/performance.md has the figures; progress on stderr), and the install stays `pip install -e .` with no compile step or build isolation (a setup.py build would
 need torch in the build requirements and would rebuild on every editable install). A ctypes library was ruled
 out: its own OpenMP runtime beside torch's is a known trap (two pools oversubscribe the cores).
 

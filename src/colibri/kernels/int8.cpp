@@ -52,8 +52,8 @@ namespace {
 constexpr int64_t kCols = 64;   // columns per tile (the q4 layout's tile)
 constexpr int kRowBlock = 6;    // x rows per register block: 6 x 4 int32 accumulators
 constexpr int64_t kSpan = 256;  // k per step of laying out a q4 tile's quads (x groups divide it)
-// q8 steps are longer: the transpose then reads 1 KiB runs of each of 16 rows at a time (measured faster than
-// 256-byte runs of 64 rows)
+// q8 steps are longer: the transpose then reads 1 KiB runs of each of 16 rows at a time, which keeps each row's
+// stream long enough for the hardware prefetcher (docs/performance.md, "Figures moved from source comments")
 constexpr int64_t kSpanQ8 = 1024;
 constexpr int64_t kQuad = 256;  // bytes of one quad step for 64 columns
 
@@ -229,7 +229,7 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
 
 // tot[R][64] += this group's terms for R rows: `steps` quads from `src`, x codes xq (row stride ldx), the rows'
 // group scale d and code sum qs (stride ldg), and the group's column scales prm[0..3].
-// Never inlined: inlined into the tile loop, GCC 12 spilled the accumulators on every step (2x slower).
+// Never inlined: inlined into the tile loop, GCC 12 spilled the accumulators on every step.
 template <int R, int K, class Src>
 __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d, const int32_t* qs,
                       int64_t ldg, const __m512* prm, float* tot) {
@@ -252,7 +252,7 @@ __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t*
     }
   }
   // the sums go through memory: with the f32 steps below working on the registers, GCC 12 kept a stack copy of
-  // every accumulator up to date on each step of the loop above (measured 2x slower)
+  // every accumulator up to date on each step of the loop above
   alignas(64) int32_t sums[R][kCols];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -366,7 +366,8 @@ void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
 
 constexpr int kDotRows = 4;      // x rows per register block
 constexpr int64_t kDotSpan = 1024;  // k per chunk: 16 KiB of a block's codes
-// the quads form from 17 rows (measured, 4096 x 4096, 1 thread: T = 16 3.2 against 3.6 ms, T = 24 4.6 against 4.4)
+// the quads form from 17 rows: where the two forms' costs cross (docs/performance.md, "Figures moved from source
+// comments")
 constexpr int64_t kDotMaxRows = 16;
 
 // 4 rows' 64 bytes -> W[q] = (block q of a0, of a1, of a2, of a3)
@@ -484,8 +485,8 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
     std::vector<__m512> prm(groups * 8);
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
-      // q4 quads straight from the tile for passes of at most 4 rows (measured: at 5-6 rows the unpacking in the
-      // register block costs more than the buffer); the same codes either way
+      // q4 quads straight from the tile for passes of at most 4 rows (above, the unpacking repeated in every
+      // register block costs more than laying the quads out once); the same codes either way
       const bool direct = K == kQ4 && cols == kCols && t <= 4;
       for (int64_t gi = 0; gi < groups; ++gi) {
         if constexpr (K == kQ4) {
@@ -513,7 +514,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
         alignas(64) float tot[rr * kCols];
         __m512 zero = _mm512_setzero_ps();
         for (int i = 0; i < rr * kCols; i += 16) {
-          asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, measured at ~370 cycles per block here
+          asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, whose startup costs more than 16 stores
           _mm512_store_ps(tot + i, zero);
         }
         for (int64_t gi = 0; gi < groups; ++gi) {

@@ -26,11 +26,9 @@
 // pair: 16 q4 columns, or the two nibble planes of 8 q8 columns; its chunk is one contiguous run, in L1 while it
 // is used); each pair
 // then meets every register block of kRowBlock rows: per quad step the rows' x quads broadcast, one vpmaddubsw +
-// vpaddw per row and vector (4 x 2 int16 accumulators). Measured on one Zen 5 core (thread CPU time, T = 500, a
-// 1536 x 8960 q4 weight, bf16 x): 124 / 141 / 157 GMAC/s at groups of 32 / 64 / 128, 0.56 / 0.46 / 0.41 of the
-// AVX-512 VNNI tier. The same loop with its operands in L1 runs 172 (1.35 vpmaddubsw per cycle, where bare
-// independent vpmaddubsw reach 2: the vpaddw compete for their ports); the per-group f32 steps are most of the
-// rest. q8 does two vpmaddubsw per quad (its nibble planes): about half q4's rate.
+// vpaddw per row and vector (4 x 2 int16 accumulators); the vpaddw share vpmaddubsw's ports, and the per-group
+// f32 steps cost the rest (rates in docs/performance.md, "Figures moved from source comments"). q8 does two
+// vpmaddubsw per quad (its nibble planes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
