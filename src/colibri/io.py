@@ -32,10 +32,10 @@ import torch
 from colibri.errors import StorageError
 
 ALIGN = 4096  # O_DIRECT wants offset, length and memory address aligned; 4096 covers every logical block size
-# benchmarks/disk.py: 256 KiB requests lose up to 6x on cold data, 1-8 MiB are within run-to-run noise; 2 MiB
-# keeps the per-request Python cost small (~1000 requests/s at 2 GB/s).
+# Requests of a few MiB: small requests lose bandwidth on cold data, and each request costs Python time, so fewer
+# larger ones keep that cost small (benchmarks/disk.py; figures in docs/performance.md, "Disk").
 DEFAULT_REQUEST_SIZE = 2 << 20
-DEFAULT_IO_THREADS = 2  # cold reads: 1 thread ~1.1-1.5 GB/s, 2 threads ~2.6-2.9; 4 gave nothing consistent
+DEFAULT_IO_THREADS = 2  # two requests in flight reach the cold disk's rate where one does not ("Disk")
 DEMAND, PREFETCH = 0, 1  # priorities: lower runs first
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 
@@ -54,12 +54,11 @@ class AlignedBuffer:
     """`nbytes` (rounded up to 4096) of page-aligned anonymous memory, with zero-copy torch and memoryview views.
 
     Buffers of at least one huge page start on a 2 MiB boundary and ask for transparent huge pages
-    (MADV_HUGEPAGE). On this VM that decides the read speed (benchmarks/disk.py, "destination buffers"): O_DIRECT
-    into 4 KiB pages scattered in physical memory splits each request into many segments, and the same cached
-    file read at 3-9 GB/s depending on which buffer it went into, stable per buffer; into huge pages every buffer
-    read at 10-10.6 GB/s. Only whole huge pages inside the buffer are advised, so its resident size stays
-    `nbytes`. Where the kernel has no huge page to give (THP off, memory fragmented) the buffer is ordinary 4 KiB
-    pages.
+    (MADV_HUGEPAGE). That can decide the read speed (benchmarks/disk.py, "destination buffers"; figures in
+    docs/performance.md, "Disk"): O_DIRECT into 4 KiB pages scattered in physical memory splits each request into
+    many segments, so the rate depends on which buffer a read goes into; into huge pages it does not. Only whole
+    huge pages inside the buffer are advised, so its resident size stays `nbytes`. Where the kernel has no huge
+    page to give (THP off, memory fragmented) the buffer is ordinary 4 KiB pages.
 
     The mapping is never closed explicitly: torch views keep it alive and it is unmapped when the last one goes.
     """
