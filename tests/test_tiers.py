@@ -55,6 +55,20 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
                     assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
 
 
+def test_veltkamp_split_is_bf16_round_to_nearest_even():
+    """generic/simd.h's round_bf16_normal: c = v (2^16 + 1), c - (c - v) (each step rounded, as torch's f32
+    elementwise ops are) equals vcvtneps2bf16's RNE for every f32 significand, both signs, ties included, at
+    exponents from tiny normals to 2^100."""
+    m = torch.arange(1 << 23, dtype=torch.int32)
+    for e in (1, 100, 127, 227):  # biased exponents: 2^-126, 2^-27, 2^0, 2^100
+        bits = torch.cat([m | (e << 23), m | (e << 23) | torch.tensor(-(1 << 31), dtype=torch.int32)])
+        v = bits.view(torch.float32)
+        c = v * 65537.0
+        split = c - (c - v)
+        rne = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+        assert torch.equal(split, rne), f"exponent {e - 127}"
+
+
 def test_pointwise_tiers_agree(tier_ops):
     for dtype in (torch.float32, torch.bfloat16):
         x = (_randn(64 * 300, seed=3) * 4).to(dtype)

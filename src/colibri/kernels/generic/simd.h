@@ -106,11 +106,15 @@ inline u8 bf16_round_bits(f8 v) {
   return exp == 0 ? (u & 0x80000000u) : r;
 }
 inline f8 round_bf16(f8 v) { return as_f(bf16_round_bits(v)); }
-// The same for lanes known to be zero or normal and finite (products of codes and f16-derived scales: an f16
-// times an int8 is at least 2^-24 in magnitude or zero): RNE alone, a third of the work.
+// The same for lanes known to be zero or normal, finite and below 2^110 in magnitude (products of codes and
+// f16-derived scales: an f16 times an int8 is at least 2^-24 in magnitude or zero): Veltkamp's split with the
+// factor 2^16 + 1, c = v (2^16 + 1), v' = c - (c - v), keeps the top 8 significant bits of v rounded to nearest,
+// ties to even (checked against the integer form below for every f32 significand, both signs, ties included), in
+// three FP operations where the bit form takes five integer ones. Needs every operation rounded on its own
+// (-ffp-contract=off, no -ffast-math).
 inline f8 round_bf16_normal(f8 v) {
-  const u8 u = as_u(v);
-  return as_f((u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
+  const f8 c = v * set1(65537.f);
+  return c - (c - v);
 }
 
 // 8 f32 -> bf16 stored at p (n < 8: the first n)
