@@ -175,7 +175,7 @@ LAYERS = [
     ["placement", "usage", "io", "store", "streaming"],
     ["models", "models.base", "models.*"],
     ["convert", "calibrate", "mixed", "tied"],
-    ["kvpool", "kv", "prefix", "swap", "session"],
+    ["kvpool", "kv", "prefix", "swap", "kvspace", "session"],
     ["budget"],
     ["engine", "engine.*", "generate", "sampling", "tokenizer"],
     ["model"],

@@ -31,7 +31,7 @@ from colibri.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kvpool import Block, BlockPool
 
 if TYPE_CHECKING:
-    from colibri.prefix import KVSpace
+    from colibri.kvspace import KVSpace
 
 BLOCK = 64  # tokens per block, the most: a 48 KiB segment per layer for SmolLM2 in bf16...
 MIN_BLOCK = 16  # ...halved down to this while a block would take more than BLOCK_BYTES of RAM

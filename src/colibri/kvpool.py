@@ -20,7 +20,7 @@ from colibri.io import AlignedBuffer
 
 if TYPE_CHECKING:
     from colibri.kv import KVLayout
-    from colibri.prefix import KVSpace
+    from colibri.kvspace import KVSpace
 
 
 class Block:

@@ -18,9 +18,9 @@ from colibri.container import ContainerCheckpoint
 from colibri.engine import Engine
 from colibri.errors import InputError, UnsupportedModelError
 from colibri.kv import KVCache
+from colibri.kvspace import KVSpace
 from colibri.loaders.checkpoint import Checkpoint, check_tensors
 from colibri.models import open_model
-from colibri.prefix import KVSpace
 from colibri.models.base import SLIDING
 from colibri.sampling import warm_up as warm_sampler
 from colibri.store import RamStore

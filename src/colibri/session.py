@@ -30,7 +30,7 @@ from colibri.io import align_up
 if TYPE_CHECKING:
     from colibri.kv import KVCache, KVLayout
     from colibri.loaders.checkpoint import Checkpoint
-    from colibri.prefix import KVSpace
+    from colibri.kvspace import KVSpace
 
 MAGIC = b"COLIBRI-KV-SESSION\n"
 VERSION = 1
