@@ -52,7 +52,6 @@ def child(a: argparse.Namespace) -> None:
                      max_sequences=max(a.batches), ctx_length=a.ctx_length,
                      draft_tokens=None if a.draft_tokens < 0 else a.draft_tokens)
     eng, store = m.engine, m.store
-    counters = getattr(store, "counters", None)
     for B in a.batches:
         prompts = [prompt_ids(m, i) for i in range(B)]
         reqs = [eng.add_request(p, SamplingParams(max_tokens=a.tokens, ignore_eos=True)) for p in prompts]
@@ -63,12 +62,12 @@ def child(a: argparse.Namespace) -> None:
         steps, wall, wait, nbytes, read_s, made = 0, 0.0, 0.0, 0, 0.0, 0
         while all(not r.finished for r in reqs) and all(r.pending == 1 for r in reqs) and len(eng.running) == B:
             before = sum(len(r.token_ids) for r in reqs)
-            c0 = counters() if counters else None
+            c0 = store.counters() or None  # None: all in RAM
             t0 = time.perf_counter()
             eng.step()
             dt = time.perf_counter() - t0
             if c0 is not None:
-                c1 = counters()
+                c1 = store.counters()
                 wait += c1["io_wait_s"] - c0["io_wait_s"]
                 nbytes += c1["bytes_read"] - c0["bytes_read"]
                 read_s += c1["read_active_s"] - c0["read_active_s"]

@@ -61,7 +61,7 @@ def main() -> None:
     eng = m.engine
 
     def reads() -> tuple[int, float]:  # (bytes read from disk, seconds reads were in flight) so far; 0 all in RAM
-        c = m.store.counters() if hasattr(m.store, "counters") else {}
+        c = m.store.counters()
         return c.get("bytes_read", 0), c.get("read_active_s", 0.0)
 
     best_pre, best_dec, tokens, prefill_io = 0.0, 0.0, [], {}

@@ -101,7 +101,7 @@ def lookahead_child(a: argparse.Namespace) -> None:
 
 
 def pins(m) -> tuple[int, int]:
-    c = m.store.counters() if hasattr(m.store, "counters") else {}
+    c = m.store.counters()
     return c.get("elastic_pins", 0), c.get("elastic_unpins", 0)
 
 

@@ -40,7 +40,7 @@ out = m.generate(ids, max_tokens=n, ignore_eos=True)
 io = io_read() - r0
 print(json.dumps({"tokens": out.token_ids, "baseline": m.baseline_rss_bytes,
                   "peak": peak_rss_bytes(),
-                  "bytes_read": m.store.stats.bytes_read if hasattr(m.store, "stats") else 0, "io_read": io,
+                  "bytes_read": m.store.counters().get("bytes_read", 0), "io_read": io,
                   "total_weights": sum(p.nbytes for p in m.checkpoint.pages)}))
 """
 
@@ -79,7 +79,7 @@ for turn in range(4):
     turns.append({"tokens": out.token_ids, "pinned": st.get("pinned_bytes", 0), "kv": m.kv.ram_bytes(),
                   "read": st.get("bytes_read", 0)})
     ids = ids + out.token_ids + list(range(300 + 110 * turn, 410 + 110 * turn))
-floor = m.store.placement.pinned_bytes if hasattr(m.store, "placement") else 0
+floor = m.store.placement.pinned_bytes if m.store.placement is not None else 0
 print(json.dumps({"turns": turns, "baseline": m.baseline_rss_bytes, "peak": peak_rss_bytes(), "floor": floor}))
 """
 

@@ -259,7 +259,7 @@ def run_prompt(args, m) -> int:
     from colibri import generate as gen
     from colibri.metrics import format_timeline
     params = m.sampling_params(**sampling(args))
-    timeline = args.verbose and hasattr(m.store, "timeline")
+    timeline = args.verbose and m.store.timeline is not None
     if timeline:
         m.store.timeline_passes = VERBOSE_PASSES
     if args.json:

@@ -211,9 +211,9 @@ class Model:
         out = {"runtime_baseline_rss_bytes": self.baseline_rss_bytes, **self.reserve.as_dict(),
                **self.kv_plan.as_dict(), "kv_pool_bytes": self.kv_pool_bytes, **self.kv.counters(),
                **self.engine.counters()}
-        if hasattr(self.store, "placement"):
+        if self.store.placement is not None:
             out.update(self.store.placement.as_dict())
-            out.update(self.store.counters())
+        out.update(self.store.counters())  # {} when all is in RAM
         return out
 
     @torch.inference_mode()

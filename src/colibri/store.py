@@ -2,20 +2,28 @@
 
 The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses. That
 contract lets a streaming store load a layer's pages just before `layer(i)` is entered and release them after.
-`RamStore` is the simplest store: everything resident in the compute dtype.
+`RamStore` is the simplest store: everything resident in the compute dtype. Every store has the whole protocol
+(the RAM store's budget and I/O methods are trivial), so callers never probe a store for a capability.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from colibri.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from colibri.placement import Placement
+
 
 class WeightStore(Protocol):
+    placement: "Placement | None"  # which pages are pinned and which stream (None: all in RAM)
+    timeline: list[dict] | None  # per-scope records of the first `timeline_passes` passes (None: none kept)
+    timeline_passes: int
+
     def get(self, name: str) -> torch.Tensor:
         """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
 
@@ -49,11 +57,31 @@ class WeightStore(Protocol):
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         """A guess of layer i's routing (as `route`'s arguments), made before layer i runs: read ahead."""
 
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        """Share the memory limit with `held` bytes held besides the weights (the KV cache) and `extra` more the
+        next pass takes: pin or unpin pages beyond the placement's (pin=False: only unpin)."""
+
+    def kv_room(self, extra: int) -> int | None:
+        """Bytes the KV cache may hold beside a pass taking `extra` (None: no limit)."""
+
+    def spare(self, held: int) -> int | None:
+        """Bytes a pass may take beside `held` without unpinning anything (None: no limit)."""
+
+    def hold(self) -> None:
+        """Keep to the placement's own pins from here on (for measuring a placement)."""
+
+    def counters(self) -> dict:
+        """Cumulative I/O counters and resident bytes ({}: nothing is read from disk)."""
+
     def close(self) -> None: ...
 
 
 class RamStore:
-    """All weights resident in RAM, converted once to the compute dtype."""
+    """All weights resident in RAM, converted once to the compute dtype: no limit, no reads, no timeline."""
+
+    placement = None
+    timeline = None
+    timeline_passes = 0
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
         self.tensors = tensors
@@ -105,6 +133,21 @@ class RamStore:
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         pass
+
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        pass  # nothing to pin or unpin
+
+    def kv_room(self, extra: int) -> int | None:
+        return None
+
+    def spare(self, held: int) -> int | None:
+        return None
+
+    def hold(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
 
     def close(self) -> None:
         self.tensors = {}

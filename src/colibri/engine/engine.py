@@ -53,8 +53,8 @@ class Engine:
         # the elastic budget: before a pass, the weight store unpins (or pins) pages so that they, the KV pool's
         # RAM and that pass's activations share the limit (None: a store without a limit)
         self.pass_bytes = getattr(model, "pass_bytes", None)
-        self._fit = getattr(self.store, "fit", None) if self.pass_bytes is not None else None
-        self._elastic = self._fit is not None and hasattr(self.store, "kv_room")  # the KV pool may grow (pool_cap)
+        self._fit = self.store.fit if self.pass_bytes is not None else None
+        self._elastic = self._fit is not None  # the KV pool may grow (pool_cap)
         self.waiting: deque[Request] = deque()  # preempted ones first, then new ones in arrival order
         self.running: list[Request] = []
         self.steps = 0
@@ -208,10 +208,9 @@ class Engine:
         the elastic budget unpinned for them would be read again by every later pass, for the rest of the run
         (docs/performance.md, "Speculative decoding", "Where prose lost its 5 %"). The longest draft is halved
         until the pass fits."""
-        spare = getattr(self.store, "spare", None)
-        if self._fit is None or spare is None or not any(req.draft for req, _ in plan):
+        if self._fit is None or not any(req.draft for req, _ in plan):
             return plan
-        room = spare(self._pool_used() + self.space.prefix_room())
+        room = self.store.spare(self._pool_used() + self.space.prefix_room())
         if room is None:
             return plan
         plan = list(plan)
@@ -262,8 +261,7 @@ class Engine:
             self._fit(kv, kv_grow + self.pass_bytes(tokens, ctx, rows), pin)
 
     def _io(self) -> dict | None:
-        counters = getattr(self.store, "counters", None)  # streaming store; absent when all is in RAM
-        return counters() if counters else None
+        return self.store.counters() or None  # None: all in RAM, nothing read
 
     def _admit(self) -> None:
         """Move waiting requests into the running set while there is room: sequences and KV pool."""

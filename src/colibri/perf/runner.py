@@ -201,26 +201,25 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
     m = load(path, memory_limit=memory_limit, dtype=dtype, io_threads=io_threads, prefetch_depth=prefetch_depth,
              ctx_length=ctx_length, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    if hasattr(m.store, "hold"):
-        m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
+    m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
     try:
         ids = m.prompt_ids(prompt or (PROMPT if m.tokenizer else PROMPT_IDS))
-        counters = getattr(m.store, "counters", None)
-        c0 = counters() if counters else None
+        c0 = m.store.counters() or None  # None: all in RAM, nothing read
         c1 = metrics = None
         for chunk in m.stream(ids, max_tokens=tokens, temperature=0.0, ignore_eos=True):
             metrics = chunk.metrics
-            if c1 is None and chunk.token_id is not None and counters:
-                c1 = counters()  # after prefill and the first token: decode starts here
+            if c1 is None and chunk.token_id is not None and c0 is not None:
+                c1 = m.store.counters()  # after prefill and the first token: decode starts here
         stats = metrics.as_dict()
-        c2 = counters() if counters else None
-        same = lay is None or lay.placement.pinned == getattr(m.store, "placement", lay.placement).pinned
+        c2 = m.store.counters() if c0 is not None else None
+        placed = m.store.placement  # None: all in RAM, as the layout planned
+        same = lay is None or placed is None or lay.placement.pinned == placed.pinned
         baseline = m.baseline_rss_bytes
     finally:
         m.close()
     steps = metrics.generated_tokens - 1
     decode = GenerationMetrics()
-    if counters:
+    if c0 is not None:
         decode.account_io(c1, c2)
     per_token = decode.disk_bytes_read / steps if steps > 0 else 0.0
     bps = decode.disk_bytes_read / decode.read_s if decode.read_s > 0 else None
