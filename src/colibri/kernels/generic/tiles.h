@@ -418,9 +418,12 @@ inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = f16{simd::zero(), simd::zero()};
   for (int64_t k0 = 0; k0 < kp; k0 += kStep) {
+    // unrolled: a loop over c or r left standing indexes the accumulators at run time, and they live on the stack
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       Pair lo, hi;
       pairs(j + c, k0, lo, hi, scratch + c * kp);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const float* p = x + r * kp + k0;
         a[r][c].lo = simd::madd_exact(lo.even, simd::load(p), simd::madd_exact(lo.odd, simd::load(p + 8), a[r][c].lo));
