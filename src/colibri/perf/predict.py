@@ -119,7 +119,7 @@ def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int 
 
 
 def head_blocks(t: TensorEntry) -> list[tuple[int, int]]:
-    """(bytes read, rows) of each row block of a head table streamed by rows (StreamingStore._stream_blocks:
+    """(bytes read, rows) of each row block of a head table streamed by rows (streaming.rows.RowTables.stream:
     each block from the 4096-aligned start of its first row to the end of its last)."""
     base = t.offset + t.parts[main_part(t)].offset
     rb, n, step = row_bytes(t), t.shape[0], block_rows(t)

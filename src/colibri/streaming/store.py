@@ -3,15 +3,16 @@
 The store carries out a placement (colibri.placement): pinned pages are read at load and stay resident;
 streamed pages are read with O_DIRECT into equal-size staging slots just before their scope and ahead of it
 (prefetch), and released when the scope ends. Three refinements:
-* Lookup and head tables read by rows: the lookup reads only the rows of the tokens in the pass, and the head
-  streams its rows in blocks through two small buffers; their small companions stay resident.
+* Lookup and head tables read by rows (rows.py): the lookup reads only the rows of the tokens in the pass,
+  and the head streams its rows in blocks through two small buffers; their small companions stay resident.
 * MoE experts: slots left after pinning are an expert cache that keeps experts resident after their scope,
   evicting by decayed use count, then recency (colibri.usage). A multi-token pass (prefill) only fills free
   cache slots: it never evicts the decode working set.
-* Every page's checksum is verified on its first read, on the I/O thread; a mismatch, a failed or short read, or
-  a data file changed after load raises StorageError naming the page and file, and leaves the engine usable.
+* Every page's checksum is verified on its first read, on the I/O thread (checks.py); a mismatch, a failed or
+  short read, or a data file changed after load raises StorageError naming the page and file, and leaves the
+  engine usable.
 
-Pins are elastic (`fit`): beyond the placement's own, streamed pages are pinned while the budget has room
+Pins are elastic (`fit`, pins.py): beyond the placement's own, streamed pages are pinned while the budget has room
 beside the KV cache and the activations of the pass at hand, and unpinned (they stream again) when those grow.
 
 Tiers: a page is ON_DISK, LOADING (a read in flight), RESIDENT (in a staging or cache slot, evictable) or PINNED.
@@ -27,33 +28,21 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import enum
-import math
-import os
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from colibri import placement as place
-from colibri import quant
-from colibri.container import DTYPES, FLOAT_KINDS, ContainerCheckpoint, checksum_str, tensor_from_bytes
-from colibri.errors import StorageError
-from colibri.io import ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, align_up, huge_page_bytes
-from colibri.placement import (block_rows, main_part, plan, row_bytes, row_tensor, scopes_of, side_ranges,
-                               stored_rows, unit_of)
+from colibri.container import ContainerCheckpoint, tensor_from_bytes
+from colibri.io import DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes
+from colibri.placement import plan, scopes_of
+from colibri.streaming.checks import Checksums
+from colibri.streaming.pins import ElasticPins
+from colibri.streaming.rows import RowTables
+from colibri.streaming.stats import PageState, StreamStats
 from colibri.usage import USAGE_FILE, USAGE_SAVE_EVERY, ExpertUsage
-
-
-class PageState(enum.Enum):
-    ON_DISK = "on_disk"
-    LOADING = "loading"
-    RESIDENT = "resident"
-    PINNED = "pinned"
 
 
 # -------------------------------------------------------------------------------------------------- the store
@@ -65,31 +54,6 @@ class _Slot:
     future: Future
     cached: bool = False  # an expert kept resident after its scope
     fresh: bool = True  # read and not yet used
-
-
-@dataclass
-class StreamStats:
-    bytes_read: int = 0  # everything read from the data files, pinned pages included
-    page_reads: int = 0
-    hits: int = 0  # uses of streamed pages served by bytes read for an earlier use (cached experts)
-    misses: int = 0  # uses that needed a read (prefetched or on demand)
-    hit_bytes: int = 0
-    miss_bytes: int = 0
-    expert_hits: int = 0
-    expert_misses: int = 0
-    expert_pinned_uses: int = 0  # routed experts that were pinned (neither hit nor miss: never streamed)
-    row_bytes_read: int = 0  # lookup rows and head blocks
-    verified_pages: int = 0
-    io_wait_s: float = 0.0
-    lookahead_predicted: int = 0  # router lookahead: experts guessed for a layer before it ran
-    lookahead_correct: int = 0  # routed experts that had been guessed
-    lookahead_routed: int = 0  # routed experts of the layers that had a guess (recall = correct / routed)
-    lookahead_reads: int = 0  # expert pages read early for a guess
-    lookahead_wasted_bytes: int = 0  # of those, bytes read for experts the layer did not route to
-    lookahead_useful_reads: int = 0  # of those, pages of experts the layer did route to (reads moved earlier)
-
-    def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
 class StreamingStore:
@@ -113,10 +77,8 @@ class StreamingStore:
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
         self.stats = StreamStats()
         self.state = {pid: PageState.ON_DISK for pid in range(len(self.pages))}
-        self._file_ids = [self._file_id(p) for p in ckpt.files]
-        self._verified: set[int] = set()
+        self.checks = Checksums(ckpt, self.stats)
         self._pinned: dict[str, object] = {}
-        self._side: dict[str, dict[str, torch.Tensor]] = {}  # by-rows table -> its resident parts
         self._page_of = {name: t.page for name, t in self.tensors.items()}
         self._by_rows = set(self.placement.by_rows)
         self._slots: dict[int, _Slot] = {}
@@ -157,23 +119,13 @@ class StreamingStore:
         self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
         self.timeline: list[dict] = []
         pl = self.placement
-        # elastic pins: streamed dense pages pinned beyond the placement's while the budget has room (see `fit`);
-        # the staging was sized for the placement's streamed set, which holds every set left streaming then
-        self.memory_limit = memory_limit
-        self._cost = {pid: p.nbytes + place.resident_extra(p, self.tensors, dtype) for pid, p in
-                      enumerate(self.pages)}
-        self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
-        self._candidates = sorted((pid for pid in pl.streamed if self.pages[pid].kind != "expert"),
-                                  key=lambda i: (place.PIN_ORDER.get(self.pages[i].kind, 9), self.pages[i].offset))
-        self._extra: dict[int, AlignedBuffer] = {}  # elastic pins in the order they were made
-        self._extra_bytes = 0  # their cost (pages and what their weights derive)
-        self.pins = self.unpins = 0
-        self.baseline: int | None = None  # the runtime baseline RSS, set by the owner once measured
+        self.elastic = ElasticPins(self.pages, self.tensors, pl, memory_limit, dtype, self._pin_streamed,
+                                   self._release)
         self._free: list[AlignedBuffer] = [AlignedBuffer(pl.slot_bytes) for _ in range(pl.slots)]
-        self._blocks: list[AlignedBuffer] = []
+        self.tables = RowTables(ckpt, self.reader, self.stats, self.checks, dtype, self._as_compute)
         self._load_pinned()
-        self._load_by_rows()
-        staging = self._free + self._blocks
+        self.tables.load(pl.by_rows, tied, pl.block_bytes, self._pinned)
+        staging = self._free + self.tables.blocks
         for buf in staging:  # fault the buffers in now (huge pages where the kernel has them), not mid-token
             buf.tensor().fill_(0)
         # the share of the staging slots and head blocks in transparent huge pages: O_DIRECT into 4 KiB pages can
@@ -185,26 +137,6 @@ class StreamingStore:
 
     # -- load time -------------------------------------------------------------------------------------------
 
-    def _verifier(self, pid: int):
-        """Checksum check for a page's first read (runs on the I/O thread)."""
-        if pid in self._verified:
-            return None
-
-        def verify(data: memoryview) -> None:
-            self._check_page(pid, zlib.crc32(data))
-
-        return verify
-
-    def _check_page(self, pid: int, crc: int) -> None:
-        """Compare a page's crc32 with the manifest's: a mismatch raises, a match marks the page verified."""
-        page = self.pages[pid]
-        if checksum_str(crc) != page.checksum:
-            raise StorageError(f"page {pid}: checksum mismatch in {self.ckpt.files[page.file]} at offset "
-                               f"{page.offset} ({page.nbytes} bytes); the file is corrupt — run "
-                               f"`colibri verify` and reconvert")
-        self._verified.add(pid)
-        self.stats.verified_pages += 1
-
     def _load_pinned(self) -> None:
         for pid in self.placement.pinned:
             self._pin_page(pid)
@@ -214,7 +146,7 @@ class StreamingStore:
         page = self.pages[pid]
         buf = AlignedBuffer(page.nbytes)
         self.reader.submit(page.file, page.offset, page.nbytes, buf, DEMAND, label=f"page {pid}",
-                           verify=self._verifier(pid)).result()
+                           verify=self.checks.verifier(pid)).result()
         self.stats.bytes_read += page.nbytes
         for name in page.tensors:
             t = self.tensors[name]
@@ -223,12 +155,21 @@ class StreamingStore:
         self.state[pid] = PageState.PINNED
         return buf
 
-    # -- elastic pins ----------------------------------------------------------------------------------------
+    # -- elastic pins (pins.py decides which) ------------------------------------------------------------------
+
+    @property
+    def baseline(self) -> int | None:
+        """The runtime baseline RSS, set by the owner once measured (elastic pins count RSS above it as held)."""
+        return self.elastic.baseline
+
+    @baseline.setter
+    def baseline(self, value: int | None) -> None:
+        self.elastic.baseline = value
 
     @property
     def pinned_bytes(self) -> int:
         """Pinned page bytes now: the placement's and the elastic pins'."""
-        return self.placement.pinned_bytes + sum(self.pages[pid].nbytes for pid in self._extra)
+        return self.elastic.pinned_bytes
 
     def streamed_bytes(self) -> int:
         """What a dense pass reads of whole-read pages now (the placement's figure, less the elastic pins)."""
@@ -236,72 +177,35 @@ class StreamingStore:
         return sum(self.pages[pid].nbytes * len(scopes_of(self.pages[pid], self.num_layers, tied))
                    for pid in self._streamed)
 
-    def weight_bytes(self) -> int:
-        """What the weights hold now against the budget: pinned pages with what they derive, and the staging."""
-        return self._fixed + self._extra_bytes
-
     def fit(self, held: int, extra: int, pin: bool = True) -> None:
-        """Share the budget with the KV cache and the next pass: `held` bytes held now besides the weights (the KV
-        cache) and `extra` more the pass takes. Unpin elastic pins (the last made first; their pages stream
-        again) until the weights fit beside them, then (pin=True) pin streamed dense pages in placement order
-        while they fit. What is held is also measured (RSS above `baseline`, when set, less the weights): memory
-        the allocator kept from earlier passes counts as held. Called between passes; the placement's own pins,
-        sized for the whole context and a full pass, always fit."""
-        if self.memory_limit is None:
-            return
-        room = self._room(held) - extra
-        while self._extra and self._extra_bytes > room:
-            self._unpin(next(reversed(self._extra)))
-        if not pin:
-            return
-        for pid in self._candidates:
-            if pid not in self._extra and self._extra_bytes + self._cost[pid] <= room:
-                self._drop(pid)  # prefetched for the next pass: the pinned copy replaces it
-                self._unstream(pid)
-                try:
-                    self._extra[pid] = self._pin_page(pid)
-                except StorageError:  # a pin only saves reads: the page streams, and a pass needing it reports
-                    self.state[pid] = PageState.ON_DISK
-                    self._restream(pid)
-                    return
-                except BaseException:
-                    self.state[pid] = PageState.ON_DISK
-                    self._restream(pid)
-                    raise
-                self._extra_bytes += self._cost[pid]
-                self.pins += 1
-
-    def _room(self, held: int) -> int:
-        """The budget less the placement's weights and what is held (measured as `fit` says)."""
-        if self.baseline is not None:
-            from colibri.metrics import rss_bytes
-            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
-        return self.memory_limit - self._fixed - held
+        self.elastic.fit(held, extra, pin)
 
     def kv_room(self, extra: int) -> int | None:
-        """Bytes the KV cache may hold beside a pass taking `extra` once every elastic pin has given way: the
-        limit less the placement's own weights (None: no budget)."""
-        return None if self.memory_limit is None else self.memory_limit - self._fixed - extra
+        return self.elastic.kv_room(extra)
 
     def spare(self, held: int) -> int | None:
-        """Bytes a pass may take beside `held` without unpinning anything (None: no budget). Optional work, such
-        as speculative drafts, is cut to this rather than make pages stream again."""
-        return None if self.memory_limit is None else self._room(held) - self._extra_bytes
+        return self.elastic.spare(held)
 
     def hold(self) -> None:
-        """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
-        while self._extra:
-            self._unpin(next(reversed(self._extra)))
-        self._candidates = []
+        self.elastic.hold()
 
-    def _unpin(self, pid: int) -> None:
-        del self._extra[pid]  # with the tensors built over it, the buffer is unmapped
+    def _pin_streamed(self, pid: int) -> AlignedBuffer:
+        """An elastic pin of streamed page `pid`: it leaves the streamed set; after a failed read it streams again."""
+        self._drop(pid)  # prefetched for the next pass: the pinned copy replaces it
+        self._unstream(pid)
+        try:
+            return self._pin_page(pid)
+        except BaseException:
+            self.state[pid] = PageState.ON_DISK
+            self._restream(pid)
+            raise
+
+    def _release(self, pid: int) -> None:
+        """An elastic pin given up: its tensors go (with them, its buffer); the page streams again."""
         for name in self.pages[pid].tensors:
             self._pinned.pop(name, None)
-        self._extra_bytes -= self._cost[pid]
         self.state[pid] = PageState.ON_DISK
         self._restream(pid)
-        self.unpins += 1
 
     def _unstream(self, pid: int) -> None:
         self._streamed.discard(pid)
@@ -315,52 +219,10 @@ class StreamingStore:
         for key in scopes_of(self.pages[pid], self.num_layers, self.args.tie_word_embeddings):
             bisect.insort(self._scope_pages.setdefault(key, []), pid)
 
-    def _load_by_rows(self) -> None:
-        """Verify each by-rows page once, reading it in blocks, and keep its small companions resident."""
-        if not self.placement.by_rows:
-            return
-        step = 8 << 20
-        chunk = AlignedBuffer(step)
-        for pid in self.placement.by_rows:
-            page = self.pages[pid]
-            table = row_tensor(page, self.tensors)
-            ranges = side_ranges(page, self.tensors, table)
-            side = AlignedBuffer(sum(align_up(n) for *_, n in ranges))
-            dest, at = [], 0
-            for r in ranges:
-                dest.append(at)
-                at += align_up(r[3])
-            crc = 0
-            for c0 in range(0, page.nbytes, step):
-                n = min(step, page.nbytes - c0)
-                self.reader.read(page.file, page.offset + c0, n, chunk, label=f"page {pid}")
-                crc = zlib.crc32(chunk.memoryview(0, n), crc)
-                for (_, _, off, nb), d in zip(ranges, dest):
-                    lo, hi = max(off, c0), min(off + nb, c0 + n)
-                    if lo < hi:
-                        side.tensor(d + lo - off, hi - lo).copy_(chunk.tensor(lo - c0, hi - lo))
-            self.stats.bytes_read += page.nbytes
-            self._check_page(pid, crc)
-            for (name, part, _, nb), d in zip(ranges, dest):
-                t = self.tensors[name]
-                if part is None:
-                    self._pinned[name] = self._as_compute(tensor_from_bytes(t, side.tensor(d, nb)))
-                else:
-                    p = t.parts[part]
-                    self._side.setdefault(name, {})[part] = side.tensor(d, nb).view(DTYPES[p.dtype]).view(p.shape)
-        if any(self.pages[i].kind == "head" or self.args.tie_word_embeddings for i in self.placement.by_rows):
-            size = self.placement.block_bytes // place.HEAD_BUFFERS
-            self._blocks = [AlignedBuffer(size) for _ in range(place.HEAD_BUFFERS)]
-
     def _as_compute(self, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
             return value.to(self.dtype)
         return value
-
-    @staticmethod
-    def _file_id(path: Path) -> tuple:
-        st = os.stat(path)
-        return st.st_ino, st.st_size, st.st_mtime_ns
 
     # -- the WeightStore surface ---------------------------------------------------------------------------
 
@@ -368,14 +230,7 @@ class StreamingStore:
         """A forward pass over `tokens` tokens starts: check the data files are the ones loaded. `longest`: the
         most tokens of one sequence in it (a prefill chunk, unlike a batch of decode steps, must not evict cached
         experts)."""
-        for path, ident in zip(self.ckpt.files, self._file_ids):
-            try:
-                now = self._file_id(path)
-            except OSError:
-                now = None
-            if now != ident:
-                raise StorageError(f"data file {path} changed on disk after the model was loaded (replaced, "
-                                   "truncated or rewritten); reload the model")
+        self.checks.check_files()
         self._multi = (tokens if longest is None else longest) > 1
         self._passes += 1
         for i in list(self._guess):  # guesses of a pass that failed before their layer
@@ -401,7 +256,7 @@ class StreamingStore:
             w = self._pinned[name]
             return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
         if self._page_of[name] in self._by_rows:
-            return self._read_rows(name, ids)
+            return self.tables.read(name, ids)
         with self._scope(("embedding",)):
             w = self.get(name)
             return (w[ids].clone() if isinstance(w, torch.Tensor) else w.rows(ids)).to(self.dtype)
@@ -411,7 +266,7 @@ class StreamingStore:
         if name in self._pinned or self._page_of[name] not in self._by_rows:
             yield self.get(name)
             return
-        yield from self._stream_blocks(name)
+        yield from self.tables.stream(name)
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
         return self._scope(("layer", i))
@@ -551,7 +406,8 @@ class StreamingStore:
         cached = sum(1 for s in self._slots.values() if s.cached)
         return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
                 "pinned_bytes": self.pinned_bytes, "elastic_pinned_bytes": self.pinned_bytes - self.placement.pinned_bytes,
-                "elastic_pins": self.pins, "elastic_unpins": self.unpins, "cached_bytes": cached * self.placement.slot_bytes,
+                "elastic_pins": self.elastic.pins, "elastic_unpins": self.elastic.unpins,
+                "cached_bytes": cached * self.placement.slot_bytes,
                 "staging_bytes": self.placement.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
                 "reserve_bytes": self.placement.reserve, "lookahead_slots": self.lookahead_slots,
                 "lookahead_recall_by_layer": [round(c / r, 4) if r else None for c, r in self.lookahead_layers]}
@@ -661,7 +517,7 @@ class StreamingStore:
             raise RuntimeError(f"internal: no staging slot free for page {pid}")
         buf = self._free.pop()
         fut = self.reader.submit(page.file, page.offset, page.nbytes, buf, priority, label=f"page {pid}",
-                                 verify=self._verifier(pid))
+                                 verify=self.checks.verifier(pid))
         self._slots[pid] = _Slot(buf, fut)
         self.state[pid] = PageState.LOADING
         self.stats.bytes_read += page.nbytes
@@ -722,118 +578,3 @@ class StreamingStore:
             if not self._free:
                 return  # never evict something needed sooner for something needed later
             self._start(nxt, PREFETCH)
-
-    # -- tables read by rows -----------------------------------------------------------------------------------
-
-    def _table(self, name: str, r0: int, r1: int, data: torch.Tensor):
-        """Rows [r0, r1) of table `name` over `data` (their bytes), with the resident companions."""
-        t = self.tensors[name]
-        p = t.parts[main_part(t)]
-        k = t.shape[1]
-        rows = data.view(DTYPES[p.dtype]).view(r1 - r0, *p.shape[1:])
-        if t.kind in FLOAT_KINDS:
-            return rows
-        if t.kind in quant.TILED_KINDS:  # whole tiles; side parts [G, Np, 2] -> this block's [G, r1 - r0, 2]
-            side = {n: v[:, r0:r1].contiguous() for n, v in self._side.get(name, {}).items()}
-            n = min(r1, t.shape[0]) - r0  # the last block carries the padding rows
-        else:
-            side = {n: v[r0:r1] for n, v in self._side.get(name, {}).items()}
-            n = r1 - r0
-        return quant.from_buffers(t.kind, (n, k), t.group_size, {"qweight": rows, **side})
-
-    def _read_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding lookup of a table on disk: read only the rows of these tokens (merged aligned spans)."""
-        t = self.tensors[name]
-        page = self.pages[self._page_of[name]]
-        base = t.offset + t.parts[main_part(t)].offset
-        rb = row_bytes(t)
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        units = sorted({unit_of(t, r) for r in uniq.tolist()})  # the rows themselves, or their q4 tiles
-        spans: list[list[int]] = []  # [file start, file end] of merged aligned spans
-        for r0, r1 in units:
-            s, e = (base + r0 * rb) // ALIGN * ALIGN, align_up(base + r1 * rb)
-            if spans and s <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], e)
-            else:
-                spans.append([s, e])
-        buf = AlignedBuffer(sum(e - s for s, e in spans))
-        futures, at, where = [], 0, []
-        for s, e in spans:
-            futures.append(self.reader.submit(page.file, s, e - s, buf, DEMAND, buffer_offset=at,
-                                              label=f"page {page.id} (rows of {name})"))
-            where.append((s, e, at))
-            at += e - s
-        t0 = time.perf_counter()
-        try:
-            for f in futures:
-                f.result()
-        finally:
-            self.stats.io_wait_s += time.perf_counter() - t0
-        self.stats.bytes_read += at
-        self.stats.row_bytes_read += at
-
-        def at_file(r0: int, r1: int) -> torch.Tensor:
-            a = base + r0 * rb
-            s, _, off = where[bisect.bisect_right(where, (a, math.inf, 0)) - 1]
-            return buf.tensor(off + a - s, (r1 - r0) * rb)
-
-        if t.kind in quant.TILED_KINDS:  # dequantize the tiles that hold the rows one at a time, picking rows
-            vals = torch.empty(len(uniq), t.shape[1], dtype=self.dtype)
-            by_tile: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for j, r in enumerate(uniq.tolist()):
-                by_tile.setdefault(unit_of(t, r), []).append((j, r))
-            for u, members in by_tile.items():
-                tile = self._table(name, *u, at_file(*u)).dequantize()
-                for j, r in members:
-                    vals[j] = tile[r - u[0]]
-            return vals[inverse]
-        got = [at_file(r, r + 1) for r in uniq.tolist()]
-        p = t.parts[main_part(t)]
-        rows = torch.stack(got).view(DTYPES[p.dtype]).view(len(got), *p.shape[1:])
-        if t.kind in FLOAT_KINDS:
-            vals = rows
-        else:
-            side = {n: v[uniq].contiguous() for n, v in self._side.get(name, {}).items()}
-            vals = quant.from_buffers(t.kind, (len(got), t.shape[1]), t.group_size,
-                                      {"qweight": rows, **side}).rows(torch.arange(len(got)))
-        return vals[inverse].to(self.dtype)
-
-    def _stream_blocks(self, name: str) -> Iterator:
-        """Rows of a head table in blocks through place.HEAD_BUFFERS buffers: the next blocks read while one computes."""
-        t = self.tensors[name]
-        page = self.pages[self._page_of[name]]
-        base = t.offset + t.parts[main_part(t)].offset
-        rb, n, step = row_bytes(t), stored_rows(t), block_rows(t)  # q4: whole tiles, padding rows included
-        blocks = [(r, min(n, r + step)) for r in range(0, n, step)]
-        pending: dict[int, tuple[Future, int]] = {}
-
-        def submit(b: int) -> None:
-            r0, r1 = blocks[b]
-            s = (base + r0 * rb) // ALIGN * ALIGN
-            size = base + r1 * rb - s
-            fut = self.reader.submit(page.file, s, size, self._blocks[b % len(self._blocks)], DEMAND,
-                                     label=f"page {page.id} (rows {r0}-{r1} of {name})")
-            pending[b] = (fut, base + r0 * rb - s)
-            self.stats.bytes_read += size
-            self.stats.row_bytes_read += size
-
-        try:
-            for b in range(min(len(self._blocks), len(blocks))):
-                submit(b)
-            for b, (r0, r1) in enumerate(blocks):
-                fut, off = pending[b]
-                t0 = time.perf_counter()
-                try:
-                    fut.result()
-                finally:
-                    self.stats.io_wait_s += time.perf_counter() - t0
-                del pending[b]
-                data = self._blocks[b % len(self._blocks)].tensor(off, (r1 - r0) * rb)
-                yield self._as_compute(self._table(name, r0, r1, data))
-                if b + len(self._blocks) < len(blocks):
-                    submit(b + len(self._blocks))
-        finally:
-            for fut, _ in pending.values():  # an abandoned pass: no read may still write into a buffer
-                if not fut.cancel():
-                    with contextlib.suppress(Exception):
-                        fut.result()
