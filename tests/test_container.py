@@ -74,7 +74,7 @@ def test_quantized_container_computes_its_dequantized_model(tiny_model_dir, tmp_
 def test_layout_rules(tiny_model_dir, tmp_path):
     convert(tiny_model_dir("qwen2_moe"), tmp_path / "c", quant="q4", group_size=32)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert m["format"] == "colibri-container" and m["version"] == 1
+    assert m["format"] == "colibri-container" and m["version"] == 3
     for t in m["tensors"]:
         assert t["offset"] % ALIGN == 0, t["name"]
         assert t["checksum"].startswith("crc32:")
@@ -221,7 +221,7 @@ def test_truncated_data_file_and_newer_version_are_refused(tiny_model_dir, tmp_p
     mf.write_text(json.dumps(m))
     with pytest.raises(ModelLoadError, match="version 99 is not supported.*upgrade Colibri or reconvert"):
         colibri.load(out)
-    m["version"] = 1
+    m["version"] = 3  # as written: the manifest's checksum holds again
     mf.write_text(json.dumps(m))
     data = out / "data-00000.bin"
     os.truncate(data, data.stat().st_size - 100)
@@ -311,7 +311,7 @@ def test_convert_cli_and_info(tiny_model_dir, tmp_path):
     info = subprocess.run([sys.executable, "-m", "colibri.cli", "info", "--model", str(out)],
                           capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
-    for needle in ("colibri container v1", "bits/weight", "pages", "q4 group 32", "policy"):
+    for needle in ("colibri container v3", "bits/weight", "pages", "q4 group 32", "policy"):
         assert needle in info.stdout
     again = subprocess.run([sys.executable, "-m", "colibri.cli", "convert", "--input", str(tiny_model_dir("olmoe")),
                             "--output", str(out)], capture_output=True, text=True)

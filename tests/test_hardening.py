@@ -87,6 +87,57 @@ def test_a_damaged_manifest_is_refused_at_load(tiny_container, tmp_path):
         colibri.load(path)
 
 
+def test_a_manifest_whose_checksum_key_is_damaged_is_refused(tiny_container, tmp_path):
+    """One damaged byte in the key's name must not switch the manifest's check off (then a one-byte change of
+    rms_norm_eps would run and give different text)."""
+    path = copy_container(tiny_container, tmp_path / "c")
+    text = (path / "manifest.json").read_text()
+    assert text.count('"checksum": "crc32:') >= 1
+    at = text.rindex('"checksum"')  # the manifest's own key is written last
+    (path / "manifest.json").write_text(text[:at] + '"chacksum"' + text[at + len('"checksum"'):])
+    with pytest.raises(ModelLoadError, match="manifest lacks its checksum"):
+        colibri.load(path)
+
+
+@pytest.fixture(scope="module")
+def tok_container(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny llama with a word-level tokenizer.json and a chat template beside it, converted (the conversion's
+    own verification loads it once, checksums included)."""
+    import shutil
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    root = tmp_path_factory.mktemp("tok")
+    hf = root / "hf"
+    shutil.copytree(tiny_model_dir("llama"), hf)
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(32)}, "[UNK]": 32}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                             "{% endfor %}assistant:")
+    out = root / "c"
+    conv.convert(hf, out, conv.ConvertOptions(quant="q8", page_size_mb=1))
+    return out
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer.json"])
+def test_a_changed_tokenizer_or_chat_template_is_refused(tok_container, tmp_path, name):
+    """Both shape every prompt and every decoded token: one changed byte (a template character, two vocabulary
+    entries swapped) must not load silently."""
+    path = copy_container(tok_container, tmp_path / "c")
+    f = path / name
+    text = f.read_text(encoding="utf-8")
+    if name == "tokenizer.json":  # swap two vocabulary entries' ids: still valid JSON and a valid tokenizer
+        vocab = json.loads(text)["model"]["vocab"]
+        a, b = list(vocab)[10:12]
+        doc = json.loads(text)
+        doc["model"]["vocab"][a], doc["model"]["vocab"][b] = vocab[b], vocab[a]
+        f.write_text(json.dumps(doc), encoding="utf-8")
+    else:
+        i = next(i for i, ch in enumerate(text) if ch.isalpha())
+        f.write_text(text[:i] + ("X" if text[i] != "X" else "Y") + text[i + 1:], encoding="utf-8")
+    with pytest.raises(ModelLoadError, match=f"{name}: fails its checksum"):
+        colibri.load(path)
+
+
 # -- io thread errors reach the waiter ----------------------------------------------------------------------
 
 

@@ -152,7 +152,7 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
 
     src, out, _ = k_container
     m = json.loads((out / "manifest.json").read_text())
-    assert m["version"] == 2  # kinds a version-1 reader does not know
+    assert m["version"] == 3  # required checksums; kinds a version-1 reader does not know
     kinds = {t["name"]: t["kind"] for t in m["tensors"]}
     assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q8k"  # output.weight's Q6_K
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "q8k"

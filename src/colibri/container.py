@@ -21,8 +21,11 @@ from colibri import quant
 from colibri.errors import ModelLoadError, UnsupportedModelError
 
 FORMAT = "colibri-container"
-VERSION = 2  # written when a container holds the K-quant kinds (q4k, q8k), which version-1 readers cannot take
-READS = (1, 2)  # version 1: the same layout without those kinds
+# Version 3 (written by this Colibri): the manifest's own checksum and the checksums of the tokenizer and chat
+# template files are required, so damage cannot switch a check off by renaming its key. Versions 1 (no K-quant
+# kinds) and 2 (K-quant kinds) are still read; their checks apply where the field is present.
+VERSION = 3
+READS = (1, 2, 3)
 ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
@@ -288,6 +291,8 @@ def read_manifest(path: Path) -> dict:
     if version not in READS:
         raise ModelLoadError(f"{mf}: container format version {version} is not supported by this Colibri (reads"
                              f" versions {', '.join(map(str, READS))}); upgrade Colibri or reconvert the model")
+    if version >= 3 and not isinstance(manifest.get("checksum"), str):
+        raise ModelLoadError(f"{mf}: the manifest lacks its checksum (damaged file); reconvert the model")
     if "checksum" in manifest and manifest["checksum"] != manifest_checksum(manifest):
         raise ModelLoadError(f"{mf}: the manifest fails its checksum (damaged file); reconvert the model")
     check_manifest(manifest, mf)
@@ -378,17 +383,34 @@ class ContainerCheckpoint:
         self.special = dict(tok.get("special") or {})
         self.chat_template = None
         self.tokenizer = None
+        required = m["version"] >= 3
         try:
             if tok.get("chat_template_file"):
-                self.chat_template = (self.path / tok["chat_template_file"]).read_text(encoding="utf-8")
+                data = self._side_file(tok["chat_template_file"], tok.get("chat_template_checksum"), required)
+                self.chat_template = data.decode("utf-8")
             if tok.get("file"):
                 from tokenizers import Tokenizer
-                self.tokenizer = Tokenizer.from_file(str(self.path / tok["file"]))
+                data = self._side_file(tok["file"], tok.get("checksum"), required)
+                self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        except ModelLoadError:
+            raise
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type for a damaged file
             raise ModelLoadError(f"{self.path}: the tokenizer or chat template file is missing or damaged "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); reconvert "
                                  "the model") from None
         self._fds: dict[int, int] = {}
+
+    def _side_file(self, name: str, checksum: str | None, required: bool) -> bytes:
+        """The bytes of a file beside the manifest (tokenizer, chat template), checked against its checksum: they
+        shape every prompt and every decoded token as much as the weights do."""
+        path = self.path / name
+        data = path.read_bytes()
+        if checksum is None and required:
+            raise ModelLoadError(f"{path}: the manifest lacks this file's checksum (damaged manifest); reconvert the "
+                                 "model")
+        if checksum is not None and checksum_str(crc32(data)) != checksum:
+            raise ModelLoadError(f"{path}: fails its checksum (the file was changed or damaged); reconvert the model")
+        return data
 
     @property
     def quantized(self) -> bool:

@@ -149,11 +149,13 @@ def tokenizer_files(ckpt, out: Path) -> dict:
     """Write tokenizer.json and chat_template.jinja beside the manifest; return the manifest's tokenizer entry."""
     entry = {"file": None, "chat_template_file": None, "special": ckpt.special}
     if getattr(ckpt, "tokenizer", None) is not None:
-        (out / "tokenizer.json").write_text(ckpt.tokenizer.to_str(), encoding="utf-8")
-        entry["file"] = "tokenizer.json"
+        data = ckpt.tokenizer.to_str().encode("utf-8")
+        (out / "tokenizer.json").write_bytes(data)
+        entry.update(file="tokenizer.json", checksum=checksum_str(crc32(data)))
     if ckpt.chat_template:
-        (out / "chat_template.jinja").write_text(ckpt.chat_template, encoding="utf-8")
-        entry["chat_template_file"] = "chat_template.jinja"
+        data = ckpt.chat_template.encode("utf-8")
+        (out / "chat_template.jinja").write_bytes(data)
+        entry.update(chat_template_file="chat_template.jinja", chat_template_checksum=checksum_str(crc32(data)))
     return entry
 
 
@@ -268,7 +270,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             os.close(fd)
 
     manifest = {
-        "format": FORMAT, "version": VERSION if any(t.kind in quant.K_KINDS for t in tensors) else 1,
+        "format": FORMAT, "version": VERSION,
         "created_by": f"colibri {__version__}",
         "source": {**source, "fingerprint": fingerprint},
         "config": config,
