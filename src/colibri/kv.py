@@ -21,22 +21,17 @@ vector; every use dequantizes, so a position's keys are the same wherever they a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from colibri.errors import InputError
 from colibri.io import DEMAND, PREFETCH, AlignedBuffer, align_up
-from colibri.kvpool import Block, BlockPool
+from colibri.kvpool import BLOCK, Block, BlockPool, KVLayout
+from colibri.swap import SwapSlots
 
-if TYPE_CHECKING:
-    from colibri.kvspace import KVSpace
-
-BLOCK = 64  # tokens per block, the most: a 48 KiB segment per layer for SmolLM2 in bf16...
-MIN_BLOCK = 16  # ...halved down to this while a block would take more than BLOCK_BYTES of RAM
+MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would take more than BLOCK_BYTES of RAM
 BLOCK_BYTES = 4 << 20
-QUANTS = (None, "q8")
 
 
 def block_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quant: str | None) -> int:
@@ -51,90 +46,6 @@ def block_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
             > BLOCK_BYTES:
         block //= 2
     return block
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype  # compute dtype: what attention reads
-    block: int = BLOCK
-    quant: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.quant not in QUANTS:
-            raise InputError(f"--kv-quant {self.quant!r} is not supported (choose q8, or leave it unset)")
-        if self.block < 2 or self.block % 2:
-            raise InputError(f"KV block size must be an even number of tokens >= 2 (got {self.block})")
-
-    @property
-    def group(self) -> int:
-        return 32 if self.head_dim % 32 == 0 else self.head_dim
-
-    @property
-    def store_dtype(self) -> torch.dtype:
-        return torch.int8 if self.quant else self.dtype
-
-    def value_bytes(self, tokens: int) -> int:
-        return self.num_kv_heads * tokens * self.head_dim * torch.empty((), dtype=self.store_dtype).element_size()
-
-    def scale_bytes(self, tokens: int) -> int:
-        return self.num_kv_heads * tokens * (self.head_dim // self.group) * 4 if self.quant else 0
-
-    @property
-    def token_bytes(self) -> int:
-        """RAM bytes of one position in every layer (K, V and their scales)."""
-        return self.num_layers * 2 * (self.value_bytes(1) + self.scale_bytes(1))
-
-    @property
-    def seg_bytes(self) -> int:
-        return align_up(2 * (self.value_bytes(self.block) + self.scale_bytes(self.block)))
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of a block in the swap file and in saved sessions (segments padded to 4096)."""
-        return self.num_layers * self.seg_bytes
-
-    @property
-    def ram_seg_bytes(self) -> int:
-        return 2 * (self.value_bytes(self.block) + self.scale_bytes(self.block))
-
-    @property
-    def ram_block_bytes(self) -> int:
-        """Bytes of a block in RAM: the same segments, unpadded."""
-        return self.num_layers * self.ram_seg_bytes
-
-    def pad(self, ram: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A block's RAM bytes -> its padded form (uint8 [block_bytes])."""
-        out.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes].copy_(
-            ram.view(self.num_layers, self.ram_seg_bytes))
-        return out
-
-    def unpad(self, padded: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A block's padded bytes -> its RAM form (uint8 [ram_block_bytes])."""
-        out.view(self.num_layers, self.ram_seg_bytes).copy_(
-            padded.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes])
-        return out
-
-    def identity(self) -> dict:
-        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": str(self.dtype).removeprefix("torch."), "block": self.block, "kv_quant": self.quant}
-
-    def views(self, seg: torch.Tensor, n: int = 1, stride: int | None = None):
-        """(k, v, k_scales, v_scales) views of `n` consecutive segments of `stride` bytes each (uint8; default
-        seg_bytes, the padded form): values [n, Hkv, block, Dh]; scales [n, Hkv, block, Dh / group] or None."""
-        seg = seg.view(n, stride or self.seg_bytes)
-        h, b, d = self.num_kv_heads, self.block, self.head_dim
-        vb, sb = self.value_bytes(b), self.scale_bytes(b)
-        k = seg[:, :vb].view(self.store_dtype).view(n, h, b, d)
-        v = seg[:, vb:2 * vb].view(self.store_dtype).view(n, h, b, d)
-        if not self.quant:
-            return k, v, None, None
-        g = d // self.group
-        ks = seg[:, 2 * vb:2 * vb + sb].view(torch.float32).view(n, h, b, g)
-        vs = seg[:, 2 * vb + sb:2 * vb + 2 * sb].view(torch.float32).view(n, h, b, g)
-        return k, v, ks, vs
 
 
 def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,11 +98,14 @@ class Workspace:
 
 
 class KVCache:
-    """One sequence's KV; see the module docstring. `space` provides the block pool, the workspace and the swap
-    file (None: a pool of its own, RAM only)."""
+    """One sequence's KV; see the module docstring. `pool`, `work` and `swap`: the block pool, the workspace and
+    the swap file it shares with other sequences (None: a pool and a workspace of its own, RAM only).
+    `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's cursor)."""
 
     def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
-                 space: "KVSpace | None" = None, layer_windows: list[int | None] | None = None):
+                 layer_windows: list[int | None] | None = None, pool: BlockPool | None = None,
+                 work: Workspace | None = None, swap: SwapSlots | None = None,
+                 on_truncate: Callable[[KVCache, int], None] | None = None):
         self.layout = layout
         B = layout.block
         self.max_length = max_length
@@ -200,16 +114,14 @@ class KVCache:
         if self.window < full and self.window < 2 * B:  # spilling needs one block in RAM beside the oldest
             raise InputError(f"a KV window of {self.window} tokens is too small; it must hold two blocks "
                              f"({2 * B} tokens)")
-        self.space = space
-        self.pool: BlockPool = space.pool if space is not None else BlockPool(layout)
-        self.work: Workspace = space.work if space is not None else Workspace(layout, max_length)
+        self.pool = pool if pool is not None else BlockPool(layout)
+        self.work = work if work is not None else Workspace(layout, max_length)
+        self.swap = swap
+        self._on_truncate = on_truncate
         self.layer_windows = layer_windows or [None] * layout.num_layers
         self.length = 0  # positions committed (visible to the next pass)
         self.ids: list[int] = []  # the token at each committed position
         self.blocks: list[Block] = []  # block j: positions [j * block, (j + 1) * block)
-        # the prefix trie's view (kept by KVSpace): leading blocks inserted, the node of the last one, the trie's
-        # generation they belong to
-        self.committed, self.node, self.trie_gen = 0, None, -1
         self._staging: list[AlignedBuffer] = []  # read buffers for blocks on disk (two: one layer ahead)
         self._pending: dict[int, tuple[list[int], list, int]] = {}  # layer -> (blocks, futures, buffer)
         self._out: list[Block] | None = None  # swapped out: the blocks swap_out moved to disk
@@ -342,7 +254,7 @@ class KVCache:
         if not self._staging:
             self._staging = [AlignedBuffer(self._staging_size() // 2) for _ in range(2)]
         buf = i % 2
-        futures = self.space.swap.read_layer([self.blocks[j].slot for j in js], i, self._staging[buf], priority)
+        futures = self.swap.read_layer([self.blocks[j].slot for j in js], i, self._staging[buf], priority)
         self._pending[i] = (js, futures, buf)
 
     def _drain(self) -> None:
@@ -386,10 +298,10 @@ class KVCache:
             js, futures, buf = pend
             t0 = time.perf_counter()
             for f in futures:
-                self.space.promote(f)
+                self.swap.promote(f)
             for f in futures:
                 f.result()
-            self.space.read_wait_s += time.perf_counter() - t0
+            self.swap.read_wait_s += time.perf_counter() - t0
             raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
             k, v, ks, vs = lay.views(raw, len(js))
             for n, j in enumerate(js):
@@ -447,10 +359,18 @@ class KVCache:
         del self.blocks[keep:]
         if self._out is not None:
             self._out = [b for b in self._out if any(b is c for c in self.blocks)]
-        while self.committed > length // self.layout.block:
-            self.committed, self.node = self.committed - 1, self.node.parent
+        if self._on_truncate is not None:
+            self._on_truncate(self, length)
         self.length = length
         del self.ids[length:]
+
+    def use_block(self, j: int, block: Block) -> None:
+        """Hold `block` (the same positions' KV, held elsewhere) in place of block j; nothing while swapped out or
+        with reads in flight (they name the blocks' slots)."""
+        if self.swapped or self._pending:
+            return
+        mine, self.blocks[j] = self.blocks[j], self.pool.ref(block)
+        self.pool.unref(mine)
 
     # -- preemption: the sequence out to the swap file and back, nothing recomputed -------------------------
 
@@ -498,4 +418,5 @@ class KVCache:
             self.pool.unref(b)
         self.blocks, self._out, self._staging = [], None, []
         self.length, self.ids = 0, []
-        self.committed, self.node = 0, None
+        if self._on_truncate is not None:
+            self._on_truncate(self, 0)

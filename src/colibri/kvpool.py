@@ -11,16 +11,103 @@ once however many hold it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from colibri.errors import InputError
-from colibri.io import AlignedBuffer
+from colibri.io import AlignedBuffer, align_up
+from colibri.swap import SwapSlots
 
-if TYPE_CHECKING:
-    from colibri.kv import KVLayout
-    from colibri.kvspace import KVSpace
+BLOCK = 64  # tokens per block, the most (colibri.kv.block_for halves it for large blocks)
+QUANTS = (None, "q8")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a block's bytes (see the module docstring), the same in RAM, the swap file and saved
+    sessions up to the padding."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # compute dtype: what attention reads
+    block: int = BLOCK
+    quant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANTS:
+            raise InputError(f"--kv-quant {self.quant!r} is not supported (choose q8, or leave it unset)")
+        if self.block < 2 or self.block % 2:
+            raise InputError(f"KV block size must be an even number of tokens >= 2 (got {self.block})")
+
+    @property
+    def group(self) -> int:
+        return 32 if self.head_dim % 32 == 0 else self.head_dim
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        return torch.int8 if self.quant else self.dtype
+
+    def value_bytes(self, tokens: int) -> int:
+        return self.num_kv_heads * tokens * self.head_dim * torch.empty((), dtype=self.store_dtype).element_size()
+
+    def scale_bytes(self, tokens: int) -> int:
+        return self.num_kv_heads * tokens * (self.head_dim // self.group) * 4 if self.quant else 0
+
+    @property
+    def token_bytes(self) -> int:
+        """RAM bytes of one position in every layer (K, V and their scales)."""
+        return self.num_layers * 2 * (self.value_bytes(1) + self.scale_bytes(1))
+
+    @property
+    def seg_bytes(self) -> int:
+        return align_up(2 * (self.value_bytes(self.block) + self.scale_bytes(self.block)))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of a block in the swap file and in saved sessions (segments padded to 4096)."""
+        return self.num_layers * self.seg_bytes
+
+    @property
+    def ram_seg_bytes(self) -> int:
+        return 2 * (self.value_bytes(self.block) + self.scale_bytes(self.block))
+
+    @property
+    def ram_block_bytes(self) -> int:
+        """Bytes of a block in RAM: the same segments, unpadded."""
+        return self.num_layers * self.ram_seg_bytes
+
+    def pad(self, ram: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A block's RAM bytes -> its padded form (uint8 [block_bytes])."""
+        out.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes].copy_(
+            ram.view(self.num_layers, self.ram_seg_bytes))
+        return out
+
+    def unpad(self, padded: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A block's padded bytes -> its RAM form (uint8 [ram_block_bytes])."""
+        out.view(self.num_layers, self.ram_seg_bytes).copy_(
+            padded.view(self.num_layers, self.seg_bytes)[:, :self.ram_seg_bytes])
+        return out
+
+    def identity(self) -> dict:
+        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": str(self.dtype).removeprefix("torch."), "block": self.block, "kv_quant": self.quant}
+
+    def views(self, seg: torch.Tensor, n: int = 1, stride: int | None = None):
+        """(k, v, k_scales, v_scales) views of `n` consecutive segments of `stride` bytes each (uint8; default
+        seg_bytes, the padded form): values [n, Hkv, block, Dh]; scales [n, Hkv, block, Dh / group] or None."""
+        seg = seg.view(n, stride or self.seg_bytes)
+        h, b, d = self.num_kv_heads, self.block, self.head_dim
+        vb, sb = self.value_bytes(b), self.scale_bytes(b)
+        k = seg[:, :vb].view(self.store_dtype).view(n, h, b, d)
+        v = seg[:, vb:2 * vb].view(self.store_dtype).view(n, h, b, d)
+        if not self.quant:
+            return k, v, None, None
+        g = d // self.group
+        ks = seg[:, 2 * vb:2 * vb + sb].view(torch.float32).view(n, h, b, g)
+        vs = seg[:, 2 * vb + sb:2 * vb + 2 * sb].view(torch.float32).view(n, h, b, g)
+        return k, v, ks, vs
 
 
 class Block:
@@ -45,10 +132,11 @@ class Block:
 
 
 class BlockPool:
-    """The blocks of one model's KV. `space` provides the swap file (None: RAM only; spilling is refused)."""
+    """The blocks of one model's KV and their swap slots. `swap` gives the slots (None: RAM only; spilling is
+    refused)."""
 
-    def __init__(self, layout: "KVLayout", space: "KVSpace | None" = None):
-        self.layout, self.space = layout, space
+    def __init__(self, layout: KVLayout, swap: SwapSlots | None = None):
+        self.layout, self.swap = layout, swap
         self.ram_blocks = 0  # blocks whose bytes are in RAM
         self._io: AlignedBuffer | None = None  # a padded block on its way to or from the swap file
 
@@ -94,28 +182,28 @@ class BlockPool:
         if block.data is not None:
             self._detach(block)
         if block.slot is not None:
-            self.space.free_slot(block.slot)
+            self.swap.free(block.slot)
             block.slot = None
 
     # -- the two tiers -----------------------------------------------------------------------------------
 
-    def _swap(self):
-        if self.space is None:
+    def _swap(self) -> SwapSlots:
+        if self.swap is None:
             raise InputError("the KV cache needs more than its RAM share and has no swap file; give --swap or a "
                              "larger --kv-ram")
-        return self.space
+        return self.swap
 
     def spill(self, block: Block) -> None:
-        """Move a block's bytes to the swap file (for every holder). The slot comes from the space, which may
-        drop cached prefixes on disk to find one; InputError when the file is full, the block unchanged."""
+        """Move a block's bytes to the swap file (for every holder). The slot comes from `swap`, which may drop
+        cached prefixes on disk to find one; InputError when the file is full, the block unchanged."""
         if block.data is None:
             return
-        space = self._swap()
-        slot = space.alloc_slot()
+        swap = self._swap()
+        slot = swap.alloc()
         try:
-            space.swap.write(slot, self.layout.pad(block.data, self._buffer()))
+            swap.write(slot, self.layout.pad(block.data, self._buffer()))
         except BaseException:
-            space.free_slot(slot)  # the block stays in RAM; the slot is not leaked
+            swap.free(slot)  # the block stays in RAM; the slot is not leaked
             raise
         block.slot = slot
         self._detach(block)
@@ -129,7 +217,7 @@ class BlockPool:
     def _read_slot(self, slot: int) -> torch.Tensor:
         """The padded bytes of a block on disk (in the pool's I/O buffer, valid until its next use)."""
         self._buffer()
-        for f in self.space.swap.read_block(slot, self._io):
+        for f in self.swap.read_block(slot, self._io):
             f.result()
         return self._io.tensor(0, self.layout.block_bytes)
 
@@ -152,7 +240,7 @@ class BlockPool:
             self._detach(block)
             raise
         block.slot = None
-        self.space.free_slot(slot)
+        self.swap.free(slot)
 
     def writable(self, block: Block) -> Block:
         """`block` made safe to write by one holder: brought into RAM, or copied when others hold it too (the

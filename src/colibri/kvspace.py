@@ -1,5 +1,9 @@
 """A model's KV memory: one block pool shared by every sequence and the prefix cache, and the swap file.
 
+`KVSpace` composes the parts and hands each sequence its own: the pool owns the blocks and their swap slots
+(colibri.kvpool), `SwapSlots` the swap file (colibri.swap), the trie its nodes and a cursor per sequence
+(colibri.prefix); the space itself keeps the live sequence and the prefix cache's RAM share.
+
 Every KV block (colibri.kvpool) belongs to the one pool; sequences and the prefix cache hold references to them.
 The prefix cache is a trie whose nodes are full blocks of `block` token ids: after each pass a sequence's newly
 filled blocks are inserted (a reference, not a copy), so a request that starts with a known prefix holds those
@@ -11,16 +15,14 @@ chat at any token boundary: the next turn's prompt starts with everything the la
 
 from __future__ import annotations
 
-import itertools
 import os
 import weakref
-from pathlib import Path
 
 from colibri.errors import InputError, StorageError
-from colibri.kv import KVCache, KVLayout, Workspace
-from colibri.kvpool import BlockPool
-from colibri.prefix import Node, common_prefix
-from colibri.swap import SwapFile
+from colibri.kv import KVCache, Workspace
+from colibri.kvpool import BlockPool, KVLayout
+from colibri.prefix import Node, PrefixTrie, common_prefix
+from colibri.swap import SwapFile, SwapSlots
 
 
 class KVSpace:
@@ -38,22 +40,19 @@ class KVSpace:
         self.sequences = max(1, int(sequences))  # sequences that may hold KV at once (sizes a temporary swap)
         self._caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
         self.prefix_ram = max(0, int(prefix_ram))
-        self.swap_path = None if swap_path is None else Path(swap_path)
-        self.swap_dir = Path(swap_dir) if swap_dir is not None else None
         self.layer_windows = layer_windows
-        self.io_threads = io_threads
-        self.pool = BlockPool(layout, self)
+        # a temporary swap file holds each sequence's context (all of it, when preempted), and as much again for
+        # the prefix cache
+        temporary = (self.sequences + 1) * -(-ctx // layout.block) * layout.block_bytes
+        self.slots = SwapSlots(layout.num_layers, layout.seg_bytes, layout.block, swap_path, swap_dir, temporary,
+                               io_threads, make_room=lambda: self._evict(disk=True))
+        self.pool = BlockPool(layout, self.slots)
         self.work = Workspace(layout, ctx)
-        self._swap: SwapFile | None = None
-        if self.swap_path is not None:
+        self.trie = PrefixTrie(self.pool, layout.block)
+        if swap_path is not None:
             _ = self.swap  # opened and locked at load: a bad or busy file is refused before any work
-        self.root = Node((), None)
-        self.generation = 0  # bumped when the trie is cleared: caches re-walk it
-        self._clock = itertools.count(1)
         self.live: KVCache | None = None
         self.live_busy = False
-        self.read_wait_s = 0.0
-        self._count = 0  # trie nodes
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0
 
@@ -61,42 +60,14 @@ class KVSpace:
 
     @property
     def swap(self) -> SwapFile:
-        if self._swap is None:
-            lay = self.layout
-            if self.swap_path is not None:
-                self._swap = SwapFile(self.swap_path, lay.num_layers, lay.seg_bytes, self.io_threads)
-            else:
-                if self.swap_dir is None:
-                    raise InputError("the KV cache outgrew its RAM share and no swap directory is set; give --swap")
-                # each sequence's context (all of it, when preempted), and as much again for the prefix cache
-                blocks = (self.sequences + 1) * -(-self.ctx // lay.block)
-                self._swap = SwapFile.temporary_in(self.swap_dir, blocks * lay.block_bytes, lay.num_layers,
-                                                   lay.seg_bytes, self.io_threads)
-        return self._swap
-
-    @property
-    def swap_open(self) -> bool:
-        return self._swap is not None or self.swap_path is not None
-
-    def alloc_slot(self) -> int:
-        while True:
-            s = self.swap.alloc()
-            if s is not None:
-                return s
-            if not self._evict(disk=True):
-                raise InputError(f"the KV swap file {self.swap.path} is full ({self.swap.slots} blocks of "
-                                 f"{self.layout.block} tokens); give a larger one (colibri swap create --size)")
-
-    def free_slot(self, slot: int) -> None:
-        self.swap.free(slot)
-
-    def promote(self, future) -> None:
-        self.swap.reader.promote(future)
+        """The swap file, opened (a temporary one created) on first use."""
+        return self.slots.file
 
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        cache = KVCache(self.layout, self.ctx, self.window, self, self.layer_windows)
+        cache = KVCache(self.layout, self.ctx, self.window, self.layer_windows, self.pool, self.work, self.slots,
+                        self.trie.rewind)
         self._caches.add(cache)
         return cache
 
@@ -104,7 +75,7 @@ class KVSpace:
         """The trie's nodes of the longest cached prefix of `ids` (at most len(ids) - 1 tokens: the last one is
         computed for its logits), and how many tokens the idle live sequence would reuse instead (0: none)."""
         B, most = self.layout.block, len(ids) - 1
-        nodes = self._match(ids)[: most // B]
+        nodes = self.trie.match(ids)[: most // B]
         live = self.live
         if self.live_busy or live is None:
             return nodes, 0
@@ -127,7 +98,7 @@ class KVSpace:
 
     def prefix_bytes(self) -> int:
         """RAM of the blocks only the prefix cache holds."""
-        return sum(self.layout.ram_block_bytes for n in self._nodes() if n.block.in_ram and n.block.refs == 1)
+        return sum(self.layout.ram_block_bytes for n in self.trie.nodes() if n.block.in_ram and n.block.refs == 1)
 
     def prefix_room(self) -> int:
         """RAM the prefix cache may still take (its share less what it holds)."""
@@ -165,11 +136,8 @@ class KVSpace:
                 self.commit(self.live)
                 self.live.reset()
             cache = self.live
-        for n in nodes:
-            n.stamp = next(self._clock)
+        self.trie.reused(cache, nodes)
         cache.share([n.block for n in nodes], [t for n in nodes for t in n.key])
-        if nodes:
-            cache.committed, cache.node, cache.trie_gen = len(nodes), nodes[-1], self.generation
         return cache, cache.length
 
     def release(self, cache: KVCache) -> None:
@@ -193,54 +161,16 @@ class KVSpace:
         self._caches.add(cache)
         self._shrink()
 
-    # -- the prefix trie -----------------------------------------------------------------------------------
-
-    def _match(self, ids: list[int]) -> list[Node]:
-        B, node, out = self.layout.block, self.root, []
-        for b in range(len(ids) // B):
-            node = node.children.get(tuple(ids[b * B:(b + 1) * B]))
-            if node is None:
-                break
-            out.append(node)
-        return out
+    # -- the prefix cache ----------------------------------------------------------------------------------
 
     def commit(self, cache: KVCache) -> None:
-        """Insert the cache's full blocks not in the trie yet, by reference. A block the trie already holds for
-        the same tokens (computed twice, by sequences that ran at once) replaces the cache's own copy."""
-        if cache.trie_gen != self.generation or cache.node is None:
-            cache.committed, cache.node, cache.trie_gen = 0, self.root, self.generation
-        B, node = self.layout.block, cache.node
-        for b in range(cache.committed, cache.length // B):
-            key = tuple(cache.ids[b * B:(b + 1) * B])
-            mine = cache.blocks[b]
-            child = node.children.get(key)
-            if child is None:
-                child = node.children[key] = Node(key, node, self.pool.ref(mine))
-                self._count += 1
-            elif child.block is not mine and not cache.swapped and not cache._pending and \
-                    (child.block.in_ram or not mine.in_ram):
-                cache.blocks[b] = self.pool.ref(child.block)
-                self.pool.unref(mine)
-            child.stamp = next(self._clock)
-            node = child
-        cache.committed, cache.node = max(cache.committed, cache.length // B), node
-
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
+        """The cache's full blocks not in the prefix trie yet go in, by reference (`PrefixTrie.commit`)."""
+        self.trie.commit(cache)
 
     def _shrink(self) -> None:
         """Keep the blocks only the trie holds within the prefix cache's RAM share."""
         while self.prefix_bytes() > self.prefix_ram and self._evict(disk=False):
             pass
-
-    def _drop(self, n: Node) -> None:
-        del n.parent.children[n.key]
-        self.pool.unref(n.block)
-        self._count -= 1
 
     def _evict(self, disk: bool) -> bool:
         """disk=False: the least recently used block only the trie holds in RAM goes to the swap file (when one
@@ -248,18 +178,18 @@ class KVSpace:
         block only the trie holds on disk is dropped, freeing its slot. False when there is none."""
         def mine(n: Node) -> bool:
             return n.block.refs == 1 and n.block.in_ram != disk
-        if not disk and self.swap_open:
-            held = [n for n in self._nodes() if mine(n)]
+        if not disk and self.slots.available:
+            held = [n for n in self.trie.nodes() if mine(n)]
             if held:
                 try:
                     self.pool.spill(min(held, key=lambda x: x.stamp).block)
                     return True
                 except (InputError, StorageError):  # caching only saves work: a full disk costs that saving
                     pass
-        leaves = [n for n in self._nodes() if not n.children and mine(n)]
+        leaves = [n for n in self.trie.nodes() if not n.children and mine(n)]
         if not leaves:
             return False
-        self._drop(min(leaves, key=lambda x: x.stamp))
+        self.trie.drop(min(leaves, key=lambda x: x.stamp))
         return True
 
     def clear(self) -> None:
@@ -268,26 +198,21 @@ class KVSpace:
             self.live.release()
             self._caches.discard(self.live)
             self.live = None
-        for n in self._nodes():
-            self.pool.unref(n.block)
-        self.root, self._count = Node((), None), 0
-        self.generation += 1
+        self.trie.clear()
 
     # -- stats and shutdown --------------------------------------------------------------------------------
 
     def counters(self) -> dict:
-        sw = self._swap
+        sw = self.slots.opened
         return {
             "kv_ram_bytes": self.ram_bytes(),
             "kv_disk_bytes": sw.used * self.layout.block_bytes if sw else 0,
             "kv_read_bytes": sw.bytes_read if sw else 0,
             "kv_written_bytes": sw.bytes_written if sw else 0,
-            "kv_read_wait_s": self.read_wait_s,
-            "prefix_cache_blocks": self._count,
+            "kv_read_wait_s": self.slots.read_wait_s,
+            "prefix_cache_blocks": self.trie.count,
             "kv_pool_blocks": self.pool.ram_blocks,
         }
 
     def close(self) -> None:
-        if self._swap is not None:
-            self._swap.close()
-            self._swap = None
+        self.slots.close()

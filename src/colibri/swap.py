@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -311,3 +312,66 @@ class SwapFile:
         os.close(self._wfd)
         if self.temporary:
             self.path.unlink(missing_ok=True)
+
+
+class SwapSlots:
+    """The swap file of one KV space, as its block pool and sequences use it: opened on first use (the file at
+    `path`, else a temporary one of `temporary_bytes` in `directory`), slots allocated and freed, blocks written
+    and read. When the file is full, `alloc` calls `make_room` (it frees a slot and returns True, or returns
+    False) before giving up. `read_wait_s` sums the time sequences waited on its reads."""
+
+    def __init__(self, layers: int, seg_bytes: int, block_tokens: int, path: str | os.PathLike | None = None,
+                 directory: str | os.PathLike | None = None, temporary_bytes: int = 0, io_threads: int = 2,
+                 make_room: Callable[[], bool] = lambda: False):
+        self.layers, self.seg_bytes, self.block_tokens = layers, seg_bytes, block_tokens
+        self.path = None if path is None else Path(path)
+        self.directory = None if directory is None else Path(directory)
+        self.temporary_bytes, self.io_threads, self.make_room = temporary_bytes, io_threads, make_room
+        self.opened: SwapFile | None = None
+        self.read_wait_s = 0.0
+
+    @property
+    def file(self) -> SwapFile:
+        if self.opened is None:
+            if self.path is not None:
+                self.opened = SwapFile(self.path, self.layers, self.seg_bytes, self.io_threads)
+            else:
+                if self.directory is None:
+                    raise InputError("the KV cache outgrew its RAM share and no swap directory is set; give --swap")
+                self.opened = SwapFile.temporary_in(self.directory, self.temporary_bytes, self.layers,
+                                                    self.seg_bytes, self.io_threads)
+        return self.opened
+
+    @property
+    def available(self) -> bool:
+        """Open, or a file was given (a temporary one is created only when a block must go to disk)."""
+        return self.opened is not None or self.path is not None
+
+    def alloc(self) -> int:
+        while True:
+            s = self.file.alloc()
+            if s is not None:
+                return s
+            if not self.make_room():
+                raise InputError(f"the KV swap file {self.file.path} is full ({self.file.slots} blocks of "
+                                 f"{self.block_tokens} tokens); give a larger one (colibri swap create --size)")
+
+    def free(self, slot: int) -> None:
+        self.file.free(slot)
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        self.file.write(slot, block)
+
+    def read_block(self, slot: int, buffer: AlignedBuffer) -> list[Future]:
+        return self.file.read_block(slot, buffer)
+
+    def read_layer(self, slots: list[int], layer: int, buffer: AlignedBuffer, priority: int) -> list[Future]:
+        return self.file.read_layer(slots, layer, buffer, priority)
+
+    def promote(self, future: Future) -> None:
+        self.file.reader.promote(future)
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
+            self.opened = None
