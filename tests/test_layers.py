@@ -172,7 +172,7 @@ LAYERS = [
     ["quant", "quantfit"],
     ["container"],
     ["loaders", "loaders.checkpoint", "loaders.hf", "loaders.gguf", "gguf_tokenizer"],
-    ["placement", "usage", "io", "store", "streaming"],
+    ["placement", "usage", "io", "store", "streaming", "streaming.*"],
     ["models", "models.base", "models.*"],
     ["convert", "calibrate", "mixed", "tied"],
     ["swap", "kvpool", "kv", "prefix", "kvspace", "session"],
