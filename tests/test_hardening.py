@@ -99,6 +99,15 @@ def test_a_manifest_whose_checksum_key_is_damaged_is_refused(tiny_container, tmp
         colibri.load(path)
 
 
+def test_a_config_that_disagrees_with_the_tensor_table_is_refused(tiny_container, tmp_path):
+    """num_hidden_layers one fewer, with the manifest's checksum recomputed: the last layer's weights are in the
+    tensor table, and running without them would be a different model."""
+    path = copy_container(tiny_container, tmp_path / "c")
+    rewrite_manifest(path, lambda m: m["config"].update(num_hidden_layers=m["config"]["num_hidden_layers"] - 1))
+    with pytest.raises(ModelLoadError, match=r"holds weights of layer \d+, which the config's \d+ layers leave out"):
+        colibri.load(path)
+
+
 @pytest.fixture(scope="module")
 def tok_container(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny llama with a word-level tokenizer.json and a chat template beside it, converted (the conversion's

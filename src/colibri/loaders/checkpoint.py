@@ -7,6 +7,7 @@ a checkpoint whose `format` is "gguf" has `raw_tensor` (the stored blocks, which
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -63,9 +64,22 @@ def open_checkpoint(path: Path) -> Checkpoint:
     return HFCheckpoint(path)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def check_tensors(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    """Every tensor the math reads is present with the shape the config implies (checked before any is read)."""
+    """Every tensor the math reads is present with the shape the config implies (checked before any is read). A
+    container, written from exactly its config's tensors, also holds none the config leaves out: a config that
+    disagrees with its tensor table (one layer fewer, untied where the weights are tied) is refused instead of
+    running a different model. (HF directories and GGUF files may carry tensors the text model does not read.)"""
     have = set(ckpt.tensor_names())
+    if ckpt.format == "container" and (extra := sorted(have - set(shapes))):
+        layers = {int(m.group(1)) for n in shapes if (m := _LAYER.search(n))}
+        beyond = sorted({int(m.group(1)) for n in extra if (m := _LAYER.search(n))} - layers)
+        what = (f"weights of layer {beyond[0]}, which the config's {len(layers)} layers leave out" if beyond
+                else f"tensor {extra[0]!r}, which the config does not describe")
+        raise ModelLoadError(f"{path}: the container holds {what}; its config does not match the weights "
+                             "(damaged or edited manifest), reconvert the model")
     for name, shape in shapes.items():
         if name not in have:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing; the checkpoint is incomplete"
