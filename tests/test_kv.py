@@ -156,7 +156,7 @@ def test_session_of_another_model_or_setting_is_refused(tiny_model_dir, tmp_path
         colibri.load(tiny_model_dir("llama"), dtype="float32", kv_block=8, swap_dir=tmp_path / "swap").load_session(f)
     raw = f.read_bytes()
     bad = tmp_path / "bad.kv"
-    bad.write_bytes(raw.replace(b'"version": 1', b'"version": 9', 1))
+    bad.write_bytes(raw.replace(b'"version": 2', b'"version": 9', 1))
     with pytest.raises(InputError, match="format version 9"):
         m.load_session(bad)
     bad.write_bytes(raw[:-100])
@@ -169,6 +169,30 @@ def test_session_of_another_model_or_setting_is_refused(tiny_model_dir, tmp_path
         m.load_session(bad)
     bad.write_bytes(b"hello")
     with pytest.raises(InputError, match="not a Colibri conversation file"):
+        m.load_session(bad)
+
+
+def test_a_changed_byte_in_a_saved_sessions_header_is_refused(tiny_model_dir, tmp_path):
+    """The header holds the messages and token ids: "hello" -> "jello" in a saved message, a token id changed, a
+    damaged checksum key or version digit must not load as a different history."""
+    m = load(tiny_model_dir("llama"), tmp_path)
+    m.generate(PROMPT, max_tokens=5, ignore_eos=True)
+    f = m.save_session(tmp_path / "s.kv", messages=[{"role": "user", "content": "hello"}])
+    assert m.load_session(f) == [{"role": "user", "content": "hello"}]
+    raw = f.read_bytes()
+    first = str(PROMPT[0])
+    other = first[:-1] + str((int(first[-1]) + 1) % 10)  # another id of the same width
+    cases = {"message": raw.replace(b'"hello"', b'"jello"', 1),
+             "token id": raw.replace(f'"ids": [{first},'.encode(), f'"ids": [{other},'.encode(), 1),
+             "version digit": raw.replace(b'"version": 2', b'"version": 1', 1)}
+    for what, data in cases.items():
+        assert data != raw, what
+        bad = tmp_path / "bad.kv"
+        bad.write_bytes(data)
+        with pytest.raises(InputError, match="header fails its checksum"):
+            m.load_session(bad)
+    bad.write_bytes(raw.replace(b'"header_crc32"', b'"header_crc3X"', 1))
+    with pytest.raises(InputError, match="header fails its checksum"):
         m.load_session(bad)
 
 

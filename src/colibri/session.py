@@ -1,10 +1,11 @@
 """Saved conversations: a sequence's KV blocks, its token ids and chat messages, tied to one model.
 
 File layout: a magic line, then a JSON header (format version, the identity of the model and of the KV layout,
-token ids, messages, one crc32 per block as 8 hex digits) padded to 4096 bytes, then the blocks (`KVLayout.block_bytes` each, the
-last one partly used). Saving writes a temporary file, fsyncs it and renames it over the old one, so a crash
-leaves the previous turn's file or the new one, never a mix. Loading refuses a file saved for another model,
-container, compute dtype, KV quantization, block size or format version, and one whose blocks fail their crc.
+token ids, messages, one crc32 per block as 8 hex digits, and the header's own crc32) padded to 4096 bytes, then
+the blocks (`KVLayout.block_bytes` each, the last one partly used). Saving writes a temporary file, fsyncs it and
+renames it over the old one, so a crash leaves the previous turn's file or the new one, never a mix. Loading refuses a file saved for another model,
+container, compute dtype, KV quantization, block size or format version, and one whose header or blocks fail
+their crc.
 
 A conversation has one writer at a time: `SessionLock` holds an exclusive `flock` on `NAME.lock` beside the file
 for as long as a chat uses it, so a second `chat --session NAME` is refused at start instead of both running and
@@ -33,7 +34,12 @@ if TYPE_CHECKING:
     from colibri.kvspace import KVSpace
 
 MAGIC = b"COLIBRI-KV-SESSION\n"
-VERSION = 1
+# Version 2: the header carries `header_crc32`, the crc32 of its own canonical JSON (sorted keys, without that key),
+# required: a changed byte in a saved message or token id is refused, not loaded as another history. Version 1
+# (no header checksum) is still read; a header that has the key is checked whatever its version says, so damage
+# to the version digit cannot switch the check off.
+VERSION = 2
+READS = (1, 2)
 
 
 class SessionLock:
@@ -113,7 +119,13 @@ def identity(ckpt: "Checkpoint", model_type: str, layout: "KVLayout") -> dict:
     return {"model": model_identity(ckpt), "architecture": model_type, **layout.identity()}
 
 
+def _header_crc(head: dict) -> str:
+    body = {k: v for k, v in head.items() if k != "header_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()):08x}"
+
+
 def _header(head: dict) -> bytes:
+    head["header_crc32"] = _header_crc(head)  # fixed width: the size computed before the blocks holds
     raw = MAGIC + json.dumps(head, ensure_ascii=False).encode()
     return raw.ljust(align_up(len(raw) + 1), b"\0")
 
@@ -158,9 +170,13 @@ def _read_header(f, path: Path) -> tuple[dict, int]:
     end = text.find(b"\0")
     try:
         head = json.loads(text[:end if end >= 0 else len(text)])
-        head["version"]
-    except (ValueError, KeyError, TypeError):
+        version = head["version"]
+        crc = head.get("header_crc32")
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise InputError(f"{path}: the conversation header is damaged; remove the file to start over") from None
+    if version in READS and ((crc is None and version >= 2) or (crc is not None and crc != _header_crc(head))):
+        raise InputError(f"{path}: the conversation header fails its checksum (damaged file); remove it to start "
+                         "over")
     return head, align_up(len(MAGIC) + end + 1) if end >= 0 else os.fstat(f.fileno()).st_size
 
 
@@ -171,9 +187,9 @@ def load(path: str | os.PathLike, ident: dict, kv: "KVSpace") -> tuple["KVCache"
     with open(path, "rb") as f:
         head, start = _read_header(f, path)
         version = head["version"]
-        if version != VERSION:
+        if version not in READS:
             raise InputError(f"{path}: conversation format version {version} is not supported (this Colibri "
-                             f"reads {VERSION}); remove the file to start over")
+                             f"reads {', '.join(map(str, READS))}); remove the file to start over")
         want, got = ident, head.get("identity", {})
         diff = [k for k in want if want[k] != got.get(k)]
         if diff:
