@@ -99,6 +99,20 @@ def test_a_manifest_whose_checksum_key_is_damaged_is_refused(tiny_container, tmp
         colibri.load(path)
 
 
+@pytest.mark.parametrize("name", ["../other/data-00000.bin", "/etc/passwd", "sub/../../data-00000.bin"])
+def test_a_data_file_name_outside_the_container_is_refused(tiny_container, tmp_path, name):
+    """A manifest naming a file outside its directory (the checksum recomputed, as a crafted container would have
+    it) is refused before anything is opened; names inside it, symlinks included, stay allowed."""
+    path = copy_container(tiny_container, tmp_path / "c")
+    rewrite_manifest(path, lambda m: m["files"][0].update(name=name))
+    with pytest.raises(ModelLoadError, match="is not a file name inside the container's directory"):
+        colibri.load(path)
+    rewrite_manifest(path, lambda m: (m["files"][0].update(name="data-00000.bin"),
+                                      m["tokenizer"].update(file="../tokenizer.json")))
+    with pytest.raises(ModelLoadError, match="is not a file name inside the container's directory"):
+        colibri.load(path)
+
+
 def test_a_config_that_disagrees_with_the_tensor_table_is_refused(tiny_container, tmp_path):
     """num_hidden_layers one fewer, with the manifest's checksum recomputed: the last layer's weights are in the
     tensor table, and running without them would be a different model."""

@@ -11,7 +11,7 @@ import os
 import re
 import zlib
 from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 import numpy as np
@@ -344,6 +344,13 @@ def check_manifest(m: dict, mf: Path) -> None:
     if not isinstance(m.get("config"), dict):
         raise bad("'config' is missing")
     files = entries("files", _FILE_KEYS)
+    tok = m.get("tokenizer") or {}
+    names = [(f"files[{i}].name", f["name"]) for i, f in enumerate(files)]
+    names += [(f"tokenizer.{k}", tok[k]) for k in ("file", "chat_template_file") if isinstance(tok, dict) and tok.get(k)]
+    for where, name in names:  # confined to the container's directory (a symlink inside it may point anywhere)
+        p = PurePosixPath(name) if isinstance(name, str) else None
+        if p is None or not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+            raise bad(f"{where} {name!r} is not a file name inside the container's directory")
     for key, want in (("pages", _PAGE_KEYS), ("tensors", _TENSOR_KEYS)):
         for i, e in enumerate(entries(key, want)):
             if key == "pages" and e["id"] != i:
