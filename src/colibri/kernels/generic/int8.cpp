@@ -432,14 +432,16 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
     static thread_local std::vector<uint8_t> buf;
     buf.resize(std::min(kChunk, k) / 4 * 64 * (K == kQ4 ? 4 : 8) + 64);
     uint8_t* const bp = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) & 63);
-    // per group: q4 scales [64] then zeros [64]; q8 grouped: scales [64]; q8 per channel: scales [64]
-    std::vector<float> prm(K == kQ8Channel ? kCols : groups * (K == kQ4 ? 2 : 1) * kCols);
+    // per group: q4 scales [64] then zeros [64]; q8 grouped: scales [64]; q8 per channel: scales [64]; none for
+    // q8k's decode passes, which decode their scales from the codes (a zeroed table per call on the hot path)
+    const bool q8k_direct = K == kQ8Grouped && w.sup && t <= kDirectRows;
+    std::vector<float> prm(q8k_direct ? 0 : K == kQ8Channel ? kCols : groups * (K == kQ4 ? 2 : 1) * kCols);
     std::vector<float> tot(t * kCols);
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       const bool direct = t <= kDirectRows && (K != kQ4 || cols == kCols);
       if (K == kQ4 && direct && tile + 1 < e) prefetch_q4_params(w, groups, n0 + kCols);
-      if (!(direct && K == kQ8Grouped && w.sup)) tile_params<K>(w, groups, n0, cols, prm.data());
+      if (!q8k_direct) tile_params<K>(w, groups, n0, cols, prm.data());
       std::fill(tot.begin(), tot.end(), 0.f);
       if (direct) {
         for (int64_t r = 0; r < t; ++r) {
@@ -450,10 +452,11 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             const uint8_t* tp = w.qw + n0 * (k / 2);
             q4_direct(tp, groups, xg, xq, dr, a.qs + r * groups, prm.data(), 2 * kCols, tr);
           } else {
-            const bool kq = K == kQ8Grouped && w.sup;  // q8k: scales decoded from the codes
+            const bool kq = q8k_direct;  // q8k: scales decoded from the codes, no table
             for (int64_t c = 0; c < cols; c += 8)
               q8_direct<K == kQ8Channel>(reinterpret_cast<const int8_t*>(w.qw) + (n0 + c) * k, cols - c, k, xg, xq, dr,
-                           prm.data() + c, kCols, kq ? static_cast<const int8_t*>(w.sc) + (n0 + c) * (k / 16) : nullptr,
+                           kq ? nullptr : prm.data() + c, kCols,
+                           kq ? static_cast<const int8_t*>(w.sc) + (n0 + c) * (k / 16) : nullptr,
                            kq ? static_cast<const uint16_t*>(w.sup) + (n0 + c) * (k / 256) : nullptr, tr + c);
           }
         }

@@ -101,11 +101,12 @@ inline i32x8 widen(i16x16 v) {
 #if defined(__AVX2__)
   const __m256i w = reinterpret_cast<__m256i>(v);
   return reinterpret_cast<i32x8>(_mm256_cvtepi16_epi32(H ? _mm256_extracti128_si256(w, 1) : _mm256_castsi256_si128(w)));
-#endif
+#else
   typedef int16_t i16x8 __attribute__((vector_size(16)));
   i16x8 h;
   std::memcpy(&h, reinterpret_cast<const char*>(&v) + 16 * H, 16);
   return __builtin_convertvector(h, i32x8);
+#endif
 }
 
 // Sums of 4 consecutive products of 32 signed codes w and x: lane i = sum of w[j] x[j], j = 4i .. 4i + 3.
