@@ -37,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include "library.h"
 #include "generic/int8_decode.h"
+#include "stream.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -303,6 +304,8 @@ void q4k_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
   const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
   const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2;
   const uint16_t* q = w.sup + (gi / 8 * w.cols + n0) * 2;
+  prefetch_span(p + 2 * kCols, 2 * kCols);  // the next tile's, used a tile from now
+  if (gi % 8 == 0) prefetch_span(q + 2 * kCols, 4 * kCols);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512 eight = _mm512_set1_ps(8.f);
@@ -338,6 +341,7 @@ void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
   alignas(64) float buf[2 * kCols] = {};
   const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
   const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2 * w.esz;
+  prefetch_span(p + 2 * kCols * w.esz, 2 * kCols * w.esz);  // the next tile's, used a tile from now
   for (int64_t c = 0; c < 2 * cols / 16; ++c) {
     if (w.st == at::kFloat) {
       _mm512_store_ps(buf + 16 * c, _mm512_loadu_ps(p + 16 * c * 4));
@@ -521,7 +525,11 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
           const int64_t kg = gi * xg, off = r0 * groups + gi;
           const int8_t* xq = a.q + r0 * k + kg;
           if (direct) {
-            group_dot<rr, K>([&](int64_t p, __m512i* v) { q4_quads(tp + (kg + 4 * p) * 32, tb, v); }, xg / 4, xq, k,
+            group_dot<rr, K>([&](int64_t p, __m512i* v) {
+                               prefetch_ahead(tp + (kg + 4 * p) * 32);
+                               prefetch_ahead(tp + (kg + 4 * p) * 32 + 64);
+                               q4_quads(tp + (kg + 4 * p) * 32, tb, v);
+                             }, xg / 4, xq, k,
                              a.d + off, a.qs + off, groups, &prm[gi * 8], tot);
           } else {
             const uint8_t* qb = buf + kg / 4 * kQuad;

@@ -22,6 +22,8 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;  // (sc | m << 8) per column
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
+  prefetch_span(pm + kTile, 2 * kTile);  // the next tile's codes of this group, used a tile from now
+  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
   const __m512i lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
   for (int c = 0; c < 4; ++c) {
     const int64_t left = cols - 16 * c;
@@ -70,6 +72,7 @@ void q8k_dequant_rows(const int8_t* qw, const int8_t* sc, const at::Half* sup, i
 // q8k_dequant_rows, from the codes and the per-16 scales d * sc of `s` ([cols][K/16] f32). K % 256 == 0, so
 // the dot form's steps (32 / 16 columns) never need a mask and never cross a 16-column scale group unaligned.
 struct Q8kRows {
+  static constexpr bool kStream = true;
   const int8_t* q;  // codes of row n0
   const float* s;
   int64_t k;
@@ -82,6 +85,7 @@ struct Q8kRows {
                                     _mm512_set1_ps(sj[1]));
     return _mm512_cvtne2ps_pbh(hi, lo);  // RNE per lane, as _mm512_cvtneps_pbh in q8_store16
   }
+  const void* at(int64_t j, int64_t k0) const { return q + j * k + k0; }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * k + k0));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 16) + k0 / 16]));

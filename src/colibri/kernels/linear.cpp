@@ -43,9 +43,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
       if (bf) {
         auto xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
         auto wb = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * k;
-        dot_block<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
+        dot_block_stored<uint16_t>(xb, t, wb, k, cols, acc.data(), nb);
       } else {
-        dot_block<float>(x.data_ptr<float>(), t, w.data_ptr<float>() + n0 * k, k, cols, acc.data(), nb);
+        dot_block_stored<float>(x.data_ptr<float>(), t, w.data_ptr<float>() + n0 * k, k, cols, acc.data(), nb);
       }
       store_rows(acc.data(), nb, t, cols, y, n0);
     }
@@ -99,7 +99,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       if (t <= kRows) {
-        dot_block<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
+        dot_block_stored<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);
       } else {
         for (int64_t j = 0; j < cols; ++j)
           for (int64_t k0 = 0; k0 < k; k0 += 32) {

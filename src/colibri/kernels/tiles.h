@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include "args.h"
 #include "library.h"
+#include "stream.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -70,6 +71,7 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __
   alignas(64) float buf[2 * kTile];
   const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
   const uint8_t* p = w.sz + (gi * w.np + n0) * 2 * w.esz;
+  prefetch_span(p + 2 * kTile * w.esz, 2 * kTile * w.esz);  // the next tile's, used a tile from now
   if (cols == kTile) {
     for (int c = 0; c < 8; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c * w.esz, w.st));
   } else {
@@ -301,7 +303,10 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
           for_rows(t, [&](int64_t r0, auto R) {
             for (int64_t i = 0; i < ng; ++i) {
               const int64_t kg = k0 + i * g;
-              q4_group<decltype(R)::value>([&](int64_t p, __m512i* v) { q4_qpair(tp + (kg + 2 * p) * 32, tb, v); },
+              q4_group<decltype(R)::value>([&](int64_t p, __m512i* v) {
+                                             prefetch_ahead(tp + (kg + 2 * p) * 32);
+                                             q4_qpair(tp + (kg + 2 * p) * 32, tb, v);
+                                           },
                                            g / 2, xb + r0 * k + kg, k, xs.data() + r0 * groups + kg / g, groups,
                                            params[i], params[i] + 4, acc.data() + r0 * kTile);
             }
@@ -341,18 +346,26 @@ inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
 }
 
 // Weight rows of the dot form as a source: bf16(j, k0) gives 32 bf16 weights of row j from column k0, f32(j, k0)
-// 16 f32 ones, both masked by m. Stored rows (bf16, f32, or q8 codes widened exactly):
-template <typename W>
+// 16 f32 ones, both masked by m; at(j, k0) is where they are read from, and kStream says whether that is the
+// weights as stored (read once from DRAM at decode: prefetched) or a buffer in L2. Stored rows (bf16, f32, or q8
+// codes widened exactly):
+template <typename W, bool Stream = false>
 struct StoredRows {
+  static constexpr bool kStream = Stream;
   const W* w;
   int64_t ldw;
   __m512bh bf16(int64_t j, int64_t k0, __mmask32 m) const { return load_w32(w + j * ldw + k0, m); }
   __m512 f32(int64_t j, int64_t k0, __mmask16 m) const { return _mm512_maskz_loadu_ps(m, w + j * ldw + k0); }
+  const void* at(int64_t j, int64_t k0) const { return w + j * ldw + k0; }
 };
 
 // acc[R][C] (+)= lane partials of x[R rows] . w[C rows j0 ..] over columns [kb, kb + kn) (32 bf16 per step), the
 // tail masked; x points at column kb.
-template <int R, int C, class Src>
+// Both forms fetch the next register block's rows (j0 + C ..) at the columns they read: the block's rows are
+// walked side by side in chunks of kDotChunk, streams too short for the hardware prefetcher; these lines are
+// used about C * kDotChunk weights later, and past the block's last rows they are the next block's. (Stream:
+// decode passes over stored weights; a prefill pass reuses each line R times and takes no extra instructions.)
+template <int R, int C, bool Stream, class Src>
 void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, int64_t kn, __m512* acc,
               bool first) {
   __m512 c[R][C];
@@ -361,7 +374,10 @@ void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t 
   for (int64_t k0 = 0; k0 < kn; k0 += 32) {
     const __mmask32 m = kn - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (kn - k0)) - 1);
     __m512bh wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = w.bf16(j0 + j, kb + k0, m);
+    for (int j = 0; j < C; ++j) {
+      if constexpr (Stream) __builtin_prefetch(w.at(j0 + C + j, kb + k0));
+      wv[j] = w.bf16(j0 + j, kb + k0, m);
+    }
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + k0);
       for (int j = 0; j < C; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], wv[j], xv);
@@ -371,7 +387,7 @@ void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t 
     for (int j = 0; j < C; ++j) acc[r * C + j] = c[r][j];
 }
 
-template <int R, int C, class Src>
+template <int R, int C, bool Stream, class Src>
 void dot_f32(const float* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, int64_t kn, __m512* acc, bool first) {
   __m512 c[R][C];
   for (int r = 0; r < R; ++r)
@@ -379,7 +395,10 @@ void dot_f32(const float* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, 
   for (int64_t k0 = 0; k0 < kn; k0 += 16) {
     const __mmask16 m = kn - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (kn - k0)) - 1);
     __m512 wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = w.f32(j0 + j, kb + k0, m);
+    for (int j = 0; j < C; ++j) {
+      if constexpr (Stream) __builtin_prefetch(w.at(j0 + C + j, kb + k0));
+      wv[j] = w.f32(j0 + j, kb + k0, m);
+    }
     for (int r = 0; r < R; ++r) {
       __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k0);
       for (int j = 0; j < C; ++j) c[r][j] = _mm512_fmadd_ps(xv, wv[j], c[r][j]);
@@ -395,8 +414,8 @@ constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in 
 // blocks of R rows x C weight rows walk K in chunks, their lane partials kept in `acc` between chunks (the same
 // accumulation as one pass over K), then reduced by the fixed shuffle tree of _mm512_reduce_add_ps. A row's
 // arithmetic depends on K alone, never on T or on where the weights come from (Src gives the same values).
-template <typename E, class Src>
-void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+template <bool Stream, typename E, class Src>
+void dot_block_pass(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
   alignas(64) __m512 acc[16][kRows * kCols];
   for_rows(t, [&](int64_t r0, auto R) {
     constexpr int rr = decltype(R)::value;
@@ -406,9 +425,9 @@ void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols,
         auto run = [&](auto C) {
           constexpr int c = decltype(C)::value;
           if constexpr (std::is_same_v<E, uint16_t>)
-            dot_bf16<rr, c>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
+            dot_bf16<rr, c, Stream>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
           else
-            dot_f32<rr, c>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
+            dot_f32<rr, c, Stream>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
         };
         switch (std::min<int64_t>(kCols, cols - j)) {
           case 1: run(std::integral_constant<int, 1>{}); break;
@@ -426,9 +445,20 @@ void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols,
   });
 }
 
+template <typename E, class Src>
+void dot_block_src(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+  if (Src::kStream && t <= kRows) dot_block_pass<true>(x, t, w, k, cols, y, ldy);
+  else dot_block_pass<false>(x, t, w, k, cols, y, ldy);
+}
+
+// w: rows in a buffer (dot_block) or the weights as stored (dot_block_stored).
 template <typename E, typename W = E>
 void dot_block(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
   dot_block_src(x, t, StoredRows<W>{w, k}, k, cols, y, ldy);
+}
+template <typename E, typename W = E>
+void dot_block_stored(const E* x, int64_t t, const W* w, int64_t k, int64_t cols, float* y, int64_t ldy) {
+  dot_block_src(x, t, StoredRows<W, true>{w, k}, k, cols, y, ldy);
 }
 
 // Weight rows per parallel block: they stay in L2 (about 512 KiB) while every x row passes over them.

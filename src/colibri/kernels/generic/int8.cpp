@@ -408,12 +408,10 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
 inline void prefetch_q4_params(const Weight& w, int64_t groups, int64_t n0) {
   const int64_t esz = w.sup ? 1 : (w.st == at::kFloat ? 4 : 2);
   const char* sc = static_cast<const char*>(w.sc);
-  for (int64_t gi = 0; gi < groups; ++gi)
-    for (int64_t b = 0; b < kCols * 2 * esz; b += 64) __builtin_prefetch(sc + (gi * w.cols + n0) * 2 * esz + b);
+  for (int64_t gi = 0; gi < groups; ++gi) prefetch_span(sc + (gi * w.cols + n0) * 2 * esz, kCols * 2 * esz);
   if (w.sup)
     for (int64_t gi = 0; gi < groups / 8; ++gi)
-      for (int64_t b = 0; b < kCols * 4; b += 64)
-        __builtin_prefetch(static_cast<const char*>(w.sup) + (gi * w.cols + n0) * 4 + b);
+      prefetch_span(static_cast<const char*>(w.sup) + (gi * w.cols + n0) * 4, kCols * 4);
 }
 
 template <int K>

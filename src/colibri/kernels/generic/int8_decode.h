@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../stream.h"
 #include "simd.h"
 
 namespace {
@@ -157,6 +158,7 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const int64_t kk = w0 + 2 * p;
+        prefetch_ahead(tile + kk * 32);  // this line's successor a stream distance on (the next tile past the end)
         const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
         int16_t pr;
         std::memcpy(&pr, xq + kk, 2);
@@ -227,7 +229,8 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
     const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      __builtin_prefetch(rows[c] + k0 + kAhead);
+      // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
+      __builtin_prefetch(k0 + kAhead < k ? rows[c] + k0 + kAhead : rows[c] + 7 * k + k0 + kAhead);
       v0[c] = dot4(vload<s8x32>(rows[c] + k0), x0);
       v1[c] = dot4(vload<s8x32>(rows[c] + k0 + 32), x1);
     }

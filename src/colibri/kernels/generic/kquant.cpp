@@ -13,9 +13,8 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
   // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  for (int64_t b = 0; b < 2 * kTile; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(pm + kTile) + b);
-  if (gi % 8 == 0)
-    for (int64_t b = 0; b < 4 * kTile; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(pd + kTile) + b);
+  prefetch_span(pm + kTile, 2 * kTile);
+  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
   for (int64_t j = 0; j < kTile; j += 8) {
     if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
       simd::store(s + j, simd::zero());
@@ -69,7 +68,7 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
     if (k0 == 0) row_scales(j, s);  // into the row's scratch at its first step
     const int8_t* q = qw + j * k + k0;
-    __builtin_prefetch(q + 2048);  // rows are consecutive: past the row's end this is the next one's start
+    prefetch_ahead(q);  // rows are consecutive: past the row's end this is the next one's start
     for (int h = 0; h < 2; ++h) {
       const Pair v = simd::code_pairs(q + 16 * h);
       const f8 sv = simd::set1(s[k0 / 16 + h]);

@@ -14,6 +14,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
              scales_zeros.scalar_type(), np, k, g};
   auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {  // (scale, zero) pairs of the stored dtype
     const int64_t cols = std::min<int64_t>(kTile, np - n0), base = (gi * np + n0) * 2;
+    const int64_t esz = w.st == at::kFloat ? 4 : 2;
+    prefetch_span(w.sz + (base + 2 * kTile) * esz, 2 * kTile * esz);  // the next tile's, used a tile from now
     for (int64_t j = 0; j < kTile; j += 8) {
       if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
         simd::store(s + j, simd::zero());

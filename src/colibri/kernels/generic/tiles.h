@@ -22,6 +22,7 @@
 
 #include "../args.h"
 #include "../library.h"
+#include "../stream.h"
 #include "simd.h"
 
 namespace {
@@ -110,14 +111,14 @@ inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) 
 }
 
 // Columns [8c, 8c + 8) and [32 + 8c, 40 + 8c) of row k of a full tile as f32 codes plus off.
-inline void q4_row8(const uint8_t* tile, int64_t k, int c, float off, f8& lo, f8& hi) {
+inline void q4_row8(const uint8_t* tile, int64_t k, int c, int off, f8& lo, f8& hi) {
   const simd::i8 b = simd::u8x8(tile + k * 32 + 8 * c);
-  lo = simd::to_f(b & 15) + off;
-  hi = simd::to_f(b >> 4) + off;
+  lo = simd::to_f((b & 15) + off);  // the offset in integers (the same exact value): the FP units do only the
+  hi = simd::to_f((b >> 4) + off);  // conversion and the dot product's fma, which bound the decode form
 }
 
 // The codes plus off of rows [k0, k0 + kn) of the tile at n0 as f32 [kn][64] (columns past the tail tile: 0).
-inline void q4_codes(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float off, float* buf) {
+inline void q4_codes(const Q4& w, int64_t n0, int64_t k0, int64_t kn, int off, float* buf) {
   const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
   if (cols == kTile) {
     const uint8_t* tile = w.qw + n0 * (w.k / 2);
@@ -212,7 +213,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       if (!bf) {
         for (int64_t gi = 0; gi < groups; ++gi) {
           params_f32(gi, n0, s, z);
-          q4_codes(w, n0, gi * g, g, static_cast<float>(off), buf.data());
+          q4_codes(w, n0, gi * g, g, off, buf.data());
           for (int64_t kk = 0; kk < g; ++kk)
             for (int c = 0; c < kVecs; ++c) {
               float* p = buf.data() + kk * kTile + 8 * c;
@@ -232,9 +233,9 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t kg = gi * g;
         params_bf16(gi, n0, s, z);
-        if (direct)  // the tile's codes two groups ahead (one run: the rows of k follow each other)
-          for (int64_t b = 0; b < g * kTile / 2; b += 64) __builtin_prefetch(tp + (kg + 2 * g) * (kTile / 2) + b);
-        if (!direct) q4_codes(w, n0, kg, g, -8.f, buf.data());
+        if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
+          for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
+        if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
         for_rows(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
           for (int r = 0; r < rr; ++r) {
@@ -250,8 +251,8 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
               q4_group<rr, 2 * h>(
                   [&](int64_t kk, Pair* p) {
                     for (int i = 0; i < h; ++i) {
-                      q4_row8(tp, kg + kk, c + i, -8.f, p[i].even, p[h + i].even);
-                      q4_row8(tp, kg + kk + 1, c + i, -8.f, p[i].odd, p[h + i].odd);
+                      q4_row8(tp, kg + kk, c + i, -8, p[i].even, p[h + i].even);
+                      q4_row8(tp, kg + kk + 1, c + i, -8, p[i].odd, p[h + i].odd);
                     }
                   },
                   g, xf, xsum, s, z, vid, tot);
