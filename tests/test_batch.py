@@ -77,3 +77,73 @@ def test_duplicate_ids_and_a_foreign_output_are_refused_up_front(container, tmp_
     assert main(args) == 2
     assert "out.jsonl:1: not a result line" in capsys.readouterr().err
     assert os.path.getsize(dst) == len("not a result\n")
+
+
+def test_a_file_that_is_not_results_is_never_changed(container, tmp_path, capsys):
+    """Issue 29, item 5: a foreign --output without a final newline was truncated to nothing before any check, and
+    a 2-line one lost its last line before being refused."""
+    from colibri.cli import main
+    src, dst = tmp_path / "in.jsonl", tmp_path / "notes.txt"
+    write_lines(src, [{"id": "a", "prompt": "x"}])
+    args = batch_cmd(container, src, dst)[len(colibri_cmd()):]
+    for text in (b"my notes, no newline here", b"line one\nline two, no newline", b'{"id": 1, "text": "a"}\nmine'):
+        dst.write_bytes(text)
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "not a result line of colibri batch" in err and "left as it is" in err and err.count("\n") == 1
+        assert dst.read_bytes() == text
+
+
+def test_resume_reads_lines_holding_unicode_line_separators(tmp_path):
+    """Issue 29, item 6: ids and texts with U+2028 / U+0085 / CR (written raw: ensure_ascii=False) split into
+    several 'lines' under str.splitlines, and the rerun refused its own output."""
+    from colibri import batch
+    ids = ["a\u2028b", "c\u0085d", "e\rf", 7]
+    out = tmp_path / "out.jsonl"
+    records = [{"id": i, "text": f"x\u2028y\u0085z\r{n}", "finish_reason": "stop"} for n, i in enumerate(ids)]
+    whole = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    out.write_bytes(whole)
+    notes = []
+    assert batch.finished_ids(out, notes.append) == {batch.id_key(i) for i in ids}
+    assert out.read_bytes() == whole and not notes
+    out.write_bytes(whole + '{"id": "late", "text": "half a\u2028li'.encode())  # killed mid-write
+    assert batch.finished_ids(out, notes.append) == {batch.id_key(i) for i in ids}
+    assert out.read_bytes() == whole and "dropped a partial last line" in notes[0]
+    out.write_bytes(whole[:-1])  # a whole last record that lost only its newline: kept, the newline restored
+    assert batch.finished_ids(out, notes.append) == {batch.id_key(i) for i in ids}
+    assert out.read_bytes() == whole
+
+
+def test_batch_errors_before_the_load_are_one_line(tmp_path, capsys):
+    """Issue 29, item 13: --output a directory, invalid UTF-8 in the input and an unwritable output were internal
+    errors (the last only after the model had loaded)."""
+    from colibri import batch
+    from colibri.errors import InputError, OutputError
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"id": 1, "prompt": "ok"}\n{"id": 2, "prompt": "caf\xe9"}\n{"id": 3, "prompt": "fine"}\n')
+    notes = []
+    lines, bad = batch.read_input(src, {}, notes.append)
+    assert [ln.id for ln in lines] == [1, 3] and bad == 1
+    assert notes == [f"{src}:2: skipped: not valid UTF-8 (byte 25 of the line)"]
+    with pytest.raises(InputError, match="--output is a directory"):
+        batch.finished_ids(tmp_path, notes.append)
+    with pytest.raises(InputError, match="--input is a directory"):
+        batch.read_input(tmp_path, {}, notes.append)
+    with pytest.raises(OutputError, match="cannot write the results .No such file or directory"):
+        batch.check_writable(tmp_path / "missing" / "out.jsonl")
+    if os.geteuid() != 0:  # root writes through a read-only mode
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(OutputError, match="Permission denied"):
+            batch.check_writable(ro / "out.jsonl")
+
+
+def test_a_full_disk_is_a_one_line_error(container, tmp_path):
+    """Issue 29, item 13: ENOSPC while writing a result was an internal error with a traceback."""
+    src = tmp_path / "in.jsonl"
+    write_lines(src, [{"id": "a", "prompt": "Name a color."}])
+    r = subprocess.run(batch_cmd(container, src, "/dev/full"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: /dev/full: cannot write the results (No space left on device)"), r.stderr
+    assert "Traceback" not in r.stderr

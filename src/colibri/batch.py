@@ -4,8 +4,13 @@ Input lines are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]
 (those of SamplingParams; the command's options are the defaults). Each result is one output line, written
 whole, flushed and fsynced when its request finishes (in finishing order): a killed run leaves only complete
 lines, except at worst a partial last one, which the next run drops. A rerun with the same output skips the ids
-already there, so an interrupted job resumes. A malformed input line is reported with its number and skipped;
-a duplicate id stops the job before anything runs.
+already there, so an interrupted job resumes. A malformed input line (bad JSON, bad UTF-8, bad fields) is
+reported with its number and skipped; a duplicate id stops the job before anything runs.
+
+The output file is the user's: it is changed only when it parses whole as this command's results (every complete
+line a result record, a partial last line one that starts as the writer starts a record), and it is checked,
+with the input and the output's directory, before the model loads. Lines end with "\n" alone: ids and texts
+may hold U+2028, U+0085 or "\r" (`ensure_ascii=False`), so nothing here splits with `str.splitlines`.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from colibri.errors import ColibriError, InputError
+from colibri.errors import ColibriError, InputError, OutputError
 from colibri.sampling import SamplingParams
 
+RECORD_START = b'{"id": '  # the bytes every result line starts with (_write: json.dumps of a dict, "id" first)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")
 
@@ -74,50 +80,96 @@ def parse_line(number: int, text: str, defaults: dict) -> Line:
     return Line(number, obj["id"], prompt, messages, sampling)
 
 
-def read_input(path: Path, defaults: dict, report) -> list[Line]:
-    """The valid lines of the input (malformed ones reported and skipped); duplicate ids are an InputError."""
-    lines, seen = [], {}
+def read_input(path: Path, defaults: dict, report) -> tuple[list[Line], int]:
+    """The valid lines of the input and the number of malformed ones (reported and skipped); duplicate ids are an
+    InputError."""
+    lines, seen, bad = [], {}, 0
+    if path.is_dir():
+        raise InputError(f"{path}: --input is a directory; give a JSONL file")
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # lines split at b"\n" only; each decoded on its own, so one bad byte costs one line
     except OSError as e:
         raise InputError(f"{path}: cannot read the input ({e.strerror})") from None
     with f:
-        for number, text in enumerate(f, 1):
-            if not text.strip():
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise InputError(f"not valid UTF-8 (byte {e.start + 1} of the line)") from None
                 line = parse_line(number, text, defaults)
-            except (InputError, UnicodeDecodeError) as e:
+            except InputError as e:
                 report(f"{path}:{number}: skipped: {e}")
+                bad += 1
                 continue
             if line.key in seen:
                 raise InputError(f"{path}: id {line.id!r} is on line {seen[line.key]} and line {number}; ids must"
                                  " be unique (nothing was run)")
             seen[line.key] = number
             lines.append(line)
-    return lines
+    return lines, bad
+
+
+def _record_id(raw: bytes) -> str | None:
+    """The id key of one result line, None where it is not one."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both
+        return None
+    if not isinstance(obj, dict) or "id" not in obj or "text" not in obj:
+        return None
+    return id_key(obj["id"])
 
 
 def finished_ids(path: Path, report) -> set[str]:
-    """Ids already in the output. A partial last line (a run killed while writing it) is cut off the file."""
-    if not path.exists():
+    """Ids already in the output. Nothing is changed unless the file parses whole as results: then a partial last
+    line (a run killed while writing it) is cut off, and a whole last record missing only its newline gets it.
+    A device or pipe (`/dev/stdout`) holds no results to resume from."""
+    if path.is_dir():
+        raise InputError(f"{path}: --output is a directory; give a file path")
+    if not path.is_file():
         return set()
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            os.fsync(f.fileno())
-        report(f"{path}: dropped a partial last line left by an interrupted run; its id runs again")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the output to resume from it ({e.strerror})") from None
+    *complete, tail = data.split(b"\n")
     done = set()
-    for number, text in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
-        try:
-            obj = json.loads(text)
-            done.add(id_key(obj["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(f"{path}:{number}: not a result line of colibri batch; give another --output or"
-                             " remove that line") from None
+    for number, raw in enumerate(complete, 1):
+        key = _record_id(raw)
+        if key is None:
+            raise InputError(f"{path}:{number}: not a result line of colibri batch; give another --output (the file"
+                             " was left as it is)")
+        done.add(key)
+    if tail:
+        key = _record_id(tail)
+        if key is None and not tail.startswith(RECORD_START):
+            raise InputError(f"{path}:{len(complete) + 1}: not a result line of colibri batch; give another"
+                             " --output (the file was left as it is)")
+        with open(path, "r+b") as f:
+            if key is None:
+                f.truncate(len(data) - len(tail))
+            else:
+                f.seek(len(data))
+                f.write(b"\n")
+            os.fsync(f.fileno())
+        if key is None:
+            report(f"{path}: dropped a partial last line left by an interrupted run; its id runs again")
+        else:
+            done.add(key)
     return done
+
+
+def check_writable(path: Path) -> None:
+    """OutputError unless results can be appended to path (before the model loads: a read-only directory or
+    file is found in a second, not after the load). Creates the file, empty, where it is missing."""
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the results ({e.strerror}); give a writable --output") from None
 
 
 class Batch:
@@ -126,6 +178,7 @@ class Batch:
     def __init__(self, model, output: Path, report, window: int):
         self.model, self.output, self.report, self.window = model, output, report, window
         self.written = self.skipped = self.tokens = 0
+        self._sync = True
         self.done_tokens = 0  # tokens of the lines written
 
     def _ids(self, line: Line) -> list[int]:
@@ -137,7 +190,8 @@ class Batch:
         eng = self.model.engine
         todo, active = deque(lines), {}
         t0 = time.perf_counter()
-        with open(self.output, "a", encoding="utf-8") as out:
+        self._sync = self.output.is_file()  # a device or pipe (/dev/stdout) has nothing to sync
+        with open(self.output, "ab", buffering=0) as out:  # unbuffered: a failed write leaves nothing pending
             while todo or active:
                 while todo and len(active) < self.window:
                     line = todo.popleft()
@@ -165,9 +219,15 @@ class Batch:
                   "cached_prompt_tokens": m.prefix_tokens, "ttft_s": round(m.ttft_s, 4),
                   "duration_s": round(time.perf_counter() - start, 4),
                   "decode_tokens_per_s": round(m.decode_tokens_per_s, 3)}
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write of one whole line
-        out.flush()
-        os.fsync(out.fileno())
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        try:
+            while data:  # one write of the whole line, unless the disk takes only part of it
+                data = data[out.write(data):]
+            if self._sync:
+                os.fsync(out.fileno())
+        except OSError as e:  # disk full, a removed device: what is written stays, a partial line is dropped later
+            raise OutputError(f"{self.output}: cannot write the results ({e.strerror}); {self.written} lines are"
+                              " written; make room and run the same command again to resume") from None
         self.written += 1
         self.done_tokens += len(r.token_ids)
 
@@ -188,8 +248,7 @@ def run(args, load_model, sampling_defaults: dict) -> int:
     if src.resolve() == dst.resolve():
         raise InputError("--input and --output are the same file; write the results elsewhere")
     defaults = {k: v for k, v in sampling_defaults.items() if v is not None}
-    lines = read_input(src, defaults, report)
-    bad = _count_bad(src, lines)
+    lines, bad = read_input(src, defaults, report)
     done = finished_ids(dst, report)
     todo = [line for line in lines if line.key not in done]
     if len(lines) > len(todo):
@@ -197,6 +256,7 @@ def run(args, load_model, sampling_defaults: dict) -> int:
     if not todo:
         report("nothing to do")
         return 1 if bad else 0
+    check_writable(dst)
     model = load_model(args)
     job = Batch(model, dst, report, window=2 * model.max_sequences)
     with tqdm(total=len(todo), unit="line", desc="batch", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -211,9 +271,3 @@ def run(args, load_model, sampling_defaults: dict) -> int:
     skipped = bad + job.skipped
     report(f"wrote {job.written} lines to {dst}" + (f"; {skipped} lines skipped (see above)" if skipped else ""))
     return 1 if skipped else 0
-
-
-def _count_bad(src: Path, lines: list[Line]) -> int:
-    """Non-blank input lines that did not parse (already reported)."""
-    with open(src, encoding="utf-8", errors="replace") as f:
-        return sum(1 for text in f if text.strip()) - len(lines)

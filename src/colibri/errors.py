@@ -17,6 +17,10 @@ class InputError(ColibriError):
     """A prompt or request argument is invalid (empty, too long, bad value)."""
 
 
+class OutputError(ColibriError):
+    """Writing the user's output failed or cannot succeed (disk full, read-only directory); names the file."""
+
+
 class StorageError(ColibriError):
     """Reading weights from disk failed (I/O error, file truncated or replaced); names the file and offset."""
 
