@@ -110,3 +110,22 @@ def test_engine_config_turns_it_on(int8, tiny_model_dir, tmp_path):
     assert torch.equal(whole, chunked)
     assert not torch.equal(whole, exact)
     assert (whole - exact).abs().mean() / exact.abs().mean() < 0.05
+
+
+def test_a_model_it_cannot_apply_to_says_so(int8, tiny_model_dir, tmp_path, capsys):
+    """Issue 29, item 15: `--lossy-int8-activations` on a model whose weights the int8 kernels cannot take (float
+    weights, a checkpoint that is not a container) ran exact without a word."""
+    import colibri
+    from colibri.convert import ConvertOptions, convert
+
+    src = tiny_model_dir("llama")
+    convert(src, tmp_path / "q4", ConvertOptions(quant="q4", group_size=32))
+    convert(src, tmp_path / "bf16", ConvertOptions(quant="bf16"))
+    for path, said in ((src, "do not apply to a"), (tmp_path / "bf16", "this container has no q4/q8/q4k/q8k"),
+                       (tmp_path / "q4", None)):
+        colibri.load(path, lossy_int8_activations=True).close()
+        err = capsys.readouterr().err
+        if said is None:
+            assert "lossy int8" not in err, err
+        else:
+            assert said in err and "running exact" in err and err.count("lossy int8") == 1, err

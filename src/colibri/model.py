@@ -119,6 +119,34 @@ def describe(path: str | Path) -> dict[str, str]:
     return info
 
 
+INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16}  # kinds the int8 kernels take: group of x (None: the weight's)
+
+
+def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Where the LOSSY int8 kernels leave some of this model's linear weights exact, a phrase saying which and
+    why (None: they take every quantized one). Only a container holds quantized weights; the others compute
+    in floats."""
+    if not isinstance(ckpt, ContainerCheckpoint):
+        return (f"do not apply to a {ckpt.format} checkpoint (its weights compute in floats); convert it to a"
+                " quantized container (colibri convert) to use them; running exact")
+    taken, left = 0, []
+    for name in shapes:
+        t = ckpt.tensors[name]
+        if t.kind not in INT8_KINDS:
+            continue
+        group = INT8_KINDS[t.kind] or t.group_size
+        if kernels.int8_supports(t.shape[1], group):
+            taken += 1
+        else:
+            left.append(name)
+    if not taken and not left:
+        return "do not apply: this container has no q4/q8/q4k/q8k weights; running exact"
+    if left:
+        return (f"leave {len(left)} of {taken + len(left)} quantized weights exact (K not a multiple of 64 or an"
+                f" unsupported group size: {left[0]}{', ...' if len(left) > 1 else ''})")
+    return None
+
+
 class Model:
     """One loaded checkpoint: its weight store, KV space and the engine that runs every request on them."""
 
@@ -137,6 +165,10 @@ class Model:
         self.dtype = resolve_dtype(config.dtype) or ckpt.default_dtype()
         shapes = self.arch.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
+        if kernels.int8_activations():  # requested and the tier has them (where not, kernels said why)
+            why = int8_shortfall(ckpt, shapes)
+            if why:
+                kernels.notice(f"lossy int8 activations {why}")
         self.tokenizer = self._tokenizer()
         self.max_sequences = config.max_sequences
         # tokens per pass: --batch-size, fewer when the limit is too tight for a pass of it

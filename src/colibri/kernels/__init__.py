@@ -139,7 +139,8 @@ def _cpu_flags() -> set[str]:
     return set()  # not x86 Linux: the portable tier only
 
 
-def _notice(msg: str) -> None:
+def notice(msg: str) -> None:
+    """One line on stderr about how the kernels run (a tier that cannot be had, a mode that does not apply)."""
     print(f"colibri: {msg}", file=sys.stderr, flush=True)
 
 
@@ -329,7 +330,7 @@ def _build(t: Tier, lib: Path, notice) -> Path:
         return _compile(t, d, notice)
 
 
-def load(t: Tier, root: Path | None = None, notice=_notice) -> Path:
+def load(t: Tier, root: Path | None = None, notice=notice) -> Path:
     """Load tier t's library into torch.ops (namespace t.ns), building it first where it is not cached intact
     under root (default cache_root()); a damaged one is removed and rebuilt once. Returns the library's path;
     KernelsUnavailable (one line) where it cannot be had. Load a namespace once per process: a second copy of
@@ -424,7 +425,7 @@ def _resolve(setting: str) -> str:
         if no_compiler and not is_built(t):
             continue  # it would fail as the last one did
         if pending:
-            _notice(f"{'; '.join(pending)}; using the {name} kernels")
+            notice(f"{'; '.join(pending)}; using the {name} kernels")
             pending = []
         try:
             tier_ops(name)
@@ -433,7 +434,7 @@ def _resolve(setting: str) -> str:
             no_compiler = no_compiler or isinstance(e, NoCompiler)
             pending.append(str(e))
     if pending:
-        _notice(f"{'; '.join(pending)}; using the torch kernels")
+        notice(f"{'; '.join(pending)}; using the torch kernels")
     return "torch"
 
 
@@ -525,7 +526,7 @@ def int8_status(name: str) -> tuple[bool, str]:
 def _int8_usable() -> bool:
     ok, why = int8_status(tier())
     if not ok:
-        _notice(f"lossy int8 activations are unavailable ({why}); using the exact kernels")
+        notice(f"lossy int8 activations are unavailable ({why}); using the exact kernels")
     return ok
 
 
