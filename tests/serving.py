@@ -72,7 +72,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         """The unlabeled samples of /metrics by name."""
         out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+        for line in httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)

@@ -72,6 +72,12 @@ def test_models_list_and_api_key(server):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
+    # issue 29, item 8: /metrics answered without the key; /health stays open for load balancers
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server.url + "/metrics", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/metrics", headers=server.headers).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_chat_greedy_equals_colibri_run_streamed_or_not(server):

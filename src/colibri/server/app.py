@@ -91,8 +91,11 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
             body["load_s"] = round(worker.load_s, 3)
         return JSONResponse(body, status_code=200 if worker.state == "ready" else 503)
 
+    # /health stays open (load balancers probe it without credentials; it tells only loading/ready/failed);
+    # /metrics holds traffic figures, so it takes the key like /v1 (Prometheus sends it: bearer_token)
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        authorize(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
