@@ -148,6 +148,14 @@ def test_eight_concurrent_streams_equal_their_sequential_results(server):
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"model": "smollm2", "messages": []}, "messages"),
+    # issue 29, item 12: infinity was accepted, and `stream` lost its name (a filter dropped parts starting "str")
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', "temperature"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -1e999}',
+     "repetition_penalty"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', None),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}},
+     "stream_options.x"),
 ])
 def test_bad_requests_are_400_in_the_error_shape(server, body, param):
     r = post(server, "/v1/chat/completions", body)
@@ -156,6 +164,17 @@ def test_bad_requests_are_400_in_the_error_shape(server, body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
     if param:
         assert err["param"] == param
+
+
+def test_a_deeply_nested_body_is_a_400_and_the_connection_serves_on(server):
+    """Issue 29, item 12: a body nested 100,000 deep was a 500 RecursionError, and the next request on that
+    connection was reset."""
+    ok = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with httpx.Client(headers=server.headers, timeout=60) as c:  # one keep-alive connection
+        for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"model": "smollm2", "x": ' + b"[" * 65 + b"]" * 65 + b"}"):
+            r = c.post(server.url + "/v1/chat/completions", content=deep)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+            assert c.post(server.url + "/v1/chat/completions", json=ok).status_code == 200
 
 
 def test_over_long_prompt_and_oversized_body(server):

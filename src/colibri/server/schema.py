@@ -8,7 +8,9 @@ client never gets an answer that silently ignored what it asked for.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -18,6 +20,11 @@ from colibri.sampling import SamplingParams
 
 Number = Union[StrictInt, StrictFloat]
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (send 0 for greedy)
+MAX_DEPTH = 64  # nesting of a body's arrays and objects (tool schemas need a few levels; Python's parser recurses)
+# the parts of a pydantic error location that name a union member's type, not a parameter: 'str', 'list[str]',
+# 'function-after[...]', 'TextPart'; parameters are lowercase names and list indices
+_PARAM_PART = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
 
 
 class APIError(Exception):
@@ -38,7 +45,8 @@ class APIError(Exception):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: `1e999` parses as inf, and a temperature or penalty of inf or NaN is no setting at all
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Function(Strict):
@@ -140,22 +148,41 @@ class CompletionRequest(Sampling):
 
 def parse(model: type[Strict], body: bytes) -> Any:
     """The request body as `model`, or an APIError(400) naming the first bad parameter."""
+    if _depth(body) > MAX_DEPTH:  # before the parser, whose recursion a deep body exhausts
+        raise APIError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep",
+                       code="invalid_json")
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj = json.loads(body, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json")
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+        errors = e.errors()  # a union's members each add one: an infinite float names its own problem
+        err = next((x for x in errors if x["type"] == "finite_number"), errors[0])
+        loc = ".".join(str(x) for x in err["loc"]
+                       if isinstance(x, int) or (_PARAM_PART.fullmatch(str(x)) and x not in _TYPE_TAGS))
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"unsupported parameter: {loc}", param=loc, code="unsupported_parameter")
         if err["type"] == "missing":
             raise APIError(400, f"missing required parameter: {loc}", param=loc, code="missing_parameter")
         raise APIError(400, f"invalid value for {loc}: {err['msg']}", param=loc, code="invalid_value")
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _depth(body: bytes) -> int:
+    """How deep the body's brackets nest outside strings (without the parser, which recurses)."""
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(1 if b in b"[{" else -1 for b in brackets), default=0)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def refuse_unsupported(req: Sampling) -> None:
