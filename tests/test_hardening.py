@@ -122,6 +122,29 @@ def test_a_config_that_disagrees_with_the_tensor_table_is_refused(tiny_container
         colibri.load(path)
 
 
+def _q4_entry(m: dict) -> dict:
+    return next(t for t in m["tensors"] if t["kind"] == "q4")
+
+
+@pytest.mark.parametrize("what, edit, says", [
+    ("a part's shape", lambda m: _q4_entry(m)["parts"]["scales_zeros"].update(
+        shape=[s * 2 if i == 0 else s // 2 if i == 1 else s
+               for i, s in enumerate(_q4_entry(m)["parts"]["scales_zeros"]["shape"])]), "has shape"),
+    ("a part's dtype", lambda m: _q4_entry(m)["parts"]["qweight"].update(dtype="float64"), "has dtype 'float64'"),
+    ("a part's extent", lambda m: _q4_entry(m)["parts"]["qweight"].update(nbytes=1), "extent does not hold"),
+    ("a part missing", lambda m: _q4_entry(m)["parts"].pop("scales_zeros"), "its parts are"),
+    ("a tensor's kind", lambda m: _q4_entry(m).update(kind="q8"), "its parts are"),
+])
+def test_a_part_layout_that_disagrees_with_its_tensor_is_refused(tiny_container, tmp_path, what, edit, says):
+    """Issue 29, item 11: a part's shape or dtype edited (the checksum recomputed) was an internal error
+    (RuntimeError: shape ..., KeyError: 'float64') mid-load or mid-forward."""
+    path = copy_container(tiny_container, tmp_path / "c")
+    rewrite_manifest(path, edit)
+    with pytest.raises(ModelLoadError, match=f"tensor '.*': .*{says}.*reconvert the model") as e:
+        colibri.load(path)
+    assert "\n" not in str(e.value), what
+
+
 @pytest.fixture(scope="module")
 def tok_container(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny llama with a word-level tokenizer.json and a chat template beside it, converted (the conversion's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -194,6 +195,15 @@ def test_a_changed_byte_in_a_saved_sessions_header_is_refused(tiny_model_dir, tm
     bad.write_bytes(raw.replace(b'"header_crc32"', b'"header_crc3X"', 1))
     with pytest.raises(InputError, match="header fails its checksum"):
         m.load_session(bad)
+    # issue 29, item 11: a version-1 header (no checksum of its own) with a damaged key was a KeyError
+    v1 = raw.replace(b'"version": 2', b'"version": 1', 1)
+    v1 = re.sub(rb', "header_crc32": "[0-9a-f]{8}"', lambda mt: b" " * len(mt.group()), v1, count=1)  # same size
+    bad.write_bytes(v1)
+    assert m.load_session(bad) == [{"role": "user", "content": "hello"}]  # an intact version-1 file still loads
+    for key in (b'"crc32"', b'"ids"', b'"messages"'):
+        bad.write_bytes(v1.replace(key, key[:-2] + b'X"', 1))
+        with pytest.raises(InputError, match="header lacks a valid"):
+            m.load_session(bad)
 
 
 def test_session_save_is_atomic(tiny_model_dir, tmp_path, monkeypatch):

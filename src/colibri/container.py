@@ -7,6 +7,7 @@ the reader trusts nothing but the manifest it produced.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -358,6 +359,41 @@ def check_manifest(m: dict, mf: Path) -> None:
             if not 0 <= e["file"] < len(files) or e["offset"] < 0 or e["nbytes"] < 0 \
                     or e["offset"] + e["nbytes"] > files[e["file"]]["size"]:
                 raise bad(f"{key}[{i}] lies outside its data file")
+            why = _parts_problem(e) if key == "tensors" else None
+            if why:
+                raise bad(f"tensor {e['name']!r}: {why}")
+
+
+def _parts_problem(e: dict) -> str | None:
+    """Why a tensor entry's parts do not lay out its kind and shape as a converter writes them (None: they do).
+    The kernels and views trust these shapes and dtypes; an edited one would be a RuntimeError mid-forward."""
+    kind, shape, gs = e["kind"], e["shape"], e.get("group_size")
+    if not shape or not all(type(d) is int and d > 0 for d in shape):
+        return f"shape {shape} is not a list of sizes"
+    if kind in FLOAT_KINDS:
+        want = {"data": (str(FLOAT_KINDS[kind]).removeprefix("torch."), list(shape))}
+    elif kind in QUANT_KINDS:
+        try:
+            layout = quant.buffer_layout(kind, tuple(shape), gs)
+        except ValueError as err:
+            return f"kind {kind} cannot hold it ({err})"
+        want = {n: (str(dt).removeprefix("torch."), list(s)) for n, (dt, s) in layout.items()}
+    else:
+        return None  # a kind this Colibri does not know: tensor_from_bytes says so, naming it
+    parts = e["parts"]
+    if sorted(parts) != sorted(want):
+        return f"its parts are {sorted(parts)}, a {kind} weight's are {sorted(want)}"
+    for name, p in parts.items():
+        dtype, pshape = want[name]
+        dt = DTYPES.get(p["dtype"])
+        # scales keep their source's float dtype (GGUF imports: f16 / f32), the codes exactly theirs
+        if dt is None or (p["dtype"] != dtype and not (dt.is_floating_point and DTYPES[dtype].is_floating_point)):
+            return f"part {name} has dtype {p['dtype']!r}, not {dtype}"
+        if p["shape"] != pshape:
+            return f"part {name} has shape {p['shape']}, not {pshape}"
+        if math.prod(pshape) * dt.itemsize != p["nbytes"] or p["offset"] < 0 or p["offset"] + p["nbytes"] > e["nbytes"]:
+            return f"part {name}'s extent does not hold its shape"
+    return None
 
 
 def records(manifest: dict) -> tuple[dict[str, TensorEntry], list[PageEntry]]:

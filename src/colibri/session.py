@@ -119,6 +119,10 @@ def identity(ckpt: "Checkpoint", model_type: str, layout: "KVLayout") -> dict:
     return {"model": model_identity(ckpt), "architecture": model_type, **layout.identity()}
 
 
+# what load reads from a header of a version it knows, by type
+_HEAD_KEYS = {"identity": dict, "length": int, "ids": list, "messages": list, "crc32": list}
+
+
 def _header_crc(head: dict) -> str:
     body = {k: v for k, v in head.items() if k != "header_crc32"}
     return f"{zlib.crc32(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()):08x}"
@@ -177,6 +181,15 @@ def _read_header(f, path: Path) -> tuple[dict, int]:
     if version in READS and ((crc is None and version >= 2) or (crc is not None and crc != _header_crc(head))):
         raise InputError(f"{path}: the conversation header fails its checksum (damaged file); remove it to start "
                          "over")
+    if version in READS:  # version 1 has no header checksum: a damaged key is met here, not as a KeyError later
+        for key, typ in _HEAD_KEYS.items():
+            v = head.get(key)
+            if not isinstance(v, typ) or isinstance(v, bool):
+                raise InputError(f"{path}: the conversation header lacks a valid {key!r} (damaged file); remove it"
+                                 " to start over")
+        if not all(type(i) is int for i in head["ids"]) or not all(isinstance(c, str) for c in head["crc32"]):
+            raise InputError(f"{path}: the conversation header's ids or block checksums are damaged; remove it to"
+                             " start over")
     return head, align_up(len(MAGIC) + end + 1) if end >= 0 else os.fstat(f.fileno()).st_size
 
 
