@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 import colibri
 import colibri.models
@@ -409,6 +410,37 @@ def test_force_starts_a_conversion_fresh(tiny_model_dir, tmp_path):
 
 
 # -- clear errors instead of internal ones -----------------------------------------------------------------
+
+
+def test_bad_arguments_through_the_python_api_are_input_errors(tok_container, tmp_path):
+    """Issue 29, item 14: these raised raw Python errors (TypeError, FileNotFoundError, ...) or were silently
+    accepted (a float or bool token id ran as int(), max_tokens=2.5, role "wizard", no messages at all)."""
+    m = colibri.load(tok_container)
+    hi = [{"role": "user", "content": "w1 w2"}]
+    cases = {
+        "generate(None)": lambda: m.generate(None), "generate(5)": lambda: m.generate(5),
+        "top_k=2.5": lambda: m.generate("w1", top_k=2.5), "stop=5": lambda: m.generate("w1", stop=5),
+        "max_tokens=2.5": lambda: m.generate("w1", max_tokens=2.5),
+        "temperature=inf": lambda: m.generate("w1", temperature=float("inf")),
+        "ignore_eos='yes'": lambda: m.generate("w1", ignore_eos="yes"),
+        "float token id": lambda: m.generate([1.5, 2]), "bool token id": lambda: m.generate([True, 2]),
+        "float tensor": lambda: m.generate(torch.tensor([1.0, 2.0])),
+        "content None": lambda: m.chat([{"role": "user", "content": None}]),
+        "content 3": lambda: m.chat([{"role": "user", "content": 3}]),
+        "role wizard": lambda: m.chat([{"role": "wizard", "content": "w1"}]), "chat([])": lambda: m.chat([]),
+        "load(5)": lambda: colibri.load(5), "load_session missing": lambda: m.load_session(tmp_path / "none.kv"),
+        "load_session a directory": lambda: m.load_session(tmp_path),
+        "add_request('str')": lambda: m.engine.add_request("str"), "abort(None)": lambda: m.engine.abort(None),
+        "add_request(sampling={})": lambda: m.engine.add_request([1, 2], {}),
+    }
+    for what, call in cases.items():
+        with pytest.raises(InputError) as e:
+            call()
+        assert "\n" not in str(e.value), what
+    assert m.chat(hi, max_tokens=2, ignore_eos=True).finish_reason == "length"  # the good forms still run
+    assert m.generate(torch.tensor([1, 2]), max_tokens=2, ignore_eos=True).token_ids == \
+        m.generate((1, 2), max_tokens=2, ignore_eos=True).token_ids
+    m.close()
 
 
 @pytest.mark.parametrize("option, value, says", [

@@ -114,6 +114,9 @@ class EngineConfig:
     def model_path(self):
         from pathlib import Path
         if self.model is not None:
+            if not isinstance(self.model, (str, os.PathLike)):
+                raise InputError(f"the model must be a path (a container, an HF directory or a .gguf file; got"
+                                 f" {type(self.model).__name__})")
             return Path(self.model)
         from colibri.defaults import default_model_path
         return Path(default_model_path())

@@ -16,6 +16,7 @@ from colibri import generate as gen
 from colibri.config import EngineConfig
 from colibri.container import ContainerCheckpoint
 from colibri.engine import Engine
+from colibri.engine.request import token_ids
 from colibri.errors import InputError, UnsupportedModelError
 from colibri.kv import KVCache
 from colibri.kvspace import KVSpace
@@ -269,9 +270,7 @@ class Model:
             if self.tokenizer is None:
                 raise InputError(f"{self.path} has no tokenizer; pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.flatten().tolist()
-        ids = [int(i) for i in prompt]
+        ids = token_ids(prompt)
         if not ids:
             raise InputError("empty prompt: give at least one token id")
         bad = [i for i in ids if not 0 <= i < self.args.vocab_size]

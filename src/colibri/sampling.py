@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        ints = ("max_tokens", "top_k")
+        reals = ("temperature", "top_p", "min_p", "repetition_penalty")
+        for name in ints + reals:  # 2.5 tokens, True as a count or inf as a temperature set nothing meaningful
+            v = getattr(self, name)
+            ok = isinstance(v, int) if name in ints else isinstance(v, (int, float)) and math.isfinite(v)
+            if isinstance(v, bool) or not ok:
+                raise InputError(f"{name} must be {'an integer' if name in ints else 'a finite number'} (got {v!r})")
+        if self.stop is not None and (not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop)):
+            raise InputError(f"stop must be a string or a list of strings (got {self.stop!r})")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore_eos must be True or False (got {self.ignore_eos!r})")
         checks = [
             (self.max_tokens >= 0, f"max_tokens must be >= 0 (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),

@@ -197,7 +197,12 @@ def load(path: str | os.PathLike, ident: dict, kv: "KVSpace") -> tuple["KVCache"
     """The saved sequence as a new cache of the KV space `kv`, and the saved messages; refused unless it was
     saved with this `ident` (`identity(...)`)."""
     path = Path(path)
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # missing, a directory, unreadable
+        raise InputError(f"{path}: cannot read the saved conversation ({e.strerror}); give the file save_session"
+                         " wrote") from None
+    with f:
         head, start = _read_header(f, path)
         version = head["version"]
         if version not in READS:

@@ -22,6 +22,9 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates are written for (the server maps "developer")
+
+
 class ChatTemplate:
     """A checkpoint's jinja chat template, rendered the way HF `apply_chat_template` does."""
 
@@ -46,9 +49,15 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text; `kwargs` are template variables such as `tools` (a list of function schemas)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InputError("chat needs a non-empty list of messages ({'role': ..., 'content': ...})")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InputError("each chat message must be a dict with 'role' and 'content'")
+            if m["role"] not in ROLES:
+                raise InputError(f"chat message role {m['role']!r} is not one of {', '.join(ROLES)}")
+            if not isinstance(m["content"], str):
+                raise InputError(f"chat message content must be text (got {type(m['content']).__name__})")
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens, **kwargs)

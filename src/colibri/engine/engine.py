@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk
+from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk, token_ids
 from colibri.engine.speculate import CACHE_ENTRY_BYTES, Speculator
 from colibri.errors import ColibriError, InputError
 from colibri.models.base import Batch
@@ -72,7 +72,11 @@ class Engine:
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None) -> Request:
         """Queue a request (it joins the next step with room). A prompt the context cannot hold is refused here,
         with an InputError; nothing else is affected."""
-        ids = [int(t) for t in prompt_ids]
+        if isinstance(prompt_ids, str):
+            raise InputError("add_request takes token ids, not text: encode it first (model.prompt_ids(text))")
+        ids = token_ids(prompt_ids)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InputError(f"sampling must be a SamplingParams (got {type(sampling).__name__})")
         if not ids:
             raise InputError("empty prompt: give at least one token of input")
         if len(ids) >= self.context:
@@ -89,6 +93,8 @@ class Engine:
 
     def abort(self, req: Request) -> None:
         """Stop a request now; its KV is released within this call."""
+        if not isinstance(req, Request):
+            raise InputError(f"abort takes a request that add_request returned (got {type(req).__name__})")
         with self.lock:
             if req.finished:
                 return

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from colibri.errors import InputError
 from colibri.metrics import GenerationMetrics
 from colibri.sampling import Sampler, SamplingParams
 from colibri.tokenizer import StreamDecoder
@@ -16,6 +17,23 @@ if TYPE_CHECKING:
     from colibri.tokenizer import Tokenizer
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
+
+
+def token_ids(value) -> list[int]:
+    """A prompt given as token ids (a list, tuple or integer tensor) as a list of ints; an InputError for anything
+    else, a float or a bool among them included (int(2.7) would run token 2)."""
+    import numpy as np
+    import torch
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise InputError(f"token ids must be integers (got a {value.dtype} tensor)")
+        return [int(i) for i in value.flatten().tolist()]
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"the prompt must be text or a list of token ids (got {type(value).__name__})")
+    for i in value:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise InputError(f"token ids must be integers (got {i!r})")
+    return [int(i) for i in value]
 
 
 @dataclass
