@@ -277,6 +277,19 @@ def test_stale_swap_files_of_dead_processes_are_swept(tmp_path):
     assert list(d.iterdir()) == []
 
 
+def test_stale_swap_files_go_when_the_next_model_loads(tiny_model_dir, tmp_path):
+    """Issue 29, item 9: a killed process's temporary swap file stayed until a later run happened to spill KV to
+    a temporary file of its own; loading a model with that swap directory deletes it."""
+    d = tmp_path / "swap"
+    child = subprocess.Popen([sys.executable, "-c", MAKE_SWAP, str(d)], stdout=subprocess.PIPE, text=True)
+    stale = Path(child.stdout.readline().strip())
+    child.kill()
+    child.wait()
+    assert stale.exists()
+    with colibri.load(tiny_model_dir("llama"), swap_dir=d):  # a model whose KV never leaves RAM here
+        assert not stale.exists()
+
+
 @needs_smol
 def test_sigterm_cleans_up_like_ctrl_c_and_says_so(tmp_path):
     cache = tmp_path / "cache"

@@ -329,6 +329,8 @@ class SwapSlots:
         self.temporary_bytes, self.io_threads, self.make_room = temporary_bytes, io_threads, make_room
         self.opened: SwapFile | None = None
         self.read_wait_s = 0.0
+        if self.directory is not None:  # at load, not at the first spill (which may never come): a dead
+            sweep(self.directory)       # process's leftover of hundreds of MiB goes when the next one starts
 
     @property
     def file(self) -> SwapFile:
