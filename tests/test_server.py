@@ -282,3 +282,52 @@ def test_a_busy_port_is_one_clear_error():
             listen("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+def test_sigterm_drains_in_flight_requests_with_proper_answers():
+    """Issue 29, item 10: SIGTERM with requests in flight gave the non-streaming client plain-text 'Internal Server
+    Error', cut the stream without a final chunk, logged CancelledError tracebacks and took 18 s. Now: the
+    requests get --shutdown-grace seconds, then a 503 'shutting_down' in OpenAI's shape (JSON, or a final SSE
+    error event and [DONE]); a request that finishes within the grace gets its answer; the process exits soon."""
+    from colibri.convert import default_container
+    s = Server(["--model", str(default_container()), "--model-name", "smollm2", "--threads", "1",
+                "--shutdown-grace", "2"])
+    long = {"model": "smollm2", "prompt": "Count: 1, 2, 3,", "max_tokens": 100_000 // 64, "ignore_eos": True,
+            "temperature": 0}
+    got: dict = {}
+
+    def whole():
+        got["whole"] = httpx.post(s.url + "/v1/completions", json=long, timeout=120)
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            got["lines"] = []
+            for line in r.iter_lines():
+                got["lines"].append(line)
+
+    def short():
+        time.sleep(0.3)  # submitted before the signal, done well within the grace
+        got["short"] = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": 4}, timeout=120)
+
+    threads = [threading.Thread(target=f) for f in (whole, stream, short)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(got.get("lines", [])) < 6:  # the stream is under way
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.proc.terminate()
+    for t in threads:
+        t.join(timeout=60)
+    s.proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    err = s.output()
+    assert got["short"].status_code == 200 and got["short"].json()["choices"][0]["finish_reason"] == "length"
+    r = got["whole"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    data = [json.loads(x[len("data: "):]) for x in got["lines"] if x.startswith("data: {")]
+    assert data[-1]["error"]["code"] == "shutting_down" and [x for x in got["lines"] if x][-1] == "data: [DONE]"
+    assert 2 <= took < 10, took
+    assert "Traceback" not in err and "CancelledError" not in err, err

@@ -121,6 +121,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "max_queue": (dict(type=int, default=64, help="requests that may wait for a sequence slot beyond the"
                                                   " --max-sequences running ones; more are answered 429 with"
                                                   " Retry-After (default 64)"), None),
+    "shutdown_grace": (dict(type=float, default=10.0,
+                            help="seconds requests in flight get to finish after SIGTERM / Ctrl-C; new ones get 503"
+                                 " meanwhile, and those still running then end with a 503 'shutting_down' error"
+                                 " (default 10)"), None),
     "model_name": (dict(help="the model id clients send and /v1/models lists (default: the checkpoint's file or"
                              " directory name)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
@@ -135,7 +139,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
-    "port": (0, 65535), "max_queue": (0, None),
+    "port": (0, 65535), "max_queue": (0, None), "shutdown_grace": (0, 3600),
     "draft_tokens": (0, defaults.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
@@ -183,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "model_name")
+    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name")
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
     add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING,
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
@@ -361,7 +365,7 @@ def cmd_serve(args) -> int:
         from colibri.defaults import default_model_path
         name = default_model_path().stem
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          name=name)
+          name=name, shutdown_grace_s=args.shutdown_grace)
     return 0
 
 

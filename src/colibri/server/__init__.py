@@ -16,6 +16,7 @@ from colibri.config import EngineConfig
 from colibri.errors import ColibriError, InputError
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_QUEUE = "127.0.0.1", 8000, 64
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def model_id(config: EngineConfig) -> str:
@@ -26,11 +27,16 @@ def model_id(config: EngineConfig) -> str:
 
 def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
           max_queue: int = DEFAULT_MAX_QUEUE, name: str | None = None, load: Callable | None = None,
-          keepalive_s: float | None = None) -> None:
+          keepalive_s: float | None = None, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     """Serve until SIGINT/SIGTERM. The socket opens first; the model loads in the engine thread meanwhile (a
     load that fails stops the server with that error). `load(config)` builds the model (default
     `worker.load_model`: as `colibri run` loads it); `keepalive_s` is the SSE keep-alive period (default
-    `app.KEEPALIVE_S`)."""
+    `app.KEEPALIVE_S`).
+
+    On the signal the server drains: the listening socket closes, a request arriving on an open connection gets
+    503, the requests in flight get `shutdown_grace_s` seconds to finish, and those still running then end with
+    a 503 `shutting_down` error (JSON, or a final SSE error event and [DONE]); the process exits once every
+    connection has its answer."""
     import uvicorn
 
     from colibri.server.app import Settings, create_app
@@ -53,8 +59,14 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     port = sock.getsockname()[1]
     print(f"colibri serve: {settings.model_id} on http://{_url_host(host)}:{port}/v1 (the model is loading;"
           " GET /health)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            worker.drain(shutdown_grace_s)
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own timeout, which cancels handlers mid-answer, only backs the drain up
+    server = Draining(uvicorn.Config(app, log_level="warning", access_log=False,
+                                     timeout_graceful_shutdown=shutdown_grace_s + 5))
     worker.on_failed = lambda: setattr(server, "should_exit", True)  # a server without a model is no server
     try:
         server.run(sockets=[sock])

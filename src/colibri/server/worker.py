@@ -23,7 +23,7 @@ from colibri.errors import ColibriError
 from colibri.sampling import SamplingParams
 from colibri.server.schema import APIError
 
-LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+LOADING, READY, DRAINING, FAILED, STOPPED = "loading", "ready", "draining", "failed", "stopped"
 RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of the last 10 s
 
 
@@ -88,6 +88,7 @@ class Worker:
         self._jobs: list[Job] = []  # submitted to the engine, not finished
         self._outstanding = 0  # jobs submitted and not done (under _cond)
         self._stop = False
+        self._cutoff: float | None = None  # monotonic time the drain ends (set by drain)
         self._durations: deque[float] = deque(maxlen=32)
         self._steps: deque[tuple[float, int, int, float]] = deque()  # (time, tokens, bytes read, read seconds)
         self.snapshot: dict = {}
@@ -100,6 +101,9 @@ class Worker:
         self._thread.start()
 
     def check_ready(self) -> None:
+        if self.state == DRAINING:
+            raise APIError(503, "the server is shutting down; send the request to another instance",
+                           code="shutting_down")
         if self.state == LOADING:
             raise APIError(503, "the model is still loading; retry shortly (GET /health shows the state)",
                            code="model_loading", headers={"Retry-After": "2"})
@@ -141,6 +145,18 @@ class Worker:
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
         return int(min(60, max(1, math.ceil(mean))))
 
+    def drain(self, grace_s: float) -> None:
+        """The server is going down: refuse new jobs (503) from now, and end those still unfinished after grace_s
+        seconds with a 503 'shutting_down' error (their handlers answer it, so every connection closes cleanly).
+        Idempotent (a second signal keeps the first deadline)."""
+        with self._cond:
+            if self._cutoff is not None:
+                return
+            if self.state in (LOADING, READY):
+                self.state = DRAINING
+            self._cutoff = time.monotonic() + grace_s
+            self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -178,23 +194,29 @@ class Worker:
         self.model = self._load_model(self.config)
         self.load_s = time.perf_counter() - t0
         self._publish()
-        self.state = READY
+        with self._cond:
+            if self.state == LOADING:  # a drain that began during the load keeps refusing
+                self.state = READY
         print(f"colibri serve: model loaded in {self.load_s:.1f} s", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
         eng = self.model.engine
         while True:
             with self._cond:
-                while not (self._inbox or self._aborts or self._stop or eng.unfinished):
-                    self._cond.wait()
+                while not (self._inbox or self._aborts or self._stop or eng.unfinished or self._cut()):
+                    self._cond.wait(None if self._cutoff is None else max(0.0, self._cutoff - time.monotonic()))
                 if self._stop:
                     return
+                cut = self._cut()
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
             for job in aborts:
                 if job.req is not None and not job.req.finished:
                     eng.abort(job.req)
                 self._finish(job, "abort")
+            if cut:  # the grace after SIGTERM is over: what still runs ends with an error its client can read
+                self._end_all(APIError(503, "the server is shutting down; the request was stopped before it"
+                                            " finished", code="shutting_down"))
             for job in inbox:
                 if job.aborted:
                     continue
@@ -293,6 +315,18 @@ class Worker:
             jobs, self._inbox = self._inbox, []
         for job in jobs:
             self._finish(job, "error", error)
+
+    def _cut(self) -> bool:
+        return self._cutoff is not None and time.monotonic() >= self._cutoff and bool(self._jobs or self._inbox)
+
+    def _end_all(self, error: APIError) -> None:
+        eng = self.model.engine
+        for job in self._jobs:
+            if job.req is not None and not job.req.finished:
+                eng.abort(job.req)
+            self._finish(job, "error", error)
+        self._jobs = []
+        self._refuse_all(error)
 
     def _shutdown(self) -> None:
         self.state = STOPPED
