@@ -550,3 +550,92 @@ def test_two_threads_generating_on_one_streaming_model(tiny_container):
     t.join(timeout=120)
     assert other == want[2] and [c for c in chunks if c is not None] == want[0][:6]
     m.close()
+
+
+# -- every byte that shapes the output is checked ---------------------------------------------------------------
+
+
+def _positions(data: bytes, spans: list[tuple[int, int]], count: int, rng) -> list[int]:
+    """`count` offsets drawn from the byte ranges `spans` of data (each span weighted by its length)."""
+    flat = [(a, b) for a, b in spans if b > a]
+    total = sum(b - a for a, b in flat)
+    out = []
+    for _ in range(count):
+        at = rng.randrange(total)
+        for a, b in flat:
+            if at < b - a:
+                out.append(a + at)
+                break
+            at -= b - a
+    return out
+
+
+def _json_spans(text: bytes, keys: bool) -> list[tuple[int, int]]:
+    """Byte ranges of a JSON text's object keys (keys=True) or of its scalar values."""
+    import re
+    if keys:
+        return [(m.start(1), m.end(1)) for m in re.finditer(rb'"([^"\\]+)":', text)]
+    return [(m.start(1), m.end(1)) for m in re.finditer(rb': ("[^"\\]*"|-?[0-9][0-9.eE+-]*|true|false|null)', text)]
+
+
+def test_damage_to_any_byte_class_is_refused_or_changes_nothing(tok_container, tmp_path):
+    """Issue 29, the property: one changed byte anywhere in a container (manifest keys and values, config,
+    tokenizer, chat template, data) or a saved session (header, blocks) either is refused with one line or leaves
+    the greedy tokens exactly as they were. Never different text. (Seeded draws, a few per class, bounded.)"""
+    import random
+    rng = random.Random(29)
+    prompt = [{"role": "user", "content": "w1 w2 w3 w4 w5"}]
+    more = prompt + [{"role": "assistant", "content": "w6"}, {"role": "user", "content": "w7 w8"}]
+
+    def tokens(path: Path, session: Path | None = None) -> list[int]:
+        with colibri.load(path) as m:
+            if session is None:
+                return m.chat(prompt, max_tokens=6, temperature=0, ignore_eos=True).token_ids
+            m.load_session(session)
+            return m.chat(more, max_tokens=6, temperature=0, ignore_eos=True).token_ids
+
+    want = tokens(tok_container)
+    with colibri.load(tok_container) as m:
+        m.chat(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+        saved = m.save_session(tmp_path / "good.kv", messages=prompt)
+    want_after = tokens(tok_container, saved)
+    manifest = (tok_container / "manifest.json").read_bytes()
+    config = manifest.index(b'"config"'), manifest.index(b"}", manifest.index(b'"config"'))
+    tensors = json.loads(manifest)["tensors"]
+    raw = saved.read_bytes()
+    head_end = raw.index(b"\0")
+    classes = {
+        "manifest keys": ("manifest.json", _json_spans(manifest, keys=True)),
+        "manifest values": ("manifest.json", _json_spans(manifest, keys=False)),
+        "config": ("manifest.json", [config]),
+        "tokenizer": ("tokenizer.json", [(0, (tok_container / "tokenizer.json").stat().st_size)]),
+        "chat template": ("chat_template.jinja", [(0, (tok_container / "chat_template.jinja").stat().st_size)]),
+        "data": ("data-00000.bin", [(t["offset"], t["offset"] + t["nbytes"]) for t in tensors if t["file"] == 0]),
+        "session header": (None, [(0, head_end)]),
+        "session blocks": (None, [((head_end + 4096) // 4096 * 4096, len(raw))]),
+    }
+    outcomes = {}
+    for what, (name, spans) in classes.items():
+        src = (tok_container / name).read_bytes() if name else raw
+        for at in _positions(src, spans, 6, rng):
+            damaged = bytearray(src)
+            damaged[at] ^= rng.choice((0x01, 0x02, 0x20, 0x41))
+            if name:
+                path = tmp_path / f"c-{len(outcomes)}"
+                copy_container(tok_container, path)
+                (path / name).write_bytes(bytes(damaged))
+                session = None
+            else:
+                path, session = tok_container, tmp_path / f"s-{len(outcomes)}.kv"
+                session.write_bytes(bytes(damaged))
+            try:
+                got = tokens(path, session)
+            except ColibriError as e:
+                assert "\n" not in str(e), (what, at, str(e))
+                outcomes[(what, at)] = "refused"
+                continue
+            assert got == (want if session is None else want_after), (what, at, "different text")
+            outcomes[(what, at)] = "same tokens"
+    for what in classes:  # each class was exercised, and damage to what the run reads was refused
+        assert any(k[0] == what for k in outcomes), what
+    assert sum(v == "refused" for v in outcomes.values()) >= len(classes)
