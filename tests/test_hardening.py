@@ -150,16 +150,8 @@ def test_a_part_layout_that_disagrees_with_its_tensor_is_refused(tiny_container,
 def tok_container(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny llama with a word-level tokenizer.json and a chat template beside it, converted (the conversion's
     own verification loads it once, checksums included)."""
-    import shutil
-    from tokenizers import Tokenizer, models, pre_tokenizers
     root = tmp_path_factory.mktemp("tok")
-    hf = root / "hf"
-    shutil.copytree(tiny_model_dir("llama"), hf)
-    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(32)}, "[UNK]": 32}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(hf / "tokenizer.json"))
-    (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                             "{% endfor %}assistant:")
+    hf = tiny_models.with_chat(tiny_model_dir("llama"), root)
     out = root / "c"
     conv.convert(hf, out, conv.ConvertOptions(quant="q8", page_size_mb=1))
     return out

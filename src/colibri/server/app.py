@@ -47,7 +47,10 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         yield
         await asyncio.to_thread(worker.stop)
 
-    app = FastAPI(title="colibri", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes the routes and their request bodies (schema.py's models: handlers parse the raw
+    # body themselves, so FastAPI learns them from `body_schema`); no interactive docs pages
+    app = FastAPI(title="colibri", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    components: dict = {}
     app.add_middleware(_CountResponses, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -129,7 +132,7 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         usage = req.stream_options is not None and req.stream_options.include_usage
         return await _sse(events, reply, usage)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest, components))
     async def chat(request: Request) -> Response:
         req = await parse(request, ChatRequest)
         tok = worker.model.tokenizer
@@ -154,7 +157,7 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         reply = ChatReply(settings.model_id, len(ids), names, forced)
         return await answer(request, req, [job], queue, reply)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest, components))
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
         model = worker.model
@@ -171,7 +174,26 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         return await answer(request, req, jobs, queue, reply)
 
     metrics.attach(worker)
+    base_openapi = app.openapi
+
+    def openapi() -> dict:
+        doc = base_openapi()
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return doc
+
+    app.openapi = openapi
     return app
+
+
+def body_schema(model, components: dict) -> dict:
+    """A route's `openapi_extra`: `model` (a schema.py request model) as its required JSON body; the models it
+    refers to go into `components` (the document's components.schemas)."""
+    ref = "#/components/schemas/{model}"
+    js = model.model_json_schema(ref_template=ref)
+    components.update(js.pop("$defs", {}))
+    components[model.__name__] = js
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": ref.format(model=model.__name__)}}}}}
 
 
 def _prompts(prompt) -> list:
