@@ -31,9 +31,11 @@ def _linear_cases(n: int, k: int):
         if k % g == 0:
             b = quantize(w, "q4", g)._buffers
             cases.append((f"q4g{g}", both, lambda o, x, b=b, g=g: o.q4_linear(x, b["qweight"], b["scales_zeros"], g)))
-    for g in (0, 32):
+    for g in (0, 16, 32):
         b = quantize(w, "q8", g)._buffers
         cases.append((f"q8g{g}", both, lambda o, x, b=b, g=g: o.q8_linear(x, b["qweight"], b["scales"], g)))
+    h = quantize(w, "q8", 32)._buffers  # f16 scales, as GGUF Q8_0 imports keep them (the short bf16 rounding)
+    cases.append(("q8g32h", both, lambda o, x: o.q8_linear(x, h["qweight"], h["scales"].half(), 32)))
     if k % 256 == 0:
         for qtype, op in ((QT.Q4_K, "q4k_linear"), (QT.Q6_K, "q8k_linear")):
             b = from_gguf(k_blocks(qtype, n, k, seed=n), qtype, (n, k))._buffers

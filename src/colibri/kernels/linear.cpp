@@ -75,9 +75,34 @@ void q8_dequant_rows(const int8_t* qw, const void* sc, at::ScalarType st, int64_
   }
 }
 
+// Grouped q8 weight rows dequantized in registers (the decode form's source): the values of q8_dequant_rows
+// (q * s in f32, bf16 x: rounded once, RNE per lane as q8_store16's _mm512_cvtneps_pbh), from the codes and the
+// group scales `s` ([cols][K/g] f32). g % 16 == 0: a 16-column half never straddles two groups.
+struct Q8gRows {
+  static constexpr bool kStream = true;
+  const int8_t* q;  // codes of row n0
+  const float* s;
+  int64_t k, g;
+  const void* at(int64_t j, int64_t k0) const { return q + j * k + k0; }
+  float scale(int64_t j, int64_t k0) const { return s[j * (k / g) + std::min(k0, k - 1) / g]; }
+  __m512bh bf16(int64_t j, int64_t k0, __mmask32 m) const {
+    const __m256i b = _mm256_maskz_loadu_epi8(m, q + j * k + k0);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
+                                    _mm512_set1_ps(scale(j, k0)));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
+                                    _mm512_set1_ps(scale(j, k0 + 16)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  __m512 f32(int64_t j, int64_t k0, __mmask16 m) const {
+    const __m128i b = _mm_maskz_loadu_epi8(m, q + j * k + k0);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale(j, k0)));
+  }
+};
+
 // bf16 x, one scale per channel: y = scale * (x . q) over the exact codes (straight from the int8 rows for
 // passes of at most kRows rows, else widened once per block into a buffer: the same values in the same order).
-// Grouped scales (and f32 x): x . (q * scale), the weights dequantized per block (bf16 x: rounded once).
+// Grouped scales (and f32 x): x . (q * scale), the weights dequantized in registers for passes of at most kRows
+// rows (groups a multiple of 16), else per block into a buffer (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
   check_q8(x, qweight, scales, group_size);
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
@@ -86,6 +111,26 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();
   const at::ScalarType st = scales.scalar_type();
+  if ((!bf || g != k) && t <= kRows && g % 16 == 0) {  // decode: each weight dequantized once, in registers
+    const int64_t groups = k / g;
+    const float* xf = bf ? nullptr : x.data_ptr<float>();
+    const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+    at::Tensor y = at::empty({t, n}, x.options());
+    constexpr int64_t rb = 16;
+    at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> acc(t * rb), s(rb * groups);
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+        for (int64_t j = 0; j < cols; ++j)
+          for (int64_t gi = 0; gi < groups; ++gi) s[j * groups + gi] = load1(sc, (n0 + j) * groups + gi, st);
+        const Q8gRows src{qw + n0 * k, s.data(), k, g};
+        if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
+        else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
+        store_rows(acc.data(), rb, t, cols, y, n0);
+      }
+    });
+    return y;
+  }
   if (!bf || g != k)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf16, void* buf) {
       q8_dequant_rows(qw, sc, st, k, g, n0, cols, bf16, buf);

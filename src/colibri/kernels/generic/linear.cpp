@@ -66,28 +66,41 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const void* sc = scales.data_ptr();
   const at::ScalarType st = scales.scalar_type();
+  const bool normal = st == at::kHalf;  // f16 scale x code: zero or normal in f32, the short bf16 rounding holds
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t gi = 0; gi < groups; ++gi)
         q8_values(qw + (n0 + j) * k + gi * g, g, channel ? 1.f : load1(sc, (n0 + j) * groups + gi, st), bf,
-                  out + j * k + gi * g);
+                  out + j * k + gi * g, normal);
   }, [&](int64_t n0, int64_t cols, float* acc, int64_t lda) {
     if (!channel) return;
     for (int64_t j = 0; j < cols; ++j) {
       const float s = load1(sc, n0 + j, st);
       for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
     }
-  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {  // bf16 x only: per channel means g == k
+  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // bf16 x only: per channel means g == k
     const int8_t* q = qw + j * k + k0;
     if (channel) {
       lo = simd::code_pairs(q);
       hi = simd::code_pairs(q + 16);
       return;
     }
+    if (g % kStep == 0) {  // a step within one group: the row's step scales set at its first step, in its scratch
+      if (k0 == 0)
+        for (int64_t i = 0; i < k / kStep; ++i) s[i] = load1(sc, j * groups + i * kStep / g, st);
+      const f8 sv = simd::set1(s[k0 / kStep]);
+      for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
+        const Pair v = simd::code_pairs(q + 16 * h);
+        const f8 e = v.even * sv, o = v.odd * sv;
+        (h ? hi : lo) = normal ? Pair{simd::round_bf16_normal(e), simd::round_bf16_normal(o)}
+                               : Pair{simd::round_bf16(e), simd::round_bf16(o)};
+      }
+      return;
+    }
     alignas(32) float v[kStep];  // grouped: values as fill writes them, a run of one group's scale at a time
     for (int64_t i = 0; i < kStep;) {
       const int64_t gi = (k0 + i) / g, n = std::min<int64_t>(kStep - i, (gi + 1) * g - (k0 + i));
-      q8_values(q + i, n, load1(sc, j * groups + gi, st), true, v + i);
+      q8_values(q + i, n, load1(sc, j * groups + gi, st), true, v + i, normal);
       i += n;
     }
     lo = simd::f32_pairs(v);
