@@ -46,7 +46,7 @@ def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
     quiet_openmp(argparse.Namespace(model=a.model, memory_limit=a.memory_limit))
     import colibri
-    from colibri.sampling import SamplingParams
+    from colibri.engine.sampling import SamplingParams
 
     m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), threads=a.threads,
                      max_sequences=max(a.batches), ctx_length=a.ctx_length,

@@ -21,7 +21,7 @@ def measure(model: str | None, dtype: str, threads: int, tokens: int) -> dict:
     import torch
 
     import colibri
-    from colibri.defaults import default_model_path
+    from colibri.core.defaults import default_model_path
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()

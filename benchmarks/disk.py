@@ -1,17 +1,17 @@
-"""Read bandwidth of the disk under a Colibri container: picks colibri.io's request size and thread count.
+"""Read bandwidth of the disk under a Colibri container: picks colibri.weights.io's request size and thread count.
 
     python benchmarks/disk.py [--path /work/.bench] [--size-gb 3] [--read-gb 0.5] [--repeat 3]
     python benchmarks/disk.py --file EXISTING_FILE     # measure a file already there (kept)
 
 Writes a file of random bytes next to where containers live, drops the page cache (root only; says so when it
-cannot), then measures, through `colibri.io.Reader`:
+cannot), then measures, through `colibri.weights.io.Reader`:
   * O_DIRECT sequential reads as 64 MiB pages (two in flight, as the streaming runtime does) split into
     requests of 256 KiB .. 8 MiB, on 1, 2 and 4 threads;
   * buffered sequential reads for comparison (plain `preadv` with kernel readahead, and the Reader's
     buffered fallback, which drops each range from the page cache after reading it);
   * 4 KiB random O_DIRECT reads at queue depth 1;
   * "buffers": the same 64 MiB reads into 8 different destination buffers, each read twice, once in 4 KiB pages
-    (MADV_NOHUGEPAGE) and once as colibri.io.AlignedBuffer allocates them (2 MiB-aligned, MADV_HUGEPAGE), idle
+    (MADV_NOHUGEPAGE) and once as colibri.weights.io.AlignedBuffer allocates them (2 MiB-aligned, MADV_HUGEPAGE), idle
     and while a 2-thread bf16 matmul loop runs (as decode compute does). The figures that made AlignedBuffer use
     huge pages came from these rows (docs/performance.md, "Disk").
 Each cell is the median of --repeat runs, each reading --read-gb from a different part of the file. The test
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from colibri.io import ALIGN, DEFAULT_IO_THREADS, DEFAULT_REQUEST_SIZE, AlignedBuffer, Reader, huge_page_bytes
+from colibri.weights.io import ALIGN, DEFAULT_IO_THREADS, DEFAULT_REQUEST_SIZE, AlignedBuffer, Reader, huge_page_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 64 * MiB
@@ -127,7 +127,7 @@ def random_4k(path: Path, size: int, seconds: float) -> tuple[float, float]:
 
 
 class SmallPageBuffer(AlignedBuffer):
-    """An AlignedBuffer held in 4 KiB pages (MADV_NOHUGEPAGE), as colibri.io allocated buffers before huge pages."""
+    """An AlignedBuffer held in 4 KiB pages (MADV_NOHUGEPAGE), as colibri.weights.io allocated buffers before huge pages."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
@@ -235,7 +235,7 @@ def main() -> None:
 
         best = max(table, key=table.get)
         default = (DEFAULT_REQUEST_SIZE, DEFAULT_IO_THREADS)
-        print(f"\nfastest cell: {best[0] // KiB} KiB x {best[1]} threads = {table[best]:.2f} GB/s; colibri.io "
+        print(f"\nfastest cell: {best[0] // KiB} KiB x {best[1]} threads = {table[best]:.2f} GB/s; colibri.weights.io "
               f"default {default[0] // KiB} KiB x {default[1]} = {table.get(default, float('nan')):.2f} GB/s")
     finally:
         if not args.file:

@@ -19,7 +19,7 @@ CHILD = r"""
 import json, os, sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 model, limit, turns, grow, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 m = colibri.load(model, memory_limit=limit)
 ids, rows = [(i * 7919) % 30000 + 100 for i in range(16)], []

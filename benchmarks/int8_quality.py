@@ -24,8 +24,8 @@ import real_models  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri import kernels  # noqa: E402
-from colibri.convert import ConvertOptions, convert  # noqa: E402
-from colibri.evaluate import perplexity  # noqa: E402
+from colibri.convert.pipeline import ConvertOptions, convert  # noqa: E402
+from colibri.runtime.evaluate import perplexity  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\n# load the data",
            "Once upon a time,"]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from colibri.container import ContainerCheckpoint
+from colibri.formats.container import ContainerCheckpoint
 
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight",
          "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight")

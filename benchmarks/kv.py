@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import real_models  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.convert import ConvertOptions, convert  # noqa: E402
+from colibri.convert.pipeline import ConvertOptions, convert  # noqa: E402
 
 WORK = Path(tempfile.gettempdir()) / "colibri-bench-kv"
 QUESTIONS = ["Summarize the text above in two sentences.", "Which Python statements does it mention?",
@@ -88,7 +88,7 @@ def turns(args) -> None:
 
 CHILD = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 path, limit, kv_ram, ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 kw = {} if limit == "none" else dict(memory_limit=limit)
 kw.update({} if kv_ram == "none" else dict(kv_ram=kv_ram))
@@ -153,7 +153,7 @@ def ttft(args) -> None:
 
 
 def quality(args) -> None:
-    from colibri.evaluate import perplexity
+    from colibri.runtime.evaluate import perplexity
     print("| model | activations | KV | perplexity | delta |")
     print("|---|---|---|---|---|")
     for name, src in (("SmolLM2-135M", real_models.smollm2_gguf), ("Qwen2.5-Coder-0.5B", real_models.qwen25_gguf)):

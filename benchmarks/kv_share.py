@@ -20,8 +20,8 @@ import sys
 CHILD = r"""
 import json, sys, time
 import colibri
-from colibri.metrics import peak_rss_bytes
-from colibri.sampling import SamplingParams
+from colibri.core.metrics import peak_rss_bytes
+from colibri.engine.sampling import SamplingParams
 model, n, prefix, suffix, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 m = colibri.load(model) if model else colibri.load()
 common = [(i * 7919) % 20000 + 100 for i in range(prefix)]

@@ -56,7 +56,7 @@ def main() -> None:
                      draft_tokens=args.draft_tokens, memory_limit=args.memory_limit)
     base = m.tokenizer.encode(TEXT)
     ids = (base * (args.prompt_tokens // len(base) + 1))[:args.prompt_tokens]
-    from colibri.sampling import SamplingParams
+    from colibri.engine.sampling import SamplingParams
 
     eng = m.engine
 

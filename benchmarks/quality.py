@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import real_models  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.convert import ConvertOptions, convert  # noqa: E402
-from colibri.evaluate import perplexity  # noqa: E402
-from colibri.loaders.gguf import GGUFCheckpoint  # noqa: E402
+from colibri.convert.pipeline import ConvertOptions, convert  # noqa: E402
+from colibri.runtime.evaluate import perplexity  # noqa: E402
+from colibri.formats.gguf import GGUFCheckpoint  # noqa: E402
 
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct", real_models.smollm2_gguf),
           "qwen25": ("Qwen2.5-Coder-0.5B-Instruct", real_models.qwen25_gguf)}

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from colibri import kernels
-from colibri.quant import _pack_q4, _unpack_q4, kernel_layout_is_stored_layout, quantize, repack_for_kernel
+from colibri.quant.kinds import _pack_q4, _unpack_q4, kernel_layout_is_stored_layout, quantize, repack_for_kernel
 
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ROTATE_BYTES = 96 << 20  # > 32 MiB L3 of the target machines
@@ -60,7 +60,7 @@ def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool, only: 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     wb = w.bfloat16()
     q4, q8 = quantize(w, "q4", 64), quantize(w, "q8", 0)
-    nat = kernels.ops()
+    nat = kernels.library()
     kernels.set_int8_activations(True)
     int8 = kernels.int8_activations()  # the ops are called directly below; this only checks VNNI
 

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 import colibri
-from colibri import calibrate
-from colibri.convert import ConvertOptions, convert
-from colibri.evaluate import perplexity
+from colibri.convert import calibrate
+from colibri.convert.pipeline import ConvertOptions, convert
+from colibri.runtime.evaluate import perplexity
 
 HELD_OUT_MODULES = ("argparse", "dataclasses", "enum", "pathlib")  # none is in calibrate.CODE_MODULES
 WINDOW = 512

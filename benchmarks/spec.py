@@ -113,7 +113,7 @@ def child(a: argparse.Namespace) -> None:
 
     model = None if a.model == "smollm2" else a.model
     if model is None:
-        from colibri.convert import default_container
+        from colibri.convert.pipeline import default_container
         model = default_container()
     m = colibri.load(model, memory_limit=parse_size(a.memory_limit), threads=a.threads)
     for task in a.tasks.split(","):

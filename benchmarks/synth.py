@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from colibri import container, quant
-from colibri.convert import ConvertOptions, write_container
+from colibri.formats import container
+from colibri.quant import kinds as quant
+from colibri.convert.pipeline import ConvertOptions, write_container
 from colibri.models import family
 
 SHAPES = {

@@ -1,15 +1,15 @@
 """Fault injection shared by tests: a conversion paused at a known point (for tests that kill a process mid-way)
-and read errors from the disk under a `colibri.io.Reader`."""
+and read errors from the disk under a `colibri.weights.io.Reader`."""
 
 from __future__ import annotations
 
 import errno
 import threading
 
-# Python source that makes `colibri.convert` (bound as `c`) stop, asleep, right after its journal records
+# Python source that makes `colibri.convert.pipeline` (bound as `c`) stop, asleep, right after its journal records
 # `{pages}` finished pages: a test kills the process there to interrupt a conversion at a known point.
 PAUSE_AFTER_PAGES = (
-    "import sys, time; from colibri import convert as c; _write = c.write_json\n"
+    "import sys, time; from colibri.convert import pipeline as c; _write = c.write_json\n"
     "def _paused(path, obj, **kw):\n"
     "    _write(path, obj, **kw)\n"
     "    if path.name == c.JOURNAL and len(obj['pages']) >= {pages}: time.sleep(3600)\n"

@@ -1,4 +1,4 @@
-"""colibri.atomic: a file is replaced whole or not at all."""
+"""colibri.core.atomic: a file is replaced whole or not at all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from colibri.atomic import atomic_write, partial_path, write_json
+from colibri.core.atomic import atomic_write, partial_path, write_json
 
 
 def test_replaces_whole_and_leaves_no_temporary_file(tmp_path):
@@ -35,7 +35,7 @@ def test_a_failure_mid_write_keeps_the_old_file(tmp_path):
 def test_a_killed_writer_leaves_the_old_file_and_only_a_partial(tmp_path):
     path = tmp_path / "blob"
     path.write_bytes(b"old")
-    code = ("import os, sys; from colibri.atomic import atomic_write\n"
+    code = ("import os, sys; from colibri.core.atomic import atomic_write\n"
             "with atomic_write(sys.argv[1]) as f:\n"
             "    f.write(b'half'); f.flush(); os.kill(os.getpid(), 9)\n")
     p = subprocess.run([sys.executable, "-c", code, str(path)])

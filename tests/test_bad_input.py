@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import colibri
-from colibri.errors import InputError, ModelLoadError, UnsupportedModelError
+from colibri.core.errors import InputError, ModelLoadError, UnsupportedModelError
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, float]]:

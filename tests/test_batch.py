@@ -20,7 +20,7 @@ if real_models.smollm2_gguf() is None:
 
 @pytest.fixture(scope="module")
 def container():
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     return str(default_container())
 
 
@@ -118,7 +118,7 @@ def test_batch_errors_before_the_load_are_one_line(tmp_path, capsys):
     """Issue 29, item 13: --output a directory, invalid UTF-8 in the input and an unwritable output were internal
     errors (the last only after the model had loaded)."""
     from colibri import batch
-    from colibri.errors import InputError, OutputError
+    from colibri.core.errors import InputError, OutputError
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"id": 1, "prompt": "ok"}\n{"id": 2, "prompt": "caf\xe9"}\n{"id": 3, "prompt": "fine"}\n')
     notes = []

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import colibri
-from colibri import calibrate, mixed
-from colibri import convert as conv
-from colibri.errors import InputError
+from colibri.convert import calibrate
+from colibri.convert import mixed
+from colibri.convert import pipeline as conv
+from colibri.core.errors import InputError
 
 
 

@@ -20,7 +20,7 @@ if real_models.smollm2_gguf() is None:
 def default_container_built():
     """The commands run the default model from a container converted on first use (once per machine, cached
     under the user's cache directory): built here, outside the commands' timeouts."""
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     default_container()
 
 

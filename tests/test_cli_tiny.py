@@ -10,10 +10,10 @@ import shutil
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import colibri.model
+import colibri.runtime.model
 import colibri.models
 from colibri import cli
-from colibri import convert as conv
+from colibri.convert import pipeline as conv
 
 WORDS = [f"w{i}" for i in range(300)]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
@@ -41,7 +41,7 @@ def streaming_limit(path) -> str:
     ckpt.close()
     dense = sum(p.nbytes for p in pages if p.kind != "expert")
     expert = max(p.nbytes for p in pages if p.kind == "expert")
-    _, reserve, _ = colibri.model.plan(path, None)
+    _, reserve, _ = colibri.runtime.model.plan(path, None)
     return str(reserve.total + dense + 4 * expert)
 
 

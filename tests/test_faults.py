@@ -15,10 +15,13 @@ from pathlib import Path
 import pytest
 
 import colibri
-import colibri.model
+import colibri.runtime.model
 import tiny_models
-from colibri import atomic, cli, convert as conv, swap
-from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
+from colibri import cli
+from colibri.core import atomic
+from colibri.convert import pipeline as conv
+from colibri.kv import swap
+from colibri.core.errors import ColibriError, InputError, ModelLoadError, StorageError
 from faults import FailingReads
 
 PROMPT = tiny_models.token_ids(10, 384, seed=5)
@@ -48,7 +51,7 @@ def reference(good) -> list[int]:
 
 
 def limit_of(path: Path) -> int:
-    return colibri.model.plan(path, None)[0].minimum + (96 << 10)  # most pages streamed
+    return colibri.runtime.model.plan(path, None)[0].minimum + (96 << 10)  # most pages streamed
 
 
 def outcome(path: Path, limit=None) -> list[int] | ColibriError:

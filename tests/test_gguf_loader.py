@@ -19,8 +19,8 @@ from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 import real_models
-from colibri.errors import ModelLoadError, UnsupportedModelError
-from colibri.loaders.gguf import GGUFCheckpoint
+from colibri.core.errors import ModelLoadError, UnsupportedModelError
+from colibri.formats.gguf import GGUFCheckpoint
 
 SLOW = pytest.mark.slow
 MODELS = {"smollm2": real_models.smollm2_gguf, "qwen25": real_models.qwen25_gguf, "gemma3": real_models.gemma3_gguf}
@@ -122,7 +122,7 @@ def test_tensors_match_transformers(name):
 
 
 def test_load_is_lazy_and_raw_tensor_roundtrips(monkeypatch):
-    import colibri.loaders.gguf as loader
+    import colibri.formats.gguf as loader
 
     calls = []
     real = loader.dequantize

@@ -21,9 +21,12 @@ import colibri.models
 import real_models
 from faults import PAUSE_AFTER_PAGES
 import tiny_models
-from colibri import container, convert as conv, session, swap
-from colibri.errors import ColibriError, InputError, ModelLoadError, StorageError
-from colibri.io import AlignedBuffer, Reader
+from colibri.formats import container
+from colibri.convert import pipeline as conv
+from colibri.kv import session
+from colibri.kv import swap
+from colibri.core.errors import ColibriError, InputError, ModelLoadError, StorageError
+from colibri.weights.io import AlignedBuffer, Reader
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 SMOL = real_models.smollm2_gguf()
@@ -208,7 +211,7 @@ def test_a_manifest_page_without_checksum_is_a_clear_error(tiny_container, tmp_p
             "    m.generate(list(range(5, 20)), max_tokens=3)\n"
             "except colibri.ColibriError as e:\n"
             "    print('error:', e)\n")
-    limit = colibri.model.plan(tiny_container, None)[0].minimum + (64 << 10)
+    limit = colibri.runtime.model.plan(tiny_container, None)[0].minimum + (64 << 10)
     p = subprocess.run([sys.executable, "-c", code, str(path), str(limit)], capture_output=True, text=True,
                        timeout=120)
     assert "pages[3] lacks a valid 'checksum'" in p.stdout, p.stdout + p.stderr
@@ -246,7 +249,7 @@ def test_a_second_user_of_a_swap_file_is_refused(tiny_model_dir, tmp_path):
 
 MAKE_SWAP = r"""
 import sys, time
-from colibri.swap import SwapFile
+from colibri.kv.swap import SwapFile
 s = SwapFile.temporary_in(sys.argv[1], 1 << 20, 2, 4096)
 print(s.path, flush=True)
 time.sleep(600)
@@ -519,7 +522,7 @@ def test_two_threads_generating_on_one_streaming_model(tiny_container):
     ref = colibri.load(tiny_container)
     prompts = [PROMPT, PROMPT[::-1], PROMPT[:7], PROMPT[3:]]
     want = [ref.generate(p, max_tokens=12, ignore_eos=True).token_ids for p in prompts]
-    limit = colibri.model.plan(tiny_container, None)[0].minimum + (64 << 10)
+    limit = colibri.runtime.model.plan(tiny_container, None)[0].minimum + (64 << 10)
     m = colibri.load(tiny_container, memory_limit=limit, prefetch_depth=1)
     assert m.store.placement.streamed
     barrier = threading.Barrier(len(prompts))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri import kernels, ops
-from colibri.quant import quantize
+from colibri import kernels
+from colibri.kernels import ops
+from colibri.quant.kinds import quantize
 
 ROWS = (1, 3, 16, 64)
 # relative error (Frobenius) against f64 math on the dequantized weights: measured 0.54-0.69 % on Gaussian x
@@ -80,8 +81,8 @@ def test_off_by_default_and_unsupported_shapes_stay_exact(kind):
     assert not kernels.int8_activations()
     w, x = _weight(kind, 64, 256), _randn(5, 256, seed=5).bfloat16()
     b = w.buffers()
-    direct = (kernels.ops().q4_linear(x, b["qweight"], b["scales_zeros"], 64) if kind == "q4g64"
-              else kernels.ops().q8_linear(x, b["qweight"], b["scales"], 0)) if kernels.native() else None
+    direct = (kernels.library().q4_linear(x, b["qweight"], b["scales_zeros"], 64) if kind == "q4g64"
+              else kernels.library().q8_linear(x, b["qweight"], b["scales"], 0)) if kernels.native() else None
     if direct is not None:
         assert torch.equal(ops.linear(x, w), direct[:, :64])
     kernels.set_int8_activations(True)
@@ -95,7 +96,7 @@ def test_engine_config_turns_it_on(int8, tiny_model_dir, tmp_path):
     """`lossy_int8_activations=True` reaches the kernels; a q4 model in that mode gives the same logits in one
     prefill pass as in 5-token chunks, and stays close to the exact mode."""
     import colibri
-    from colibri.convert import ConvertOptions, convert
+    from colibri.convert.pipeline import ConvertOptions, convert
 
     convert(tiny_model_dir("llama"), tmp_path / "q4", ConvertOptions(quant="q4", group_size=32))
     ids = [(7 * i + 3) % 384 for i in range(24)]
@@ -116,7 +117,7 @@ def test_a_model_it_cannot_apply_to_says_so(int8, tiny_model_dir, tmp_path, caps
     """Issue 29, item 15: `--lossy-int8-activations` on a model whose weights the int8 kernels cannot take (float
     weights, a checkpoint that is not a container) ran exact without a word."""
     import colibri
-    from colibri.convert import ConvertOptions, convert
+    from colibri.convert.pipeline import ConvertOptions, convert
 
     src = tiny_model_dir("llama")
     convert(src, tmp_path / "q4", ConvertOptions(quant="q4", group_size=32))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from colibri.quant import from_gguf
+from colibri.quant.kinds import from_gguf
 
 from test_kquant import k_blocks
 from test_tier_int8 import _int8_tiers
@@ -106,7 +106,7 @@ def test_k_quant_weights_use_them_in_the_lossy_mode_only():
             kernels.set_int8_activations(True)
             lossy = w.linear(x)
             b = w._buffers
-            op = kernels.ops().q4k_linear_i8 if qt == QT.Q4_K else kernels.ops().q8k_linear_i8
+            op = kernels.library().q4k_linear_i8 if qt == QT.Q4_K else kernels.library().q8k_linear_i8
             assert torch.equal(lossy, op(x, b["qweight"], b["scales"], b["supers"])[:, :n])
             assert torch.equal(w.linear(x[3:5]), lossy[3:5])
             assert not torch.equal(lossy, exact)

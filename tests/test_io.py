@@ -1,4 +1,4 @@
-"""colibri.io: aligned buffers, the O_DIRECT reader thread pool, errors, fallback."""
+"""colibri.weights.io: aligned buffers, the O_DIRECT reader thread pool, errors, fallback."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from colibri import io
-from colibri.errors import ColibriError, StorageError
-from colibri.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes,
+from colibri.weights import io
+from colibri.core.errors import ColibriError, StorageError
+from colibri.weights.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes,
                         probe_bandwidth)
 from faults import FailingReads
 

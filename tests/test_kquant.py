@@ -1,4 +1,4 @@
-"""GGUF K-quants kept exactly (colibri.quant): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
+"""GGUF K-quants kept exactly (colibri.quant.kinds): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
 GGUF converted by default into a container with one tied table."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 import colibri
-from colibri import convert as conv
-from colibri import kernels, placement
-from colibri.container import ContainerCheckpoint
-from colibri.quant import from_gguf
+from colibri.convert import pipeline as conv
+from colibri import kernels
+from colibri.weights import placement
+from colibri.formats.container import ContainerCheckpoint
+from colibri.quant.kinds import from_gguf
 
 BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210}
 
@@ -148,7 +149,7 @@ def k_container(tmp_path_factory):
 
 
 def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
-    from colibri.loaders.gguf import GGUFCheckpoint
+    from colibri.formats.gguf import GGUFCheckpoint
 
     src, out, _ = k_container
     m = json.loads((out / "manifest.json").read_text())
@@ -177,7 +178,7 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
     monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # several head blocks...
     monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)  # ...through buffers smaller than the table
     path = out
-    minimum = colibri.model.plan(path, None, dtype=torch.float32, batch_size=1)[0].minimum
+    minimum = colibri.runtime.model.plan(path, None, dtype=torch.float32, batch_size=1)[0].minimum
     m = colibri.load(path, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
     assert {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows} == {"embedding"}
     assert torch.equal(m.logits(ids), got)
@@ -204,7 +205,7 @@ def test_q4k_table_is_read_by_tiles(tmp_path, monkeypatch):
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)
     monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
-    minimum = colibri.model.plan(out, None, dtype=torch.float32, batch_size=1)[0].minimum
+    minimum = colibri.runtime.model.plan(out, None, dtype=torch.float32, batch_size=1)[0].minimum
     m = colibri.load(out, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
     assert {m.checkpoint.pages[i].kind for i in m.store.placement.by_rows} == {"embedding"}
     assert torch.equal(m.logits(ids), got)

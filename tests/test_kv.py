@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import colibri
-from colibri import session, swap
-from colibri.errors import InputError
-from colibri.kv import block_for
+from colibri.kv import session
+from colibri.kv import swap
+from colibri.core.errors import InputError
+from colibri.kv.cache import block_for
 
 PROMPT = list(range(5, 75))
 BLOCK = 4  # small blocks: a 12-token window over a 110-token sequence spills and reads back many blocks

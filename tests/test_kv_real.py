@@ -12,7 +12,7 @@ import pytest
 
 import colibri
 import real_models
-from colibri import convert as conv
+from colibri.convert import pipeline as conv
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_smollm2_second_turn_ttft_is_a_fraction_of_a_cold_prefill(smollm2):
 
 CHILD = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 path, limit, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 kw = dict(memory_limit=limit, kv_ram="32M") if limit != "none" else {}
 m = colibri.load(path, ctx_length=8192, **kw)

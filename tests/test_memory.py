@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from colibri import convert as conv
+from colibri.convert import pipeline as conv
 from colibri.models import family
 
 # A llama-shaped model of ~220 MB in bf16: large enough that a quarter of it is well above the minimum
@@ -29,7 +29,7 @@ CTX, BATCH, TOKENS = 512, 64, 24
 
 CHILD = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 def io_read():
     return int(open("/proc/self/io").read().split("read_bytes:")[1].split()[0])
 path, limit, ctx, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -48,8 +48,8 @@ print(json.dumps({"tokens": out.token_ids, "baseline": m.baseline_rss_bytes,
 # 16 sequences at once through the engine: their KV shares the pool the limit reserves for one context
 CHILD_BATCH = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
-from colibri.sampling import SamplingParams
+from colibri.core.metrics import peak_rss_bytes
+from colibri.engine.sampling import SamplingParams
 path, limit, ctx, batch, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 m = colibri.load(path, memory_limit=limit, ctx_length=ctx, batch_size=batch, max_sequences=16)
 reqs = [m.engine.add_request(list(range(100 + i, 120 + 3 * i)), SamplingParams(max_tokens=n, ignore_eos=True))
@@ -69,7 +69,7 @@ print(json.dumps({"tokens": [r.token_ids for r in reqs], "errors": [repr(r.error
 # unpins them (they stream again) as it grows, within the same limit
 CHILD_ELASTIC = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 path, limit, ctx, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 m = colibri.load(path, memory_limit=None if limit == "none" else int(limit), ctx_length=ctx, batch_size=batch)
 ids, turns = list(range(100, 116)), []

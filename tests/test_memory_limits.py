@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
-import colibri.model
+import colibri.runtime.model
 import real_models
-from colibri import container, convert as conv
-from colibri.errors import InputError
+from colibri.formats import container
+from colibri.convert import pipeline as conv
+from colibri.core.errors import InputError
 
 MIB = 1 << 20
 STEP = 32 << 10  # limit sweep resolution
@@ -44,7 +45,7 @@ def long_context(tiny, tmp_path_factory):
 def accepted(path, limit: int, **kw) -> bool | str:
     """True when `plan` accepts the limit, else the refusal's message."""
     try:
-        colibri.model.plan(path, limit, **kw)
+        colibri.runtime.model.plan(path, limit, **kw)
         return True
     except InputError as e:
         return str(e)
@@ -64,7 +65,7 @@ def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(re
     if model == "long_context" and kw.get("ctx_length"):
         pytest.skip("the context is given: the same as for the tiny model")
     weights = sum(p["nbytes"] for p in json.loads((tiny / "manifest.json").read_text())["pages"])
-    first_guess = colibri.model.plan(tiny, None, **kw)[0].minimum
+    first_guess = colibri.runtime.model.plan(tiny, None, **kw)[0].minimum
     top = 2 * (first_guess + weights)
     results = [(limit, accepted(tiny, limit, **kw)) for limit in range(STEP, top, STEP)]
     ok = [limit for limit, r in results if r is True]
@@ -81,7 +82,7 @@ def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(re
 
 SMOL_CHILD = r"""
 import json, sys, colibri
-from colibri.metrics import peak_rss_bytes
+from colibri.core.metrics import peak_rss_bytes
 path, limit, ctx, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 m = colibri.load(path, memory_limit=limit, ctx_length=None if ctx == "auto" else int(ctx))
 ids = [(i * 7919) % 40000 + 100 for i in range(n)]

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import colibri
-from colibri import cli, placement
+from colibri import cli
+from colibri.weights import placement
 from colibri.perf import predict
 from test_streaming import containers  # noqa: F401 - the fixture: family -> tiny q4 container, 1 MB pages
 
@@ -20,7 +21,7 @@ PROBE = ["--probe-seconds", "0.05"]
 
 def minimum(path, batch_size: int = 512) -> int:
     """The smallest limit the container runs in: every page that can be is streamed."""
-    placement, _, _ = colibri.model.plan(path, None, batch_size=batch_size)
+    placement, _, _ = colibri.runtime.model.plan(path, None, batch_size=batch_size)
     return placement.minimum
 
 
@@ -216,7 +217,7 @@ def test_run_and_chat_pass_ctx_length_and_batch_size(monkeypatch, capsys, comman
         seen.update(vars(config))
         raise colibri.InputError("stop here")
 
-    monkeypatch.setattr(colibri.model, "load", fake_load)
+    monkeypatch.setattr(colibri.runtime.model, "load", fake_load)
     code, _, err = run_cli(capsys, *command, "--model", "x", "--ctx-length", "128", "--batch-size", "16",
                            "--memory-limit", "300M")
     assert code == 2 and "stop here" in err

@@ -9,9 +9,9 @@ import torch
 
 import colibri
 import tiny_models
-from colibri import convert as conv
-from colibri import placement
-from colibri.model import open_model
+from colibri.convert import pipeline as conv
+from colibri.weights import placement
+from colibri.runtime.model import open_model
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 EMBED = "model.embed_tokens.weight"
@@ -20,7 +20,7 @@ Q4_EMBED = {EMBED: ("q4", 32)}
 
 def tight(path, dtype, batch_size=1) -> int:
     """A limit at the container's minimum: every table is read by rows / row blocks."""
-    placement, _, _ = colibri.model.plan(path, None, dtype=dtype, batch_size=batch_size)
+    placement, _, _ = colibri.runtime.model.plan(path, None, dtype=dtype, batch_size=batch_size)
     return placement.minimum
 
 

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from colibri import ops
-from colibri.quant import (Q4Weight, Q8Weight, QuantKind, _pack_q4, _unpack_q4, buffer_layout,
+from colibri.kernels import ops
+from colibri.quant.kinds import (Q4Weight, Q8Weight, QuantKind, _pack_q4, _unpack_q4, buffer_layout,
                            from_gguf, kernel_layout_is_stored_layout, quantize)
 
 
@@ -162,7 +162,7 @@ def test_bad_shapes_raise():
 def test_other_isa_repacks_and_agrees():
     """Stored bytes written on AVX-512 give the same outputs under torch's AVX2 and scalar dispatch."""
     code = (
-        "import torch; from colibri.quant import quantize, kernel_layout_is_stored_layout as n;"
+        "import torch; from colibri.quant.kinds import quantize, kernel_layout_is_stored_layout as n;"
         "w = quantize(torch.randn(80, 256, generator=torch.Generator().manual_seed(0)), 'q4', 64);"
         "x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16();"
         "ref = x.float() @ w.dequantize().T;"
@@ -209,7 +209,7 @@ def test_real_gguf_tensors_are_lossless():
 @pytest.mark.parametrize("kind,group_size", [("q4", 64), ("q8", 0), ("q8", 32)])
 def test_quantize_in_row_chunks_is_identical(monkeypatch, kind, group_size):
     """The converter quantizes big tensors a few rows at a time (bounded memory); results do not change."""
-    import colibri.quant as q
+    import colibri.quant.kinds as q
 
     w = _randn(200, 256)  # 200 rows: the padded q4 tail (208 rows) is crossed by a chunk boundary
     whole = quantize(w, kind, group_size).buffers()
@@ -223,8 +223,8 @@ def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
     """After f32 and bf16 passes of every size (kernel and dequantize paths), a weight with f32-stored scales
     keeps at most a bf16 copy of its scales for the decode kernels, which placement.resident_extra charges to
     its page; no f32 copies stay behind (they cost the q4 bytes a third again, outside the budget)."""
-    from colibri.container import PageEntry, Part, TensorEntry
-    from colibri.placement import resident_extra
+    from colibri.formats.container import PageEntry, Part, TensorEntry
+    from colibri.weights.placement import resident_extra
     w = quantize(_randn(192, 256), kind, group_size)
     name = "scales_zeros" if kind == "q4" else "scales"
     bufs = w.buffers()
@@ -260,7 +260,7 @@ def _skewed(n, k, seed):
 def test_importance_weighted_fit_is_never_worse(group_size, seed):
     """On the weighted error it minimizes, the importance-weighted fit is never worse than the unweighted fit,
     group by group, and better overall."""
-    from colibri.quantfit import IMPORTANCE_FLOOR
+    from colibri.quant.fit import IMPORTANCE_FLOOR
 
     w, imp = _skewed(96, 512, seed)
     plain, weighted = quantize(w, "q4", group_size), quantize(w, "q4", group_size, importance=imp)

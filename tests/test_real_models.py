@@ -118,7 +118,7 @@ def test_streaming_text_equals_decode(smol):
     tok = ours.tokenizer
     text = "Ünïcödé → 日本語のテキスト 🚀🎉 and emoji-heavy text: 👩‍👩‍👧 naïve café."
     ids = tok.encode(text, add_special_tokens=False)
-    from colibri.tokenizer import StreamDecoder
+    from colibri.formats.tokenizer import StreamDecoder
 
     dec = StreamDecoder(tok)
     pieces = [dec.push(i) for i in ids] + [dec.flush()]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colibri.errors import InputError
-from colibri.sampling import Sampler, SamplingParams
+from colibri.core.errors import InputError
+from colibri.engine.sampling import Sampler, SamplingParams
 
 
 def draws(logits, n=400, **kw):

@@ -29,14 +29,14 @@ PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a color.", "Wh
 
 
 def streaming_limit(path) -> int:
-    import colibri.model
-    placement, _, _ = colibri.model.plan(path, None)
+    import colibri.runtime.model
+    placement, _, _ = colibri.runtime.model.plan(path, None)
     return placement.minimum + int(0.25 * placement.pinned_bytes)
 
 
 @pytest.fixture(scope="module")
 def server():
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     path = default_container()
     s = Server(["--model", str(path), "--model-name", "smollm2", "--memory-limit", str(streaming_limit(path)),
                 "--max-sequences", "8", "--max-queue", "2", "--threads", "1"],
@@ -81,7 +81,7 @@ def test_models_list_and_api_key(server):
 
 
 def test_chat_greedy_equals_colibri_run_streamed_or_not(server):
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     run = subprocess.run(colibri_cmd() + ["run", "--model", str(default_container()), "--prompt", QUESTION,
                                           "--max-tokens", "16", "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -274,7 +274,7 @@ def test_engine_fault_fails_one_request_and_the_next_succeeds(server):
 
 
 def test_a_busy_port_is_one_clear_error():
-    from colibri.errors import InputError
+    from colibri.core.errors import InputError
     from colibri.server import listen
     sock = listen("127.0.0.1", 0)
     try:
@@ -289,7 +289,7 @@ def test_sigterm_drains_in_flight_requests_with_proper_answers():
     Error', cut the stream without a final chunk, logged CancelledError tracebacks and took 18 s. Now: the
     requests get --shutdown-grace seconds, then a 503 'shutting_down' in OpenAI's shape (JSON, or a final SSE
     error event and [DONE]); a request that finishes within the grace gets its answer; the process exits soon."""
-    from colibri.convert import default_container
+    from colibri.convert.pipeline import default_container
     s = Server(["--model", str(default_container()), "--model-name", "smollm2", "--threads", "1",
                 "--shutdown-grace", "2"])
     long = {"model": "smollm2", "prompt": "Count: 1, 2, 3,", "max_tokens": 100_000 // 64, "ignore_eos": True,

@@ -22,7 +22,7 @@ EXAMPLES = 40  # per route and strategy: 320 requests, about 15 s on 2 cores
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from colibri import convert as conv
+    from colibri.convert import pipeline as conv
     root = tmp_path_factory.mktemp("fuzz")
     out = root / "c"
     conv.convert(tiny_models.with_chat(tiny_model_dir("llama"), root), out,

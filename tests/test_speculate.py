@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import colibri
-import colibri.model
+import colibri.runtime.model
 import tiny_models
-from colibri import convert as conv
+from colibri.convert import pipeline as conv
 from colibri.engine.speculate import NgramCache, PassCost, SequenceDrafts, Speculator
-from colibri.errors import InputError
-from colibri.sampling import SamplingParams
+from colibri.core.errors import InputError
+from colibri.engine.sampling import SamplingParams
 
 from test_engine import batched, load
 
@@ -128,7 +128,7 @@ def test_greedy_with_drafts_equals_plain_decoding(tiny_model_dir, family, draft)
 
 
 def test_smollm2_greedy_with_drafts_equals_plain_decoding():
-    from colibri.defaults import default_model_path
+    from colibri.core.defaults import default_model_path
     texts = ["Copy the list.\nred, green, blue, yellow, orange, purple, white, black\nred, green, blue,",
              "Once upon a time, in a small village,"]
     on = colibri.load(default_model_path(), max_sequences=8, draft_tokens=6)
@@ -237,7 +237,7 @@ def correlated_moe(tmp_path_factory):
 
 def test_router_lookahead_guesses_the_next_layer_and_never_changes_tokens(correlated_moe):
     path = correlated_moe
-    placement, _, _ = colibri.model.plan(path, None, batch_size=24)
+    placement, _, _ = colibri.runtime.model.plan(path, None, batch_size=24)
     ps = prompt_set()[4:]
     runs = {}
     for look in (True, False):
@@ -266,7 +266,7 @@ def test_router_lookahead_guesses_the_next_layer_and_never_changes_tokens(correl
 def test_drafts_are_cut_rather_than_unpin_weights(correlated_moe):
     """Under a limit a pass carrying drafts must fit beside the weights as pinned now; drafts that do not are cut
     (the tokens stay those of plain decoding)."""
-    placement, _, _ = colibri.model.plan(correlated_moe, None, batch_size=24)
+    placement, _, _ = colibri.runtime.model.plan(correlated_moe, None, batch_size=24)
     m = load(correlated_moe, dtype=None, draft_tokens=4,
              memory_limit=placement.minimum + int(0.3 * placement.pinned_bytes))
     assert m.store.spare(0) is not None

@@ -8,12 +8,12 @@ import pytest
 
 import colibri
 import tiny_models
-from colibri import convert as conv
-from colibri.errors import InputError, StorageError
+from colibri.convert import pipeline as conv
+from colibri.core.errors import InputError, StorageError
 import torch
 
-from colibri import placement
-from colibri.streaming import PageState
+from colibri.weights import placement
+from colibri.weights.streaming import PageState
 from faults import FailingReads
 
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
@@ -46,7 +46,7 @@ def total_bytes(m) -> int:
 def limit_for(path, fraction: float, batch_size: int = 512) -> int:
     """A memory limit: the container's minimum working set (KV cache, activations, staging) plus `fraction` of
     its weight bytes."""
-    placement, _, _ = colibri.model.plan(path, None, batch_size=batch_size)
+    placement, _, _ = colibri.runtime.model.plan(path, None, batch_size=batch_size)
     return placement.minimum + int(fraction * placement.pinned_bytes)
 
 
@@ -95,10 +95,10 @@ def test_tight_budgets_read_ahead_as_far_as_they_fit(containers):
     """Between the minimum working set and room for the automatic prefetch depth, the planner reads ahead as many
     pages as its slots allow (it used to fall back to no prefetch at all), and more budget never lowers it."""
     path = containers("llama")
-    base, _, _ = colibri.model.plan(path, None)
+    base, _, _ = colibri.runtime.model.plan(path, None)
     depths = []
     for extra in range(0, base.pinned_bytes + (64 << 10), 4 << 10):  # up to room for every page
-        placement, _, _ = colibri.model.plan(path, base.minimum + extra)
+        placement, _, _ = colibri.runtime.model.plan(path, base.minimum + extra)
         if placement.streamed:
             depths.append(placement.prefetch_depth)
     assert depths == sorted(depths) and depths[0] == 0
@@ -180,7 +180,7 @@ def test_corrupt_page_is_found_on_first_read(containers, tmp_path):
 
     path = tmp_path / "c"
     shutil.copytree(containers("llama"), path)
-    placement, _, _ = colibri.model.plan(path, limit_for(path, 0.25), prefetch_depth=0)
+    placement, _, _ = colibri.runtime.model.plan(path, limit_for(path, 0.25), prefetch_depth=0)
     page = colibri.load(path).checkpoint.pages[placement.streamed[-1]]
     with open(path / "data-00000.bin", "r+b") as f:
         f.seek(page.offset + page.nbytes // 2)
@@ -217,7 +217,7 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     pages = colibri.load(path).checkpoint.pages
     dense = sum(p.nbytes for p in pages if p.kind != "expert")
     expert = max(p.nbytes for p in pages if p.kind == "expert")
-    _, reserve, _ = colibri.model.plan(path, None)
+    _, reserve, _ = colibri.runtime.model.plan(path, None)
     limit = reserve.total + dense + 4 * expert  # every dense page pinned, one staging slot, three cache slots
     m = colibri.load(path, memory_limit=limit, prefetch_depth=0)
     assert m.store.placement.cache_slots >= 3 and m.store.placement.learned_pins == 0

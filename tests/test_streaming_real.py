@@ -10,7 +10,7 @@ import pytest
 
 import colibri
 import real_models
-from colibri import convert as conv
+from colibri.convert import pipeline as conv
 
 PROMPT = "def quicksort(items):\n    "
 CTX = 1024
@@ -21,7 +21,7 @@ def check_placements(path):
     prompt = ref_model.tokenizer.encode(PROMPT)
     ref = ref_model.generate(prompt, max_tokens=48, ignore_eos=True).token_ids
     ref_model.close()
-    placement, _, _ = colibri.model.plan(path, None, ctx_length=CTX)
+    placement, _, _ = colibri.runtime.model.plan(path, None, ctx_length=CTX)
     weights = placement.pinned_bytes
     limit = placement.minimum + weights // 4  # most weights stream
     for io_threads, depth in ((1, 0), (4, 4)):
@@ -66,7 +66,7 @@ def test_cli_verbose_timeline_and_json_stats(smollm2_containers, capsys):
     from colibri import cli
 
     path = smollm2_containers["q4"]
-    placement, _, _ = colibri.model.plan(path, None, ctx_length=CTX)
+    placement, _, _ = colibri.runtime.model.plan(path, None, ctx_length=CTX)
     limit = placement.minimum + placement.pinned_bytes // 4
     args = ["run", "--model", str(path), "--memory-limit", str(limit), "--ctx-length", str(CTX),
             "--raw", "--prompt", PROMPT, "--max-tokens", "3", "--verbose"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colibri import kernels
-from colibri.quant import quantize
+from colibri.quant.kinds import quantize
 
 ROWS = (1, 2, 3, 5, 16, 17, 64)
 

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from colibri import kernels
-from colibri.quant import from_gguf, quantize
+from colibri.quant.kinds import from_gguf, quantize
 from test_kquant import k_blocks
 
 ROWS = (1, 3, 16, 64)
@@ -101,7 +101,7 @@ def each_tier():
 def test_tiny_family_logits_and_tokens_equal_on_every_tier(tiny_model_dir, each_tier, tmp_path, fam):
     """bf16 dense weights (the dot form) and a q4 container (the outer form) of each tiny family."""
     import colibri
-    from colibri.convert import cached_container
+    from colibri.convert.pipeline import cached_container
 
     src = tiny_model_dir(fam)
     q4 = cached_container(src, tmp_path, "q4")
@@ -126,8 +126,8 @@ def test_readme_demo_tokens_equal_on_every_tier(each_tier):
     """The README demo's model (SmolLM2-135M's GGUF, converted to its default container) decodes the same
     greedy tokens on every tier."""
     import colibri
-    from colibri.convert import default_container
-    from colibri.errors import ModelLoadError
+    from colibri.convert.pipeline import default_container
+    from colibri.core.errors import ModelLoadError
 
     try:
         path = default_container()

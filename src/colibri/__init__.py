@@ -1,14 +1,14 @@
 """Colibri: LLM inference that streams weights from an SSD, with exact model math."""
 
-from colibri.errors import ColibriError, InputError, ModelLoadError, UnsupportedModelError
+from colibri.core import __version__
+from colibri.core.errors import ColibriError, InputError, ModelLoadError, UnsupportedModelError
 
-__version__ = "0.1.0"
 __all__ = ["load", "Model", "GenerationResult", "EngineConfig", "Engine", "SamplingParams", "ColibriError", "InputError", "ModelLoadError",
            "UnsupportedModelError", "__version__"]
 # imported on first use, so that `import colibri` (and the CLI's start) does not load torch: the CLI chooses
 # OpenMP's wait policy, which torch's OpenMP runtime reads once when it loads
-_LAZY = {"load": "colibri.model", "Model": "colibri.model", "GenerationResult": "colibri.generate",
-         "EngineConfig": "colibri.config", "Engine": "colibri.engine", "SamplingParams": "colibri.sampling"}
+_LAZY = {"load": "colibri.runtime.model", "Model": "colibri.runtime.model", "GenerationResult": "colibri.engine.generate",
+         "EngineConfig": "colibri.core.config", "Engine": "colibri.engine", "SamplingParams": "colibri.engine.sampling"}
 
 
 def __getattr__(name: str):

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from colibri.errors import ColibriError, InputError, OutputError
-from colibri.sampling import SamplingParams
+from colibri.core.errors import ColibriError, InputError, OutputError
+from colibri.engine.sampling import SamplingParams
 
 RECORD_START = b'{"id": '  # the bytes every result line starts with (_write: json.dumps of a dict, "id" first)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",

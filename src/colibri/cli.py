@@ -14,8 +14,8 @@ import time
 import traceback
 from typing import Any
 
-from colibri import config as defaults
-from colibri.errors import ColibriError, InputError, Terminated
+from colibri.core import config
+from colibri.core.errors import ColibriError, InputError, Terminated
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
 OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
@@ -31,13 +31,13 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "ctx_length": (dict(type=int, help="maximum context in tokens; its KV cache is reserved in the memory limit"
                                        " (default: the model's; under --memory-limit one whose KV cache fits,"
                                        " at most 4096)"), None),
-    "batch_size": (dict(type=int, default=defaults.DEFAULT_BATCH,
+    "batch_size": (dict(type=int, default=config.DEFAULT_BATCH,
                         help="maximum tokens per forward pass, all sequences together: a long prompt is prefilled"
                              f" in chunks of it, shorter ones under a limit too tight for it (default"
-                             f" {defaults.DEFAULT_BATCH})"), None),
-    "max_sequences": (dict(type=int, default=defaults.DEFAULT_MAX_SEQUENCES,
+                             f" {config.DEFAULT_BATCH})"), None),
+    "max_sequences": (dict(type=int, default=config.DEFAULT_MAX_SEQUENCES,
                            help="sequences decoded together in one forward pass (default "
-                                f"{defaults.DEFAULT_MAX_SEQUENCES})"), None),
+                                f"{config.DEFAULT_MAX_SEQUENCES})"), None),
     "kv_ram": (dict(help="RAM for the KV pool, e.g. 32M: every sequence's recent blocks and cached prefixes; a"
                          " context that needs more keeps older blocks in the swap file, and sequences that do not"
                          " fit wait there whole (default: the whole context, and under --memory-limit a quarter"
@@ -52,17 +52,17 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                           " 'default')"), None),
     "path": (dict(required=True, help="swap file to create"), None),
     "size": (dict(required=True, help="swap file size, e.g. 4G"), None),
-    "io_threads": (dict(type=int, default=defaults.DEFAULT_IO_THREADS,
-                        help=f"threads reading streamed weights (default {defaults.DEFAULT_IO_THREADS})"), None),
+    "io_threads": (dict(type=int, default=config.DEFAULT_IO_THREADS,
+                        help=f"threads reading streamed weights (default {config.DEFAULT_IO_THREADS})"), None),
     "prefetch_depth": (dict(type=int, help="streamed pages read ahead of use (default: one layer's streamed pages"
                                            " plus one)"), None),
     "draft_tokens": (dict(type=int, help="speculative decoding: tokens guessed from n-grams of the context and of"
                                          " text seen before, verified in the next forward pass (never changes the"
                                          " tokens); 0 = off, N = N whenever an n-gram matches (default: adaptive,"
                                          " sized by measured acceptance and pass cost)"), None),
-    "ngram": (dict(type=int, help=f"longest n-gram a draft is matched on (default {defaults.DEFAULT_NGRAM})"), None),
+    "ngram": (dict(type=int, help=f"longest n-gram a draft is matched on (default {config.DEFAULT_NGRAM})"), None),
     "ngram_cache_size": (dict(type=int, help="n-grams kept from earlier sequences for drafting, shared by all"
-                                             f" (default {defaults.DEFAULT_NGRAM_CACHE}; 0 = own context only)"),
+                                             f" (default {config.DEFAULT_NGRAM_CACHE}; 0 = own context only)"),
                          None),
     "lookahead": (dict(action=argparse.BooleanOptionalAction, help="MoE under --memory-limit: predict the next"
                                                                    " layer's experts with its router and read them"
@@ -75,8 +75,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                None),
     "prompt": (dict(required=True, help="prompt text"), None),
     "system": (dict(help="system message for the chat template"), None),
-    "max_tokens": (dict(type=int, default=defaults.DEFAULT_MAX_TOKENS,
-                        help=f"maximum tokens to generate (default {defaults.DEFAULT_MAX_TOKENS})"), None),
+    "max_tokens": (dict(type=int, default=config.DEFAULT_MAX_TOKENS,
+                        help=f"maximum tokens to generate (default {config.DEFAULT_MAX_TOKENS})"), None),
     "temperature": (dict(type=float, default=0.0, help="sampling temperature; 0 = greedy (default)"), None),
     "top_p": (dict(type=float, default=1.0, help="nucleus sampling mass (default 1.0)"), None),
     "top_k": (dict(type=int, default=0, help="sample among the k most likely tokens; 0 = off"), None),
@@ -140,7 +140,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
     "port": (0, 65535), "max_queue": (0, None), "shutdown_grace": (0, 3600),
-    "draft_tokens": (0, defaults.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
+    "draft_tokens": (0, config.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
 
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         output=dict(help="JSONL results, one line per id, appended as each finishes; ids already there are"
                          " skipped (resume)"),
         max_tokens=dict(help="maximum tokens per line unless the line says (default"
-                             f" {defaults.DEFAULT_MAX_TOKENS})"))
+                             f" {config.DEFAULT_MAX_TOKENS})"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -225,19 +225,19 @@ def model_path(args, engine: bool = True) -> str:
     if args.model:
         return args.model
     if engine:
-        from colibri.convert import default_container
+        from colibri.convert.pipeline import default_container
         return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
-    from colibri.defaults import default_model_path
+    from colibri.core.defaults import default_model_path
     return str(default_model_path())
 
 
-def engine_config(args) -> defaults.EngineConfig:
+def engine_config(args) -> config.EngineConfig:
     """The EngineConfig of a subcommand's options (the model path resolved)."""
-    return defaults.EngineConfig.from_args(args).replace(model=model_path(args))
+    return config.EngineConfig.from_args(args).replace(model=model_path(args))
 
 
 def load_model(args):
-    from colibri.model import load
+    from colibri.runtime.model import load
     return load(engine_config(args))
 
 
@@ -254,14 +254,14 @@ def cmd_run(args) -> int:
 
 
 def run_prompt(args, m) -> int:
-    from colibri.metrics import GenerationMetrics
+    from colibri.core.metrics import GenerationMetrics
     if args.raw:
         ids = m.prompt_ids(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = m.chat_ids(messages + [{"role": "user", "content": args.prompt}])
-    from colibri import generate as gen
-    from colibri.metrics import format_timeline
+    from colibri.engine import generate as gen
+    from colibri.core.metrics import format_timeline
     params = m.sampling_params(**sampling(args))
     timeline = args.verbose and m.store.timeline is not None
     if timeline:
@@ -292,7 +292,7 @@ def session_path(args):
         return None
     from pathlib import Path
 
-    from colibri.defaults import cache_dir
+    from colibri.core.defaults import cache_dir
     name = args.session or "default"
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise InputError(f"--session {name!r}: use letters, digits, '-', '_' or '.'")
@@ -300,7 +300,7 @@ def session_path(args):
 
 
 def cmd_chat(args) -> int:
-    from colibri.session import SessionLock
+    from colibri.kv.session import SessionLock
     saved = session_path(args)
     if saved is None:
         return chat_loop(args, None)
@@ -362,7 +362,7 @@ def cmd_serve(args) -> int:
     from colibri.server import serve
     name = args.model_name
     if name is None and not args.model:  # the embedded default: its own name, not its cached container's
-        from colibri.defaults import default_model_path
+        from colibri.core.defaults import default_model_path
         name = default_model_path().stem
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
           name=name, shutdown_grace_s=args.shutdown_grace)
@@ -375,8 +375,8 @@ def cmd_batch(args) -> int:
 
 
 def cmd_swap(args) -> int:
-    from colibri import swap
-    from colibri.defaults import parse_size
+    from colibri.kv import swap
+    from colibri.core.defaults import parse_size
     path = swap.create(args.path, parse_size(args.size))
     print(f"created {path} ({path.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return 0
@@ -416,7 +416,7 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from colibri.model import describe
+    from colibri.runtime.model import describe
     for key, value in describe(model_path(args, engine=False)).items():
         print(f"{key:>16}: {value}")
     return 0
@@ -425,7 +425,7 @@ def cmd_info(args) -> int:
 def cmd_convert(args) -> int:
     from tqdm import tqdm
 
-    from colibri.convert import ConvertOptions, convert
+    from colibri.convert.pipeline import ConvertOptions, convert
     opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
                           calibration=args.calibration, bits_per_weight=args.bits_per_weight,
                           calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
@@ -443,7 +443,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from colibri.container import ContainerCheckpoint
+    from colibri.formats.container import ContainerCheckpoint
     ckpt = ContainerCheckpoint(args.dir)
     bad = list(ckpt.verify())
     for where, what in bad:
@@ -488,7 +488,7 @@ def streams_dense(args) -> bool:
     if not limit or not getattr(args, "model", None):
         return False
     try:
-        from colibri.defaults import parse_size
+        from colibri.core.defaults import parse_size
         with open(os.path.join(args.model, "manifest.json")) as f:
             pages = json.load(f)["pages"]
         if any(p.get("kind") == "expert" for p in pages):

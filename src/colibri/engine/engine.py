@@ -26,13 +26,13 @@ import torch
 
 from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk, token_ids
 from colibri.engine.speculate import CACHE_ENTRY_BYTES, Speculator
-from colibri.errors import ColibriError, InputError
+from colibri.core.errors import ColibriError, InputError
 from colibri.models.base import Batch
-from colibri.prefix import common_prefix
-from colibri.sampling import SamplingParams
+from colibri.kv.prefix import common_prefix
+from colibri.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from colibri.kv import KVCache
+    from colibri.kv.cache import KVCache
 
 
 class Engine:

@@ -7,14 +7,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from colibri.errors import InputError
-from colibri.metrics import GenerationMetrics
-from colibri.sampling import Sampler, SamplingParams
-from colibri.tokenizer import StreamDecoder
+from colibri.core.errors import InputError
+from colibri.core.metrics import GenerationMetrics
+from colibri.engine.sampling import Sampler, SamplingParams
+from colibri.formats.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
-    from colibri.kv import KVCache
-    from colibri.tokenizer import Tokenizer
+    from colibri.kv.cache import KVCache
+    from colibri.formats.tokenizer import Tokenizer
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
 

@@ -24,7 +24,7 @@ import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from colibri.config import DEFAULT_NGRAM, DEFAULT_NGRAM_CACHE as DEFAULT_CACHE_ENTRIES
+from colibri.core.config import DEFAULT_NGRAM, DEFAULT_NGRAM_CACHE as DEFAULT_CACHE_ENTRIES
 
 if TYPE_CHECKING:
     from colibri.engine.request import Request

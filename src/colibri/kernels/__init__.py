@@ -161,7 +161,7 @@ def runnable_tiers() -> list[str]:
 
 
 def cache_root() -> Path:
-    from colibri.defaults import cache_dir
+    from colibri.core.defaults import cache_dir
     return cache_dir() / "kernels"
 
 
@@ -467,7 +467,7 @@ def native() -> bool:
     return tier() != "torch"
 
 
-def ops():
+def library():
     """The torch.ops namespace of the tier in use (callers check native() first)."""
     if not native():
         raise RuntimeError("the torch kernels are in use; they have no native ops")

@@ -1,5 +1,5 @@
 // What every kernel tier's ops accept, checked in one place (the avx512 files and generic/ share it): the stored
-// layouts of colibri/quant.py, with one-line errors. No ISA code here.
+// layouts of colibri/quant/kinds.py, with one-line errors. No ISA code here.
 #pragma once
 
 #include <ATen/ATen.h>

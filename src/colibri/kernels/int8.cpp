@@ -658,7 +658,7 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return q8_run(x, w, group_size);
 }
 
-// GGUF Q4_K as stored (colibri.quant q4k): the q4 tiles (group 32), (sc, m) u8 [K/32, Np, 2], (d, dmin) f16
+// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tiles (group 32), (sc, m) u8 [K/32, Np, 2], (d, dmin) f16
 // [K/256, Np, 2]. Bit for bit q4_linear_i8 with the f32 (s, z) of q4k_params, group 32.
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
@@ -675,7 +675,7 @@ at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
   return linear_i8<kQ4>(x, w, 32);
 }
 
-// GGUF Q6_K as stored (colibri.quant q8k): codes s8 [N, K], scale codes s8 [N, K/16], d f16 [N, K/256]. Bit for bit
+// GGUF Q6_K as stored (colibri.quant.kinds q8k): codes s8 [N, K], scale codes s8 [N, K/16], d f16 [N, K/256]. Bit for bit
 // q8_linear_i8 with the f32 scales d * sc, group 16.
 at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {

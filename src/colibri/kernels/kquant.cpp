@@ -1,4 +1,4 @@
-// Linear kernels for GGUF K-quants imported exactly (colibri/quant.py, "GGUF K-quants"): y = x @ W.T, batch-invariant as the
+// Linear kernels for GGUF K-quants imported exactly (colibri/quant/kinds.py, "GGUF K-quants"): y = x @ W.T, batch-invariant as the
 // kernels of linear.cpp (one f32 accumulation per output element in an order fixed by K alone).
 //
 // q4k (Q4_K): the q4 code tiles, group 32; per group and row uint8 (sc, m), per 256 values and row f16 (d, dmin):

@@ -1,5 +1,5 @@
 // Batch-invariant linear kernels for AVX-512 (F, BW, VL, DQ, BF16): y = x @ W.T for dense f32 / bf16 weights
-// and the stored q4 / q8 layouts (src/colibri/quant.py, docs/format.md).
+// and the stored q4 / q8 layouts (src/colibri/quant/kinds.py, docs/format.md).
 //
 // Invariance: every output element y[t, n] is one f32 accumulation over k in a fixed order that depends only on
 // K, never on T (the rows in the pass), on which thread computes it or on the other rows. Row blocks, column
@@ -13,7 +13,7 @@
 //   dot (row-major dense weights, q8 dequantized a block of rows at a time): 16-lane partial sums along k per
 //     (row, column), register blocks of up to 6 x 4, reduced at the end by the same fixed shuffle tree.
 // Compiled with -ffp-contract=off so a * b + c stays two roundings where written so (the dequantization
-// matches colibri.quant's dequantize()).
+// matches colibri.quant.kinds's dequantize()).
 // The pieces of both forms (the q4 tile driver, dot_block, row stores) live in tiles.h, shared with kquant.cpp.
 
 #include "tiles.h"

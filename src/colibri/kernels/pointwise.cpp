@@ -1,5 +1,5 @@
 // Elementwise functions (silu, sigmoid, rsqrt, gelu) over fixed pieces of a flat tensor, the pieces in parallel:
-// the same ATen kernel on the same pieces as colibri.ops.pointwise's loop (so the same bits: every element goes
+// the same ATen kernel on the same pieces as colibri.kernels.ops.pointwise's loop (so the same bits: every element goes
 // through ATen's vectorized body, whose rounding differs from its scalar tail), without a Python step, a slice and
 // a copy per piece, and on every thread (ATen runs one piece's loop inline inside the parallel region).
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from colibri.errors import ModelLoadError, UnsupportedModelError
-from colibri.loaders.checkpoint import Checkpoint, open_checkpoint
+from colibri.core.errors import ModelLoadError, UnsupportedModelError
+from colibri.formats.checkpoint import Checkpoint, open_checkpoint
 
 if TYPE_CHECKING:
     from colibri.models.base import DecoderModel, ModelArgs

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from colibri.errors import UnsupportedModelError
-from colibri import ops
-from colibri.ops import linear
+from colibri.core.errors import UnsupportedModelError
+from colibri.kernels import ops
+from colibri.kernels.ops import linear
 
 if TYPE_CHECKING:
-    from colibri.store import WeightStore
+    from colibri.weights.store import WeightStore
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -202,7 +202,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
            scale: float, softcap: float | None) -> torch.Tensor:
     """Attention, q: [H, T, Dh] at `positions` [T], k/v: [Hkv, S, Dh] (key j at position j) -> [H, T, Dh] in q's
-    dtype; a query at p sees keys p - window < j <= p. Batch-invariant: see `colibri.ops.attend`."""
+    dtype; a query at p sees keys p - window < j <= p. Batch-invariant: see `colibri.kernels.ops.attend`."""
     return ops.attend(q, k, v, positions, window, scale, softcap)
 
 

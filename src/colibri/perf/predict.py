@@ -23,12 +23,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colibri import budget
-from colibri.budget import Reserve
-from colibri.container import PageEntry, TensorEntry, read_manifest, records
-from colibri.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
+from colibri.runtime import budget
+from colibri.runtime.budget import Reserve
+from colibri.formats.container import PageEntry, TensorEntry, read_manifest, records
+from colibri.weights.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
 from colibri.models.base import ModelArgs
-from colibri.placement import Placement, block_rows, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
+from colibri.weights.placement import Placement, block_rows, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
 
 KINDS = ("embedding", "attention", "ffn", "expert", "shared_expert", "head")
 BASELINE_NOTE = ("the runtime baseline (Python, torch, tokenizer, manifest) is outside --memory-limit; the limit "
@@ -106,7 +106,7 @@ class Layout:
 def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int | None = None,
            ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH) -> Layout:
     """What `colibri.load` with these settings would keep resident and read per token, without reading a weight."""
-    from colibri.model import plan
+    from colibri.runtime.model import plan
 
     path = Path(path)
     placement, res, args = plan(path, memory_limit, dtype=dtype, prefetch_depth=prefetch_depth,

@@ -21,18 +21,19 @@ from pathlib import Path
 
 import torch
 
-from colibri import budget, quant
-from colibri.container import DTYPES, ContainerCheckpoint, TensorEntry
-from colibri.io import probe_bandwidth, thp_mode
-from colibri.kv import KVCache
-from colibri.model import resolve_dtype
+from colibri.runtime import budget
+from colibri.quant import kinds as quant
+from colibri.formats.container import DTYPES, ContainerCheckpoint, TensorEntry
+from colibri.weights.io import probe_bandwidth, thp_mode
+from colibri.kv.cache import KVCache
+from colibri.runtime.model import resolve_dtype
 from colibri.models import open_model
 from colibri.models.base import Batch, rms_norm, rope_cos_sin
-from colibri.ops import linear
+from colibri.kernels.ops import linear
 from colibri.perf.predict import WAKE_GAP_S
-from colibri.sampling import Sampler, SamplingParams
-from colibri.store import RamStore
-from colibri.placement import row_bytes
+from colibri.engine.sampling import Sampler, SamplingParams
+from colibri.weights.store import RamStore
+from colibri.weights.placement import row_bytes
 
 PROBE_PASSES = 20  # single-token passes timed per layer shape
 PROBE_SECONDS = 0.6  # at most this long per layer shape (at least 5 passes)

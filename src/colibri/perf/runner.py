@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from colibri import budget
-from colibri.container import MANIFEST
-from colibri.errors import InputError
-from colibri.metrics import GenerationMetrics
+from colibri.runtime import budget
+from colibri.formats.container import MANIFEST
+from colibri.core.errors import InputError
+from colibri.core.metrics import GenerationMetrics
 from colibri.perf.predict import (BASELINE_NOTE, EXPERT_ASSUMPTION, PIPELINE_MODEL, Layout, bounds, layout,
                                   simulate)
 from colibri.perf.probes import compute_probe, disk_probe
-from colibri.placement import fmt_bytes
+from colibri.weights.placement import fmt_bytes
 
 PIPELINE_SHORT = "reads overlap compute only as far as the store's prefetch reaches"
 PROMPT = "The history of the printing press begins"
@@ -186,7 +186,7 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
     """Cold-start decode benchmark: drop the model's files from the page cache, load under the limit, generate
     `tokens` tokens greedily (EOS ignored), and set the decode phase's measured speed and I/O beside the plan's
     prediction. The probes run after the model is closed, so they neither warm its pages nor count in its RSS."""
-    from colibri.model import load
+    from colibri.runtime.model import load
 
     path = Path(path)
     if tokens < 2:

@@ -12,8 +12,8 @@ import socket
 import sys
 from typing import Callable
 
-from colibri.config import EngineConfig
-from colibri.errors import ColibriError, InputError
+from colibri.core.config import EngineConfig
+from colibri.core.errors import ColibriError, InputError
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_MAX_QUEUE = "127.0.0.1", 8000, 64
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
@@ -43,7 +43,7 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     from colibri.server.metrics import ServerMetrics
     from colibri.server.worker import Worker
 
-    from colibri.model import open_model
+    from colibri.runtime.model import open_model
     ckpt, _, _ = open_model(config.model_path())  # a wrong path or architecture: one line, before the socket
     ckpt.close()
     metrics = ServerMetrics()

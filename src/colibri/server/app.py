@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from colibri.errors import InputError
+from colibri.core.errors import InputError
 from colibri.server import schema, tools
 from colibri.server.metrics import ServerMetrics
 from colibri.server.replies import ChatReply, CompletionReply

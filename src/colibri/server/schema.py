@@ -15,8 +15,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from colibri.errors import InputError
-from colibri.sampling import SamplingParams
+from colibri.core.errors import InputError
+from colibri.engine.sampling import SamplingParams
 
 Number = Union[StrictInt, StrictFloat]
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (send 0 for greedy)

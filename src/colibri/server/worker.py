@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from colibri.config import EngineConfig
-from colibri.errors import ColibriError
-from colibri.sampling import SamplingParams
+from colibri.core.config import EngineConfig
+from colibri.core.errors import ColibriError
+from colibri.engine.sampling import SamplingParams
 from colibri.server.schema import APIError
 
 LOADING, READY, DRAINING, FAILED, STOPPED = "loading", "ready", "draining", "failed", "stopped"
@@ -63,7 +63,7 @@ class Job:
 
 def load_model(config: EngineConfig):
     """The model `config` names, loaded as `colibri run` loads it."""
-    from colibri.model import load
+    from colibri.runtime.model import load
     return load(config)
 
 

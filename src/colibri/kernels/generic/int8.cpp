@@ -540,7 +540,7 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
 }
 
-// GGUF Q4_K kept as stored (colibri.quant's q4k): the q4 tile codes, (sc, m) uint8 [K/32, Np, 2], (d, dmin) f16
+// GGUF Q4_K kept as stored (colibri.quant.kinds's q4k): the q4 tile codes, (sc, m) uint8 [K/32, Np, 2], (d, dmin) f16
 // [K/256, Np, 2]; the bits of q4_linear_i8 with group 32 and the f32 (d * sc, 8 * d * sc - dmin * m).
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
@@ -558,7 +558,7 @@ at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
   return linear_i8<kQ4>(x, w);
 }
 
-// GGUF Q6_K kept as stored (colibri.quant's q8k): int8 codes [N, K], int8 scales [N, K/16], f16 supers
+// GGUF Q6_K kept as stored (colibri.quant.kinds's q8k): int8 codes [N, K], int8 scales [N, K/16], f16 supers
 // [N, K/256]; the bits of q8_linear_i8 with group 16 and the f32 scales d * sc.
 at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {

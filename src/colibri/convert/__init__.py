@@ -1,0 +1,1 @@
+"""Checkpoint -> container: the conversion pipeline, calibration, mixed precision, tied tables."""

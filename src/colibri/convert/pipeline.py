@@ -1,0 +1,419 @@
+"""`colibri convert`: HF directory or GGUF file -> Colibri container (docs/format.md).
+
+Streams tensor by tensor (peak memory ~ the largest tensor, whatever the model size), writes into a sibling
+`OUT.partial-<fingerprint>` directory, journals finished pages so an interrupted run resumes, verifies every
+checksum, and only then renames the directory into place. `default_container`: the embedded default model's
+container, converted once under the cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from colibri.core import __version__
+from colibri.convert import calibrate
+from colibri.formats import container
+from colibri.convert import mixed
+from colibri.quant import kinds as quant
+from colibri.convert import tied
+from colibri.core.atomic import fsync_dir, write_json
+from colibri.formats.container import (ALIGN, FORMAT, MANIFEST, VERSION, ContainerCheckpoint, checksum_str, crc32,
+                               plan_layout)
+from colibri.core.defaults import cache_dir, default_model_path
+from colibri.core.errors import ColibriError, InputError, ModelLoadError
+from colibri.formats.checkpoint import check_tensors
+from colibri.models import family, open_model
+
+QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+QUANTS = ("q4", "q8", "bf16", "f16", "f32")
+JOURNAL = "progress.json"
+MIXES = ("measured", "fixed")  # q4 precision mix: by measured sensitivity under the budget, or the fixed names
+SPACE_MARGIN = 64 << 20
+
+
+@dataclass
+class ConvertOptions:
+    """`calibration` (q4 only): "builtin" (CPython's own prose and source), a UTF-8 text file, or "none" (the
+    fixed-name policy: v_proj/down_proj and the tables at q8, plain q4 fit). A GGUF's Q4_K / Q6_K tensors are
+    kept exactly (kinds q4k / q8k) unless `requantize`, so the policy only decides the others. `mix`: "measured" (q8 for the
+    tensors with the most measured sensitivity per byte, within `bits_per_weight`, default what llama.cpp's
+    Q4_K_M would take for the same tensors) or "fixed" (the fixed names, with the calibrated fit)."""
+
+    quant: str = "q4"
+    group_size: int = 64
+    page_size_mb: int = 64
+    calibration: str = "none"  # the fixed policy (why: docs/quality.md, "What the measurements say")
+    bits_per_weight: float | None = None
+    calibration_tokens: int = calibrate.DEFAULT_TOKENS
+    mix: str = "measured"
+    requantize: bool = False  # GGUF Q4_K / Q6_K: re-quantized by the policy (lossy) instead of kept exactly
+
+    @property
+    def calibrated(self) -> bool:
+        return self.quant == "q4" and self.calibration != "none"
+
+    @property
+    def calibration_file(self) -> str | None:
+        return None if self.calibration in ("builtin", "none") else self.calibration
+
+    def __post_init__(self) -> None:
+        self.quant = QUANT_ALIASES.get(self.quant.lower(), self.quant.lower())
+        if self.quant not in QUANTS:
+            raise InputError(f"--quant {self.quant!r} is not supported; choose one of {', '.join(QUANTS)} "
+                             f"(aliases: {', '.join(QUANT_ALIASES)})")
+        if self.group_size not in (32, 64, 128):
+            raise InputError(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
+        if not 1 <= self.page_size_mb <= 4096:
+            raise InputError(f"--page-size must be between 1 and 4096 MB (got {self.page_size_mb})")
+        if self.bits_per_weight is not None and not 4 <= self.bits_per_weight <= 16:
+            raise InputError(f"--bits-per-weight must be between 4 and 16 (got {self.bits_per_weight})")
+        if self.calibration_file and not Path(self.calibration_file).is_file():
+            raise InputError(f"--calibration {self.calibration_file}: no such file (give a UTF-8 text file, "
+                             "'builtin' or 'none')")
+        if self.mix not in MIXES:
+            raise InputError(f"--mix {self.mix!r}: choose one of {', '.join(MIXES)}")
+        if not 16 <= self.calibration_tokens <= 1 << 20:
+            raise InputError(f"--calibration-tokens must be between 16 and 1048576 (got {self.calibration_tokens})")
+
+
+@dataclass
+class ConvertReport:
+    output: Path
+    bytes_written: int
+    total_bytes: int
+    resumed_pages: int
+    seconds: float
+
+
+def source_fingerprint(src: Path, opts: ConvertOptions) -> str:
+    """Identity of (input files, options): a partial output is resumed only for the same fingerprint."""
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    h = hashlib.sha256(f"{FORMAT}/{VERSION}/{asdict(opts)}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    """Write all of `data` at `offset` (the one place bytes reach the disk; tests inject failures here)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
+    """The extent of one tensor: its parts at their offsets, zero padding between."""
+    out = bytearray(entry.nbytes)
+    if entry.kind in container.FLOAT_KINDS:
+        buffers = {"data": value.to(container.FLOAT_KINDS[entry.kind]).contiguous()}
+    else:
+        buffers = value.buffers()
+    for pname, part in entry.parts.items():
+        b = buffers[pname].contiguous()
+        raw = b.reshape(-1).view(torch.uint8).numpy()
+        if raw.nbytes != part.nbytes:
+            raise ColibriError(f"internal: {entry.name}.{pname} is {raw.nbytes} bytes, layout says {part.nbytes}")
+        out[part.offset:part.offset + part.nbytes] = raw.tobytes()
+    return out
+
+
+def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
+    """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
+    of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
+    if entry.kind in container.QUANT_KINDS and ckpt.format == "gguf":
+        qtype, raw, shape = ckpt.raw_tensor(entry.name)
+        exact = {**quant.GGUF_EXACT, **quant.GGUF_K_EXACT}.get(qtype.name)
+        if exact is not None and exact.name == entry.kind:
+            return quant.from_gguf(raw, qtype, tuple(shape))
+    if cal is not None and entry.kind == "q4":
+        q = cal.quantized.pop(entry.name, None)
+        if q is not None and q.group_size == entry.group_size:
+            return q
+    w = ckpt.load(entry.name)
+    if entry.kind in container.QUANT_KINDS:
+        importance = cal.importance.get(entry.name) if cal is not None and entry.kind == "q4" else None
+        return quant.quantize(w.float(), entry.kind, entry.group_size, importance=importance)
+    return w
+
+
+def tokenizer_files(ckpt, out: Path) -> dict:
+    """Write tokenizer.json and chat_template.jinja beside the manifest; return the manifest's tokenizer entry."""
+    entry = {"file": None, "chat_template_file": None, "special": ckpt.special}
+    if getattr(ckpt, "tokenizer", None) is not None:
+        data = ckpt.tokenizer.to_str().encode("utf-8")
+        (out / "tokenizer.json").write_bytes(data)
+        entry.update(file="tokenizer.json", checksum=checksum_str(crc32(data)))
+    if ckpt.chat_template:
+        data = ckpt.chat_template.encode("utf-8")
+        (out / "chat_template.jinja").write_bytes(data)
+        entry.update(chat_template_file="chat_template.jinja", chat_template_checksum=checksum_str(crc32(data)))
+    return entry
+
+
+def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
+            progress: Callable[[int, int], None] | None = None,
+            kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
+    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
+    `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not force:
+        raise InputError(f"{dst} already exists; pass --force to overwrite it")
+    ckpt, args, arch = open_model(src)
+    if isinstance(ckpt, ContainerCheckpoint):
+        ckpt.close()
+        raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
+                         "made from")
+    shapes = arch.weight_shapes()
+    check_tensors(ckpt, shapes, src)
+    gguf = ckpt.format == "gguf"
+    tie = args.tie_word_embeddings
+    if gguf and opts.quant in container.QUANT_KINDS and (table := tied.tied_table_source(ckpt)):
+        ckpt, tie = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
+        del shapes[tied.HEAD]
+        args = family(ckpt.config["model_type"]).args(ckpt.config)
+        arch = family(ckpt.config["model_type"]).Model(args)
+    source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
+    source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
+    fingerprint = source_fingerprint(src, opts)
+    if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
+        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
+        fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
+    cal, policy = None, None
+    try:
+        fresh = force
+        if opts.calibrated and not kinds:
+            work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
+            _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
+            fresh = False
+            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tie, opts, source_types, work,
+                                                        progress is not None)
+            policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
+        return write_container(dst, ckpt.config, shapes, tie, opts,
+                               lambda entry: encode(entry, ckpt, cal), fingerprint, source,
+                               lambda work: tokenizer_files(ckpt, work), source_types, progress,
+                               kinds, policy, fresh=fresh)
+    finally:
+        ckpt.close()
+
+
+def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]], tied: bool, opts: ConvertOptions,
+                    encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
+                    tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None,
+                    fresh: bool = False) -> ConvertReport:
+    """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
+    An interrupted run's partial directory is resumed (`fresh`: discarded), its journaled pages checked first."""
+    t0 = time.perf_counter()
+    tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
+                                        source_types, kinds=kinds, requantize=opts.requantize)
+    total = sum(sizes)
+    work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
+    fds: list[int] = []
+    try:
+        journal = _open_journal(work, fingerprint, fresh)
+        _check_space(dst.parent if dst.parent.exists() else Path("."), total, work)
+        for i in range(len(sizes)):
+            fds.append(os.open(work / f"data-{i:05d}.bin", os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        if not _journaled(work):
+            shutil.rmtree(work, ignore_errors=True)  # nothing worth resuming
+        raise ColibriError(f"cannot write the container at {work}: {e.strerror}; check that the --output "
+                           "directory is writable") from None
+    by_name = {t.name: t for t in tensors}
+    try:
+        for i, size in enumerate(sizes):
+            os.ftruncate(fds[i], size)
+        done = _intact_pages(journal, pages, fds)
+        written = sum(p.nbytes for p in pages if p.id in done)
+        for page in pages:
+            if page.id in done:
+                page.checksum = done[page.id]["checksum"]
+                for n in page.tensors:
+                    by_name[n].checksum = done[page.id]["tensors"][n]
+                continue
+            for n in page.tensors:
+                t = by_name[n]
+                data = tensor_bytes(t, encode_fn(t))
+                t.checksum = checksum_str(crc32(data))
+                _pwrite(fds[t.file], data, t.offset)
+                written += t.nbytes
+                if progress:
+                    progress(written, total)
+            os.fdatasync(fds[page.file])
+            page.checksum = checksum_str(crc32(os.pread(fds[page.file], page.nbytes, page.offset)))
+            journal["pages"][str(page.id)] = {"checksum": page.checksum,
+                                              "tensors": {n: by_name[n].checksum for n in page.tensors}}
+            write_json(work / JOURNAL, journal)
+        for fd in fds:
+            os.fsync(fd)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            shutil.rmtree(work, ignore_errors=True)
+            raise ColibriError(f"no space left on the device writing {work}: the container needs {total / 2**30:.2f}"
+                               " GiB; free some space and run the command again") from None
+        raise ColibriError(f"writing {work} failed: {e.strerror or e}; check the disk and run the command again "
+                           "(finished pages are kept and resumed)") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+    manifest = {
+        "format": FORMAT, "version": VERSION,
+        "created_by": f"colibri {__version__}",
+        "source": {**source, "fingerprint": fingerprint},
+        "config": config,
+        "tokenizer": tokenizer_fn(work),
+        "quant": {"kind": opts.quant, "group_size": opts.group_size,
+                  "policy": policy or container.policy_for(opts.quant, opts.requantize)},
+        "alignment": ALIGN, "page_size": opts.page_size_mb << 20,
+        "files": [{"name": f"data-{i:05d}.bin", "size": s} for i, s in enumerate(sizes)],
+        "tensors": [asdict(t) for t in tensors],
+        "pages": [asdict(p) for p in pages],
+    }
+    manifest = json.loads(json.dumps(manifest))  # as a reader will parse it (tuples become lists)
+    manifest["checksum"] = container.manifest_checksum(manifest)
+    write_json(work / MANIFEST, manifest)
+    bad = next(container.ContainerCheckpoint(work).verify(), None)
+    if bad:
+        raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; check the disk and "
+                           "rerun with --force")
+    (work / JOURNAL).unlink()
+    fsync_dir(work)
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(work, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, dst)
+    fsync_dir(dst.parent)
+    return ConvertReport(dst, written, total, len(done), time.perf_counter() - t0)
+
+
+def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int]) -> dict[int, dict]:
+    """The journaled pages whose bytes on disk still match their journaled checksum (crc over one read of each):
+    a page damaged after it was journaled is dropped from the journal and written again, so a resumed run can
+    never keep a bad page forever."""
+    done = {}
+    for page in pages:
+        entry = journal["pages"].get(str(page.id))
+        if entry is None:
+            continue
+        data = os.pread(fds[page.file], page.nbytes, page.offset)
+        if len(data) == page.nbytes and checksum_str(crc32(data)) == entry.get("checksum"):
+            done[page.id] = entry
+        else:
+            del journal["pages"][str(page.id)]
+    return done
+
+
+def _journaled(work: Path) -> bool:
+    """Whether `work` holds a journal with finished pages (worth resuming)."""
+    try:
+        return bool(json.loads((work / JOURNAL).read_text()).get("pages"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _open_journal(work: Path, fp: str, fresh: bool = False) -> dict:
+    """Resume state from an earlier interrupted run with the same fingerprint, or a fresh partial directory."""
+    jf = work / JOURNAL
+    if jf.is_file() and not fresh:
+        try:
+            journal = json.loads(jf.read_text())
+            if journal.get("fingerprint") == fp:
+                return journal
+        except (OSError, json.JSONDecodeError):
+            pass
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    journal = {"fingerprint": fp, "pages": {}}
+    write_json(jf, journal)
+    return journal
+
+
+def _check_space(parent: Path, total: int, work: Path) -> None:
+    have = sum(f.stat().st_blocks * 512 for f in work.glob("data-*.bin"))
+    free = shutil.disk_usage(parent).free
+    need = total - have + SPACE_MARGIN
+    if free < need:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ColibriError(f"not enough free space in {parent}: the container needs {need / 2**30:.2f} GiB more,"
+                           f" {free / 2**30:.2f} GiB are free; free space or choose another --output")
+
+
+# ---------------------------------------------------------------------------------------------- the default model
+
+DEFAULT_KIND = "q4"  # the container kind of the default model (docs/quality.md, "The default model")
+
+
+def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
+    """A container of `src` under `root`, converted on first use and reused while `src` is unchanged.
+
+    Safe against two processes at once (the second waits on a lock, then finds the first's container) and
+    against a damaged cache (a container that fails its checksums is converted again). `announce(text)` is told
+    before a conversion starts."""
+    opts = ConvertOptions(quant=kind)
+    root.mkdir(parents=True, exist_ok=True)
+    dst = root / f"{src.stem}-{kind}-{source_fingerprint(src, opts)}"
+    if _intact(dst):
+        return dst
+    with open(root / f"{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _intact(dst):  # another process converted it while this one waited
+            return dst
+        if announce:
+            announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
+        convert(src, dst, opts, force=True, progress=_progress_line())
+    return dst
+
+
+def _intact(path: Path) -> bool:
+    if not (path / "manifest.json").is_file():
+        return False
+    try:
+        ckpt = ContainerCheckpoint(path)
+    except ModelLoadError:
+        return False
+    try:
+        return next(ckpt.verify(), None) is None
+    finally:
+        ckpt.close()
+
+
+def _progress_line():
+    """A one-line progress report on stderr (percent of bytes written), updated in place."""
+    shown = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct != shown[0]:
+            shown[0] = pct
+            end = "\n" if done >= total else ""
+            print(f"\rcolibri: converting the default model: {pct:3d} %", end=end, file=sys.stderr, flush=True)
+
+    return progress
+
+
+def default_container(announce=None) -> Path:
+    """The embedded default model as a container under cache_dir() (converted on first use)."""
+    return cached_container(default_model_path(), cache_dir() / "models", DEFAULT_KIND, announce)

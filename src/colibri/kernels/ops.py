@@ -1,0 +1,92 @@
+"""Kernels the model math calls. Weights may be plain tensors or quantized objects with their own matmul.
+
+Both are batch-invariant (colibri.kernels): a row's result does not depend on the other rows in the pass, and a
+query's attention output does not depend on the other queries nor on keys it cannot see.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from colibri import kernels
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T + b. x: [..., in], w: [out, in] (a tensor, or any object with `.linear(x, b)`) -> [..., out]."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if kernels.native() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        y = kernels.library().dense_linear(x2.contiguous(), w.contiguous())
+    else:
+        y = kernels.blocked(lambda blk: F.linear(blk, w), x2, n)
+    if b is not None:
+        y += b.to(y.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ATen's CPU loops compute an elementwise op in a vectorized body (two vectors per step: 64 elements for bf16 on
+# AVX-512) and a scalar tail, and split loops of GRAIN or more elements across threads; for silu, sigmoid, gelu
+# and rsqrt the two paths round differently, so one element's result depended on the tensor's size.
+_VEC = 64
+_GRAIN = 16384  # a multiple of _VEC, below at::internal::GRAIN_SIZE (32768): one thread runs each call
+
+
+# the functions the native kernels run over the same pieces (kernels/pointwise.cpp: the same ATen kernel per piece,
+# the pieces in parallel, no Python step per piece)
+_NATIVE = {F.silu: "silu", torch.sigmoid: "sigmoid", torch.rsqrt: "rsqrt", F.gelu: "gelu"}
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, every element through the vectorized body (zero-padded to whole steps, in
+    single-threaded pieces), so the result of an element never depends on the tensor around it."""
+    n = x.numel()
+    if n % _VEC == 0 and n <= _GRAIN and x.is_contiguous():
+        return fn(x)
+    if n % _VEC == 0 and fn in _NATIVE and kernels.native():
+        return kernels.library().pointwise(x.contiguous().view(-1), _NATIVE[fn], _GRAIN).view(x.shape)
+    return _pointwise_pieces(fn, x)
+
+
+def _pointwise_pieces(fn, x: torch.Tensor) -> torch.Tensor:
+    n = x.numel()
+    flat = x.reshape(-1)
+    if n % _VEC:
+        flat = torch.cat([flat, flat.new_zeros(_VEC - n % _VEC)])
+    out = torch.empty_like(flat)
+    for a in range(0, flat.numel(), _GRAIN):
+        out[a:a + _GRAIN] = fn(flat[a:a + _GRAIN])
+    return out[:n].view(x.shape)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
+           scale: float, softcap: float | None) -> torch.Tensor:
+    """Causal attention. q: [H, T, Dh] at absolute `positions` [T]; k, v: [Hkv, S, Dh], key j at position j
+    (last dim contiguous) -> [H, T, Dh] in q's dtype. Query p sees keys max(0, p - window + 1) .. p.
+
+    f32 math: scores scaled, soft-capped (Gemma-2), softmaxed over exactly the visible keys, the weighted sum
+    in key order. Query head h uses KV head h // (H / Hkv), without repeated copies."""
+    if kernels.native():
+        out = kernels.library().attend(q, k, v, positions.to(torch.int64), window or 0, float(scale), float(softcap or 0))
+        return out.to(q.dtype)
+    return _attend_torch(q, k, v, positions, window, scale, softcap)
+
+
+def _attend_torch(q, k, v, positions, window, scale, softcap) -> torch.Tensor:
+    """The fallback: one query at a time over fresh copies of its visible keys, so every matmul and softmax has
+    shapes set by that query's position alone (hence batch-invariant, though slower than the native kernel)."""
+    H, T, Dh = q.shape
+    Hkv, S = k.shape[0], k.shape[1]
+    qg = q.float().view(Hkv, H // Hkv, T, Dh)
+    out = torch.empty(Hkv, H // Hkv, T, Dh)
+    for t, p in enumerate(positions.tolist()):
+        hi, lo = min(p, S - 1), max(0, p - window + 1) if window else 0
+        keys = torch.empty(Hkv, hi - lo + 1, Dh).copy_(k[:, lo:hi + 1])
+        vals = torch.empty(Hkv, hi - lo + 1, Dh).copy_(v[:, lo:hi + 1])
+        s = torch.matmul(qg[:, :, t].contiguous(), keys.transpose(1, 2)).mul_(scale)  # [Hkv, G, n]
+        if softcap is not None:
+            s = s.div_(softcap).tanh_().mul_(softcap)
+        out[:, :, t] = torch.matmul(torch.softmax(s, dim=-1), vals)
+    return out.view(H, T, Dh).to(q.dtype)

@@ -1,0 +1,422 @@
+"""Paged KV cache: a sequence's positions in blocks of `block` tokens, blocks of the model's shared pool.
+
+One sequence's cache (`KVCache`) is a table of blocks (colibri.kv.pool): block j holds positions
+[j * block, (j + 1) * block) of every layer. Blocks are reference counted and shared: a sequence that starts with
+a cached prefix holds the prefix trie's blocks themselves, and a block it is about to write that others hold too
+(the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
+in RAM: when a pass needs more, its oldest blocks move to the swap file (for every holder), and attention reads
+them back one layer at a time with the next layer's reads in flight. A context of one block is read in place;
+longer ones are assembled per layer into one scratch buffer shared by the sequences of a pass (one at a time),
+dequantized there for q8: the values attention sees are the same wherever a block lives, so placement never
+changes tokens. Sliding-window layers read back only the blocks inside their window.
+
+A block's bytes, the unit of the pool, the swap file and saved sessions, are per layer one 4096-aligned
+segment: K [Hkv, block, Dh], V [Hkv, block, Dh] in the storage dtype, then (q8 only) their f32 scales
+[Hkv, block, Dh / group].
+
+`--kv-quant q8` (lossy, opt-in) stores K and V as int8 with one f32 scale per `group` (32) values of a head
+vector; every use dequantizes, so a position's keys are the same wherever they are stored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from colibri.core.errors import InputError
+from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
+from colibri.kv.pool import BLOCK, Block, BlockPool, KVLayout
+from colibri.kv.swap import SwapSlots
+
+MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would take more than BLOCK_BYTES of RAM
+BLOCK_BYTES = 4 << 20
+
+
+def block_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quant: str | None) -> int:
+    """The default block size of a model: BLOCK tokens, halved (down to MIN_BLOCK) while one block's RAM exceeds
+    BLOCK_BYTES. A block is the unit a sequence's KV grows by, so a large one wastes most of itself on short
+    sequences (a Llama-2-7B block of 64 bf16 tokens is 32 MiB: sixteen 28-token sequences would hold 512 MiB for
+    448 positions, 16 tokens make it 8 MiB); small models keep 64-token blocks, whose per-layer segments are what
+    the swap file reads and writes at once. The size never changes tokens: attention sees the same keys in the
+    same order however they are split."""
+    block = BLOCK
+    while block > MIN_BLOCK and KVLayout(num_layers, num_kv_heads, head_dim, dtype, block, quant).ram_block_bytes \
+            > BLOCK_BYTES:
+        block //= 2
+    return block
+
+
+def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., Dh] -> int8 values [..., Dh] and f32 scales [..., Dh / group] (symmetric, amax / 127)."""
+    g = x.float().unflatten(-1, (x.shape[-1] // group, group))
+    s = g.abs().amax(-1) / 127.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(g / s[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.flatten(-2), s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    g = q.unflatten(-1, (s.shape[-1], q.shape[-1] // s.shape[-1])).float() * s[..., None]
+    return g.flatten(-2).to(dtype)
+
+
+class Workspace:
+    """The buffer attention input is assembled in: one layer's K and V (compute dtype) for the longest context
+    assembled so far, grown in whole blocks, at most the context. One per KV space, shared by its sequences."""
+
+    def __init__(self, layout: KVLayout, max_length: int):
+        self.layout, self.full = layout, align_up(max_length, layout.block)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def positions_for(self, positions: int) -> int:
+        have = 0 if self._k is None else self._k.shape[1]
+        if positions <= have:
+            return have
+        return min(self.full, max(align_up(positions, self.layout.block), 2 * have))
+
+    def bytes_for(self, positions: int) -> int:
+        """RAM the workspace adds to assemble `positions` positions."""
+        lay = self.layout
+        have = 0 if self._k is None else self._k.shape[1]
+        return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * \
+            torch.empty((), dtype=lay.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
+
+    def buffers(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.positions_for(positions)
+        if self._k is None or self._k.shape[1] < n:
+            lay = self.layout
+            self._k = self._v = None
+            self._k, self._v = (torch.zeros(lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype) for _ in range(2))
+        return self._k, self._v
+
+
+class KVCache:
+    """One sequence's KV; see the module docstring. `pool`, `work` and `swap`: the block pool, the workspace and
+    the swap file it shares with other sequences (None: a pool and a workspace of its own, RAM only).
+    `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's cursor)."""
+
+    def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
+                 layer_windows: list[int | None] | None = None, pool: BlockPool | None = None,
+                 work: Workspace | None = None, swap: SwapSlots | None = None,
+                 on_truncate: Callable[[KVCache, int], None] | None = None):
+        self.layout = layout
+        B = layout.block
+        self.max_length = max_length
+        full = align_up(max_length, B)
+        self.window = full if window is None else min(full, window // B * B)
+        if self.window < full and self.window < 2 * B:  # spilling needs one block in RAM beside the oldest
+            raise InputError(f"a KV window of {self.window} tokens is too small; it must hold two blocks "
+                             f"({2 * B} tokens)")
+        self.pool = pool if pool is not None else BlockPool(layout)
+        self.work = work if work is not None else Workspace(layout, max_length)
+        self.swap = swap
+        self._on_truncate = on_truncate
+        self.layer_windows = layer_windows or [None] * layout.num_layers
+        self.length = 0  # positions committed (visible to the next pass)
+        self.ids: list[int] = []  # the token at each committed position
+        self.blocks: list[Block] = []  # block j: positions [j * block, (j + 1) * block)
+        self._staging: list[AlignedBuffer] = []  # read buffers for blocks on disk (two: one layer ahead)
+        self._pending: dict[int, tuple[list[int], list, int]] = {}  # layer -> (blocks, futures, buffer)
+        self._out: list[Block] | None = None  # swapped out: the blocks swap_out moved to disk
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+
+    @property
+    def offloads(self) -> bool:
+        return self.window < align_up(self.max_length, self.layout.block)
+
+    @property
+    def max_pass(self) -> int:
+        """The most tokens one forward pass may add: the window keeps one block for the oldest in-RAM one."""
+        return self.window - self.layout.block if self.offloads else self.max_length
+
+    def ram_blocks(self) -> int:
+        return sum(1 for b in self.blocks if b.in_ram)
+
+    def staging_bytes(self) -> int:
+        return sum(b.nbytes for b in self._staging)
+
+    def _staging_size(self) -> int:
+        lay = self.layout
+        return 2 * align_up(align_up(self.max_length, lay.block) // lay.block * lay.seg_bytes)
+
+    def grow_bytes(self, tokens: int, workspace: bool = True) -> int:
+        """RAM the pool and this cache's buffers gain when room for `tokens` more positions is reserved (a
+        swapped-out cache being read back first): blocks appended, read back or copied from shared ones, less
+        those the window sends to disk, and the workspace and read buffers the pass first needs."""
+        lay, B = self.layout, self.layout.block
+        back = sum(1 for b in self._out if not b.in_ram) if self._out is not None else 0
+        own = self.ram_blocks() + back
+        added = shared = 0  # blocks entering this sequence's RAM / copies of shared blocks kept in RAM by others
+        for j in range(self.length // B, -(-(self.length + tokens) // B)):
+            if j >= len(self.blocks) or not self.blocks[j].in_ram:
+                added += 1
+            elif self.blocks[j].shared:
+                shared += 1
+        spilled = max(0, own + added - self.window // B)
+        extra = 0
+        if workspace and (self.length + tokens > B or lay.quant):
+            extra += self.work.bytes_for(self.length + tokens)
+        if not self._staging and (spilled or any(not b.in_ram for b in self.blocks)):
+            extra += self._staging_size()
+        return max(0, back + added + shared - spilled) * lay.ram_block_bytes + extra
+
+    @torch.inference_mode()
+    def reserve(self, tokens: int) -> None:
+        """Make room for a pass of `tokens` positions: blocks appended, or made writable (read back from disk,
+        copied when shared), and the oldest blocks over the window sent to the swap file."""
+        if self.length + tokens > self.max_length:
+            raise InputError(f"{self.length + tokens} positions exceed the context of {self.max_length} tokens")
+        if tokens > self.max_pass:
+            raise ValueError(f"a pass of {tokens} tokens does not fit a {self.window}-token KV window")
+        self._drain()
+        self.swap_in()
+        B = self.layout.block
+        first = self.length // B
+        for j in range(first, -(-(self.length + tokens) // B)):
+            if j == len(self.blocks):
+                self.blocks.append(self.pool.new())
+            else:
+                self.blocks[j] = self.pool.writable(self.blocks[j])
+        self._fit_window()
+
+    def _fit_window(self) -> None:
+        """Send the oldest of this sequence's blocks in RAM to the swap file while more than `window` positions
+        are in RAM (the pass's own blocks are the newest: `max_pass` leaves them room)."""
+        if not self.offloads:
+            return
+        ram = [b for b in self.blocks if b.in_ram]
+        for b in ram[:max(0, len(ram) - self.window // self.layout.block)]:
+            self.pool.spill(b)
+
+    def _writable(self, end: int) -> bool:
+        B = self.layout.block
+        if len(self.blocks) * B < end:
+            return False
+        return all(b.in_ram and not b.shared for b in self.blocks[self.length // B:-(-end // B)])
+
+    # -- writing -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
+        S = length + T positions ([Hkv, S, Dh], compute dtype) for attention."""
+        T = k.shape[1]
+        end = self.length + T
+        if not self._writable(end):
+            self.reserve(T)  # callers that skip reserve() (a bare forward) get it here
+        lay = self.layout
+        if lay.quant:
+            (k, ks), (v, vs) = quantize(k, lay.group), quantize(v, lay.group)
+        B, pos = lay.block, self.length
+        while pos < end:
+            j, o = divmod(pos, B)
+            n = min(B - o, end - pos)
+            bk, bv, bks, bvs = self.blocks[j].layers[i]
+            s = pos - self.length
+            bk[:, o:o + n] = k[:, s:s + n]
+            bv[:, o:o + n] = v[:, s:s + n]
+            if lay.quant:
+                bks[:, o:o + n] = ks[:, s:s + n]
+                bvs[:, o:o + n] = vs[:, s:s + n]
+            pos += n
+        if end <= B and not lay.quant:  # one block: read in place
+            bk, bv = self.blocks[0].layers[i][:2]
+            return bk[:, :end], bv[:, :end]
+        return self._assemble(i, end)
+
+    def advance(self, n: int, ids=None) -> None:
+        if ids is not None:
+            self.ids.extend(int(t) for t in ids)
+        self.length += n
+
+    # -- attention input -----------------------------------------------------------------------------------
+
+    def _first_block(self, i: int) -> int:
+        """The first block layer i's queries of this pass can see."""
+        w = self.layer_windows[i]
+        return 0 if w is None else max(0, self.length - w + 1) // self.layout.block  # first query at `length`
+
+    def _disk_blocks(self, i: int) -> list[int]:
+        return [j for j in range(self._first_block(i), len(self.blocks)) if not self.blocks[j].in_ram]
+
+    def _submit(self, i: int, priority: int) -> None:
+        js = self._disk_blocks(i)
+        if not js:
+            return
+        if not self._staging:
+            self._staging = [AlignedBuffer(self._staging_size() // 2) for _ in range(2)]
+        buf = i % 2
+        futures = self.swap.read_layer([self.blocks[j].slot for j in js], i, self._staging[buf], priority)
+        self._pending[i] = (js, futures, buf)
+
+    def _drain(self) -> None:
+        """Wait out reads still in flight (a failed pass leaves some): their buffers are about to be reused."""
+        for _, futures, _ in self._pending.values():
+            for f in futures:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - already reported by the pass that failed
+                    pass
+        self._pending.clear()
+
+    def _copy_block(self, dst_k: torch.Tensor, dst_v: torch.Tensor, k, v, ks, vs) -> None:
+        """dst [Hkv, B, Dh] <- one block's values [Hkv, B, Dh] (dequantized when quantized)."""
+        if ks is None:
+            dst_k.copy_(k)
+            dst_v.copy_(v)
+        else:
+            dst_k.copy_(dequantize(k, ks, self.layout.dtype))
+            dst_v.copy_(dequantize(v, vs, self.layout.dtype))
+
+    def _assemble(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.layout
+        B = lay.block
+        sk, sv = self.work.buffers(end)
+        first, nb = self._first_block(i), -(-end // B)
+        if first:
+            sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
+            sv[:, :first * B].zero_()
+        on_disk: set[int] = set()
+        if any(not self.blocks[j].in_ram for j in range(first, nb)):
+            pend = self._pending.pop(i, None)
+            if pend is None or pend[0] != self._disk_blocks(i):
+                if pend is not None:
+                    for f in pend[1]:
+                        f.result()
+                self._submit(i, DEMAND)
+                pend = self._pending.pop(i)
+            if i + 1 < lay.num_layers and i + 1 not in self._pending:
+                self._submit(i + 1, PREFETCH)
+            js, futures, buf = pend
+            t0 = time.perf_counter()
+            for f in futures:
+                self.swap.promote(f)
+            for f in futures:
+                f.result()
+            self.swap.read_wait_s += time.perf_counter() - t0
+            raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
+            k, v, ks, vs = lay.views(raw, len(js))
+            for n, j in enumerate(js):
+                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], k[n], v[n],
+                                 None if ks is None else ks[n], None if vs is None else vs[n])
+            on_disk.update(js)
+        for j in range(first, nb):
+            if j not in on_disk:
+                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *self.blocks[j].layers[i])
+        return sk[:, :end], sv[:, :end]
+
+    # -- blocks in and out ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_block(self, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The padded bytes of block b (uint8 [block_bytes]), from RAM or the swap file."""
+        out = torch.empty(self.layout.block_bytes, dtype=torch.uint8) if out is None else out
+        return self.pool.read(self.blocks[b], out)
+
+    @torch.inference_mode()
+    def append_block(self, block: torch.Tensor, ids: list[int]) -> None:
+        """Append a block's padded bytes (a saved session) at the block-aligned end; `ids` are its tokens (fewer
+        than a block for a sequence's last one)."""
+        B = self.layout.block
+        if self.length % B:
+            raise ValueError("blocks are appended at block boundaries only")
+        self.reserve(B if self.length + B <= self.max_length else len(ids))
+        self.layout.unpad(block, self.blocks[self.length // B].data)
+        self.advance(len(ids), ids)
+
+    @torch.inference_mode()
+    def share(self, blocks: list[Block], ids: list[int]) -> None:
+        """Append full blocks others hold (a cached prefix of `ids`' tokens) by reference: nothing is copied;
+        blocks on disk come back into RAM, within the window."""
+        B = self.layout.block
+        if self.length % B or len(ids) != len(blocks) * B or self.length + len(ids) > self.max_length:
+            raise ValueError("shared blocks are whole blocks appended at a block boundary within the context")
+        for b in blocks:
+            self.blocks.append(self.pool.ref(b))
+        self.advance(len(ids), ids)
+        ram = self.window // B
+        for b in self.blocks[-min(len(blocks), ram):]:
+            self.pool.load(b)
+        self._fit_window()
+
+    @torch.inference_mode()
+    def truncate(self, length: int) -> None:
+        """Drop positions >= length (a reused prefix, rejected speculative tokens); the blocks past it go back to
+        the pool."""
+        length = max(0, min(self.length, length))
+        self._drain()
+        keep = -(-length // self.layout.block)
+        for b in self.blocks[keep:]:
+            self.pool.unref(b)
+        del self.blocks[keep:]
+        if self._out is not None:
+            self._out = [b for b in self._out if any(b is c for c in self.blocks)]
+        if self._on_truncate is not None:
+            self._on_truncate(self, length)
+        self.length = length
+        del self.ids[length:]
+
+    def use_block(self, j: int, block: Block) -> None:
+        """Hold `block` (the same positions' KV, held elsewhere) in place of block j; nothing while swapped out or
+        with reads in flight (they name the blocks' slots)."""
+        if self.swapped or self._pending:
+            return
+        mine, self.blocks[j] = self.blocks[j], self.pool.ref(block)
+        self.pool.unref(mine)
+
+    # -- preemption: the sequence out to the swap file and back, nothing recomputed -------------------------
+
+    @property
+    def swapped(self) -> bool:
+        return self._out is not None
+
+    @torch.inference_mode()
+    def swap_out(self) -> None:
+        """Move the blocks only this sequence holds to the swap file and free its read buffers (blocks others
+        hold stay where they are). InputError when the swap file has no room, with the cache unchanged."""
+        if self._out is not None:
+            return
+        self._drain()
+        out: list[Block] = []
+        try:
+            for b in self.blocks:
+                if b.in_ram and not b.shared:
+                    self.pool.spill(b)
+                    out.append(b)
+        except BaseException:
+            for b in out:
+                self.pool.load(b)
+            raise
+        self._out = out
+        self._staging = []
+
+    @torch.inference_mode()
+    def swap_in(self) -> None:
+        """Read the blocks `swap_out` moved back into RAM and free their slots."""
+        if self._out is None:
+            return
+        for b in self._out:
+            self.pool.load(b)
+        self._out = None
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    @torch.inference_mode()
+    def release(self) -> None:
+        """Give this cache's blocks back to the pool and free its buffers."""
+        self._drain()
+        for b in self.blocks:
+            self.pool.unref(b)
+        self.blocks, self._out, self._staging = [], None, []
+        self.length, self.ids = 0, []
+        if self._on_truncate is not None:
+            self._on_truncate(self, 0)

@@ -1,0 +1,716 @@
+"""Quantized linear weights stored as plain bytes: q4 (4-bit, group-wise scale + zero) and q8 (int8, symmetric).
+
+A weight is a few contiguous tensors (`buffers()`) that a container writes as raw bytes and hands back through
+`from_buffers`, which keeps them as they are (no copy on the common path). `colibri.kernels.ops.linear` calls
+`w.linear(x, b)` for these objects.
+
+q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0, Np = N rounded up to 16):
+  qweight       uint8 [Np, K/2]   nibbles in the AVX-512 layout of torch's CPU int4 kernel: rows in tiles of 64;
+                                  tile t holds bytes [K, 32], byte (k, j) = q[64t + j, k] | q[64t + 32 + j, k] << 4.
+                                  A last partial tile of r = Np % 64 rows holds [K, r/2],
+                                  byte (k, i) = q[base + 2i, k] | q[base + 2i + 1, k] << 4.
+  scales_zeros  [K/g, Np, 2]      (scale, zero) per group and row, bf16/f16/f32 (the kind's scale_dtype).
+  weight = (q - 8) * scale + zero, q in [0, 15]; rows N..Np-1 are padding (q = 8, scale = zero = 0).
+  torch packs differently per CPU ISA (64-row tiles for AVX-512, 32-row tiles for AVX2, row pairs otherwise), so
+  the stored bytes are one fixed layout: the kernel's own on AVX-512 machines (zero-copy), repacked once at load
+  elsewhere (`from_buffers` keeps both then).
+q8 on-disk layout:
+  qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
+q4k / q8k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout).
+
+Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
+never depends on the other rows in the pass.
+  native (colibri.kernels: the avx512, avx2 and portable tiers, bit-identical to each other): q4 with bf16 x: per group, x . (q - 8) by bf16 dot products of the exact
+    codes, then scale * that + zero * sum(x) in f32, output rounded once to bf16; q8 with bf16 x: weights
+    q * scale rounded to bf16, f32 accumulation. f32 x: the `dequantize()` weights exactly, f32 accumulation.
+  torch fallback (COLIBRI_KERNELS=torch, or no C++ compiler): bf16 x: torch's int4 / int8 weight-only kernels at
+    every row count (their rows do not interact); grouped q8 and f32 x: a few MiB of rows at a time are
+    dequantized in f32 (exactly the `dequantize()` values), rounded to x's dtype and multiplied with a GEMM run
+    on fixed 16-row blocks (`kernels.blocked`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from colibri import kernels
+
+Q4_GROUP_SIZES = (32, 64, 128, 256)
+K_KINDS = ("q4k", "q8k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
+TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
+_TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
+Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
+_CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step, small enough to stay in the L3 (docs/performance.md)
+SCRATCH_BYTES = _CHUNK_BYTES * 3 // 2  # what _scratch keeps: the f32 step and its bf16 copy (budget.reserve)
+_local = threading.local()
+
+
+def _scratch(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """A reused buffer per thread and dtype: a fresh multi-MiB allocation per call costs page faults."""
+    n = 1
+    for s in shape:
+        n *= s
+    bufs = _local.__dict__.setdefault("bufs", {})
+    if dtype not in bufs or bufs[dtype].numel() < n:
+        with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
+            bufs[dtype] = torch.empty(n, dtype=dtype)
+    return bufs[dtype][:n].view(shape)
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    """What a quantized weight is: `name` "q4" / "q8", `group_size` along K (q8: 0 = one scale per output
+    channel), and the dtype its scales (and q4 zeros) are stored in."""
+
+    name: str
+    group_size: int
+    scale_dtype: torch.dtype
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored code."""
+        return 4 if self.name in TILED_KINDS else 8
+
+
+def _kind(kind: QuantKind | str, group_size: int | None) -> QuantKind:
+    if isinstance(kind, QuantKind):
+        return kind
+    if kind == "q4":
+        return QuantKind("q4", 64 if group_size is None else group_size, torch.bfloat16)
+    if kind == "q8":
+        return QuantKind("q8", 0 if group_size is None else group_size, torch.bfloat16)
+    if kind in _K_KIND:
+        return _K_KIND[kind]
+    raise ValueError(f"unknown quant kind {kind!r} (expected 'q4', 'q8', 'q4k' or 'q8k')")
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _check_shape(kind: QuantKind, shape: tuple[int, int]) -> tuple[int, int]:
+    n, k = (int(s) for s in shape)
+    g = kind.group_size
+    if kind.name in K_KINDS:  # GGUF K-quants: fixed groups inside SUPER-value super-blocks
+        if n <= 0 or k <= 0 or k % SUPER:
+            raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by {SUPER}")
+        return n, k
+    if kind.name == "q4" and g not in Q4_GROUP_SIZES:
+        raise ValueError(f"q4 group size must be one of {Q4_GROUP_SIZES}, got {g}")
+    if kind.name == "q8" and g < 0:
+        raise ValueError(f"q8 group size must be 0 (per channel) or positive, got {g}")
+    if n <= 0 or k <= 0 or (g and k % g):
+        raise ValueError(f"{kind.name}: shape {(n, k)} needs K divisible by the group size {g}")
+    return n, k
+
+
+def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
+                  group_size: int | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The on-disk pieces of a weight of logical `shape` [N, K]: name -> (dtype, shape), in storage order."""
+    kind = _kind(kind, group_size)
+    n, k = _check_shape(kind, shape)
+    if kind.name in K_KINDS:
+        return _k_buffer_layout(kind, n, k)
+    if kind.name == "q4":
+        np_ = _round16(n)
+        return {"qweight": (torch.uint8, (np_, k // 2)),
+                "scales_zeros": (kind.scale_dtype, (k // kind.group_size, np_, 2))}
+    scales = (n,) if kind.group_size == 0 else (n, k // kind.group_size)
+    return {"qweight": (torch.int8, (n, k)), "scales": (kind.scale_dtype, scales)}
+
+
+def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> None:
+    if kind.scale_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{kind.name} scales must be bf16, f16 or f32, got {kind.scale_dtype}")
+    for name, (dtype, want) in buffer_layout(kind, shape).items():
+        t = buffers.get(name)
+        if t is None:
+            raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
+        exact_dtype = name == "qweight" or kind.name in K_KINDS
+        if tuple(t.shape) != want or (exact_dtype and t.dtype != dtype) or not t.is_contiguous():
+            raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
+                             f"expected contiguous {dtype} {want}")
+
+
+# ---- q4 nibble layout -----------------------------------------------------------------------------------------
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """q: uint8 [Np, K] in [0, 15], Np % 16 == 0 -> uint8 [Np, K/2] in the layout described at the top."""
+    np_, k = q.shape
+    out = torch.empty(np_, k // 2, dtype=torch.uint8)
+    nf = np_ // _TILE * _TILE
+    if nf:
+        t = q[:nf].view(nf // _TILE, 2, 32, k)  # [tiles, low/high nibble, j, K]
+        out[:nf].view(nf // _TILE, k, 32).copy_((t[:, 0] | (t[:, 1] << 4)).transpose(1, 2))
+    if nf < np_:
+        t = q[nf:].view((np_ - nf) // 2, 2, k)  # [row pairs, even/odd, K]
+        out[nf:].view(k, (np_ - nf) // 2).copy_((t[:, 0] | (t[:, 1] << 4)).T)
+    return out
+
+
+def _signed_nibbles(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 bytes -> (low, high) nibbles as int8 q - 8. Flipping bit 3 of a nibble turns q into the 4-bit
+    two's complement of q - 8, which an arithmetic shift sign-extends."""
+    s = (p ^ 0x88).view(torch.int8)
+    return (s << 4) >> 4, s >> 4
+
+
+def _unpack_q4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_pack_q4`: uint8 [Np, K/2] -> int8 [Np, K] holding q - 8."""
+    np_, k = qweight.shape[0], qweight.shape[1] * 2
+    out = torch.empty(np_, k, dtype=torch.int8)
+    nf = np_ // _TILE * _TILE
+    if nf:
+        lo, hi = _signed_nibbles(qweight[:nf].view(nf // _TILE, k, 32))
+        o = out[:nf].view(nf // _TILE, 2, 32, k)
+        o[:, 0].copy_(lo.transpose(1, 2))
+        o[:, 1].copy_(hi.transpose(1, 2))
+    if nf < np_:
+        lo, hi = _signed_nibbles(qweight[nf:].view(k, (np_ - nf) // 2))
+        o = out[nf:].view((np_ - nf) // 2, 2, k)
+        o[:, 0].copy_(lo.T)
+        o[:, 1].copy_(hi.T)
+    return out
+
+
+@functools.cache
+def kernel_layout_is_stored_layout() -> bool:
+    """True when this process's torch packs int4 weights exactly as we store them (AVX-512 dispatch)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (64 + 16, 64 + 32, 64 + 48):
+        q = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.uint8)
+        if not torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1), _pack_q4(q)):
+            return False
+    return True
+
+
+def repack_for_kernel(qweight: torch.Tensor) -> torch.Tensor:
+    """Stored q4 bytes -> the bytes this machine's int4 kernel reads (the same tensor where they agree)."""
+    if kernel_layout_is_stored_layout():
+        return qweight
+    q = _unpack_q4(qweight).to(torch.int32) + 8
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+
+# ---- weights --------------------------------------------------------------------------------------------------
+
+def _as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight expects {k}")
+    return x.reshape(-1, k).contiguous()
+
+
+class _QuantWeight:
+    kind: QuantKind
+    shape: tuple[int, int]
+
+    def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
+        self.shape = _check_shape(kind, shape)
+        _check_buffers(kind, self.shape, buffers)
+        self.kind = kind
+        self._buffers = {name: buffers[name] for name in buffer_layout(kind, self.shape)}
+        self._cache: dict = {}  # derived small tensors (scales in another dtype or order), built on first use
+
+    @property
+    def group_size(self) -> int:
+        return self.kind.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored buffers (what reading this weight from disk costs)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The on-disk pieces, each a contiguous tensor; see `buffer_layout`."""
+        return dict(self._buffers)
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        """Wrap stored pieces without copying them; the scale dtype is the stored one."""
+        scales = buffers.get("scales_zeros" if cls is Q4Weight else "scales")
+        if scales is None:
+            raise ValueError(f"{cls.__name__}.from_buffers: scale buffer missing (got {sorted(buffers)})")
+        return cls(QuantKind("q4" if cls is Q4Weight else "q8", group_size, scales.dtype), shape, buffers)
+
+    def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A stored small buffer converted to `dtype` once and kept (the decode kernels want scales in the
+        activation dtype every token; placement.resident_extra charges the copy to a pinned weight's page). The
+        f32 paths convert what they need per call instead: keeping f32 copies of every resident weight's scales
+        cost a third of the q4 bytes again, outside the budget."""
+        t = self._buffers[name]
+        if t.dtype == dtype:
+            return t
+        key = (name, dtype)
+        if key not in self._cache:
+            self._cache[key] = t.to(dtype)
+        return self._cache[key]
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b. x: [..., K] float32 / bfloat16 (float16 computes in f32) -> [..., N] in x's dtype."""
+        n, k = self.shape
+        x2 = _as_2d(x, k)
+        if x2.dtype == torch.bfloat16 or x2.dtype == torch.float32:
+            y = self._linear_2d(x2)
+        else:
+            y = self._linear_2d(x2.float()).to(x.dtype)
+        if y.shape[1] != n:  # rows padded to 16
+            y = y[:, :n].contiguous()
+        if b is not None:
+            y += b.to(y.dtype)
+        return y.reshape(*x.shape[:-1], n)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind.name}, shape={self.shape}, group_size={self.group_size})"
+
+
+class Q4Weight(_QuantWeight):
+    """4-bit weight, asymmetric per group of `group_size` inputs: w = (q - 8) * scale + zero."""
+
+    codes_offset = -8  # w = (q + codes_offset) * scale + zero (Q4KWeight: 0)
+
+    def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
+        super().__init__(kind, shape, buffers)
+        self._packed = repack_for_kernel(self._buffers["qweight"])
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native():
+            b = self._buffers
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
+                return kernels.library().q4_linear_i8(x, b["qweight"], b["scales_zeros"], self.group_size)
+            return kernels.library().q4_linear(x, b["qweight"], b["scales_zeros"], self.group_size)
+        if x.dtype == torch.bfloat16:
+            sz = self._buffer_as("scales_zeros", torch.bfloat16)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, sz)
+        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
+
+    def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sz = self._buffers["scales_zeros"][:, r0:r1].float()
+        return sz[..., 0], sz[..., 1]  # [G, r1 - r0] each
+
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of tiles t0..t1 as contiguous f32 [tiles, G, 1, 64], built per dequantize step: strided
+        broadcasts in the loop cost several times more than contiguous ones (docs/performance.md, "Figures moved
+        from source comments"), and a kept f32 copy for the whole weight would double the RAM of 16-bit stored
+        scales, for every resident weight."""
+        (_, k), g = self.shape, self.group_size
+        sz = self._buffers["scales_zeros"][:, t0 * _TILE:t1 * _TILE].float().view(k // g, t1 - t0, _TILE, 2)
+        p = sz.permute(3, 1, 0, 2).unsqueeze(3).contiguous()  # [2, tiles, G, 1, 64]
+        return p[0], p[1]
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T in x's dtype, dequantizing a few 64-row tiles at a time (W.T tiles are [K, 64]); the
+        weights are exactly `dequantize()`'s in f32, rounded once to bf16 for bf16 x."""
+        (_, k), g = self.shape, self.group_size
+        qw = self._buffers["qweight"]
+        np_, nt, t = qw.shape[0], qw.shape[0] // _TILE, x.shape[0]
+        y = torch.empty(t, np_, dtype=x.dtype)
+        if nt:
+            tiles = qw[:nt * _TILE].view(nt, k, 32)
+            step = max(1, _CHUNK_BYTES // (k * _TILE * 4))
+            yt = y[:, :nt * _TILE].view(t, nt, _TILE)
+            for i in range(0, nt, step):
+                c = min(step, nt - i)
+                s, z = self._tile_params_f32(i, i + c)
+                w = _scratch(torch.float32, c, k, _TILE)
+                lo, hi = _signed_nibbles(tiles[i:i + c])
+                w[..., :32].copy_(lo)
+                w[..., 32:].copy_(hi)
+                if self.codes_offset != -8:
+                    w.add_(self.codes_offset + 8)
+                w4 = w.view(c, k // g, g, _TILE)
+                torch.addcmul(z, w4, s, out=w4)  # (q - 8) * scale + zero, one rounding
+                if x.dtype != torch.float32:
+                    w = _scratch(x.dtype, c, k, _TILE).copy_(w)
+                yt[:, i:i + c].copy_(torch.matmul(x, w).transpose(0, 1))
+        if nt * _TILE < np_:
+            y[:, nt * _TILE:] = x @ self._dequant_rows(nt * _TILE, np_).to(x.dtype).T
+        return y
+
+    def _dequant_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """f32 [r1 - r0, K] for a row range aligned to the layout (whole tiles, or the tail)."""
+        (_, k), g = self.shape, self.group_size
+        qw = self._buffers["qweight"]
+        q = _unpack_q4(qw[r0:r1]) if r0 % _TILE == 0 and (r1 - r0) % _TILE == 0 else _unpack_q4(qw)[r0:r1]
+        scale, zero = self._scales_zeros_f32(r0, r1)
+        w = q.float().view(r1 - r0, k // g, g)
+        if self.codes_offset != -8:
+            w.add_(self.codes_offset + 8)
+        torch.addcmul(zero.T.unsqueeze(-1), w, scale.T.unsqueeze(-1), out=w)
+        return w.view(r1 - r0, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense [N, K] tensor (computed in f32: bit-exact to what the f32 path multiplies by)."""
+        n = self.shape[0]
+        return self._dequant_rows(0, self._buffers["qweight"].shape[0])[:n].to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """f32 [len(ids), K]: rows of a lookup table (token embedding), dequantizing only the tiles they sit in."""
+        out = torch.empty(len(ids), self.shape[1])
+        np_ = self._buffers["qweight"].shape[0]
+        full = np_ // _TILE * _TILE
+        for i, r in enumerate(ids.tolist()):
+            r0, r1 = (r // _TILE * _TILE, r // _TILE * _TILE + _TILE) if r < full else (full, np_)
+            out[i] = self._dequant_rows(r0, r1)[r - r0]
+        return out
+
+
+class Q8Weight(_QuantWeight):
+    """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native():
+            op = kernels.library().q8_linear
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
+                op = kernels.library().q8_linear_i8
+            return op(x, self._buffers["qweight"], self._buffers["scales"], self.group_size)
+        if self.group_size == 0 and x.dtype == torch.bfloat16:
+            s = self._buffer_as("scales", torch.bfloat16)
+            return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
+        n, k = self.shape
+        qw = self._buffers["qweight"]
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        step = max(1, _CHUNK_BYTES // (k * 4))
+        for r in range(0, n, step):
+            c = min(step, n - r)
+            w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
+            s = self._scales_f32(slice(r, r + c))
+            w.view(c, s.shape[1], -1).mul_(s.unsqueeze(-1))
+            if x.dtype != torch.float32:
+                w = _scratch(x.dtype, c, k).copy_(w)
+            y[:, r:r + c] = x @ w.T
+        return y
+
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Scales of `rows` (a slice, or row ids) as f32 [rows, groups] (one group per channel: [rows, 1])."""
+        s = self._buffers["scales"][rows].float()
+        return s.view(s.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        s = self._scales_f32(slice(0, n))
+        return (self._buffers["qweight"].float().view(n, s.shape[1], -1) * s.unsqueeze(-1)).view(n, k).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
+        k = self.shape[1]
+        s = self._scales_f32(ids)
+        return (self._buffers["qweight"][ids].float().view(len(ids), s.shape[1], -1) * s.unsqueeze(-1)).view(len(ids), k)
+
+
+# ---- quantize -------------------------------------------------------------------------------------------------
+
+def _bf16_round_up(t: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16 >= t, for t >= 0 (f32 in, bf16 out): scales rounded up keep every value in range."""
+    bits = t.float().contiguous().view(torch.int32)
+    up = torch.where((bits & 0xFFFF) != 0, (bits + 0x10000) & ~0xFFFF, bits)
+    return up.view(torch.float32).to(torch.bfloat16)
+
+
+Q4_FIT_ITERS = 6
+# elements per quantization step (1 MiB of f32): bounds converter memory, and keeps the fit's elementwise passes
+# in L2 (for the plain and the importance-weighted fit alike). Each pass is too small to split across threads:
+# the fit runs on one, since on a loaded host a parallel region waits for a descheduled thread (both timed:
+# docs/performance.md, "Conversion").
+QUANTIZE_CHUNK = 1 << 18
+
+
+def _q4_fit(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (scale, zero) for q4, in bf16. wf: f32 [N, G, g].
+
+    Starts from the min/max fit (error <= scale/2 everywhere) and refines by alternating least squares: with the
+    codes fixed, the scale and zero minimizing the squared error are a linear regression of w on (q - 8); with
+    those fixed, codes are re-rounded. The best fit seen per group is kept (clipping an outlier may pay), so the
+    squared error is never above min/max's at the same bits (how much lower: docs/quality.md, "Reading the
+    table").
+    """
+    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
+    scale = (hi - lo) / 15
+    zero = lo + 8 * scale
+    best_err = torch.full_like(lo, float("inf"))
+    best_s, best_z = scale.clone(), zero.clone()
+    flat = scale == 0  # constant groups: zero = the value, scale 0
+    for _ in range(Q4_FIT_ITERS):
+        s16, z16 = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()  # what will be stored
+        q = torch.where(s16 > 0, torch.round((wf - z16) / s16.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
+        err = ((q - 8) * s16 + z16 - wf).pow(2).sum(-1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_z = torch.where(better, s16, best_s), torch.where(better, z16, best_z)
+        x = q - 8
+        xm, wm = x.mean(-1, keepdim=True), wf.mean(-1, keepdim=True)
+        var = (x - xm).pow(2).mean(-1, keepdim=True)
+        fit = ((x - xm) * (wf - wm)).mean(-1, keepdim=True) / var.clamp_min(1e-30)
+        scale = torch.where((var > 0) & (fit > 0) & ~flat, fit, scale)
+        zero = torch.where(flat, lo, wm - scale * xm)
+    return best_s.squeeze(-1).to(torch.bfloat16), best_z.squeeze(-1).to(torch.bfloat16)
+
+
+def quantize(w: torch.Tensor, kind: str, group_size: int,
+             importance: torch.Tensor | None = None) -> Q4Weight | Q8Weight:
+    """Round-to-nearest quantization of a float [N, K] weight, scales (and zeros) stored in bf16.
+
+    q4: per group, (scale, zero) fitted by `_q4_fit` (min/max start, least-squares refinement), codes q in [0, 15]
+    rounded against the stored bf16 values. With `importance` (f32 [K], mean x^2 per input channel from
+    calibration) the fit minimizes the importance-weighted error instead (`quantfit.fit_q4_weighted`).
+    q8: per output channel (group_size 0) or per group, scale = absmax / 127 rounded up to bf16, q in [-127, 127].
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see QUANTIZE_CHUNK
+    try:
+        return _quantize(w, kind, group_size, importance)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quantize(w: torch.Tensor, kind: str, group_size: int, importance: torch.Tensor | None) -> Q4Weight | Q8Weight:
+    kind_ = _kind(kind, group_size)
+    n, k = _check_shape(kind_, tuple(w.shape))
+    g = kind_.group_size or k
+    w = w.detach()
+    rows = max(1, QUANTIZE_CHUNK // k)  # f32 temporaries stay at a few chunks whatever the tensor's size
+    if kind_.name == "q8":
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // g, dtype=torch.bfloat16)
+        for r in range(0, n, rows):
+            wf = w[r:r + rows].float().reshape(-1, k // g, g)
+            scale[r:r + rows] = _bf16_round_up(wf.abs().amax(-1) / 127)
+            sf = scale[r:r + rows].float().unsqueeze(-1)
+            q[r:r + rows] = torch.where(sf > 0, torch.round(wf / sf.clamp_min(1e-30)), 0).clamp_(-127, 127).view(-1, k)
+        scales = scale.reshape(n) if kind_.group_size == 0 else scale
+        return Q8Weight(kind_, (n, k), {"qweight": q, "scales": scales.contiguous()})
+    np_ = _round16(n)
+    qp = torch.full((np_, k), 8, dtype=torch.uint8)
+    sz = torch.zeros(k // g, np_, 2, dtype=torch.bfloat16)
+    for r in range(0, n, rows):
+        wf = w[r:r + rows].float().reshape(-1, k // g, g)
+        scale, zero = _q4_fit(wf)
+        if importance is not None:
+            from colibri.quant.fit import fit_q4_weighted
+            scale, zero = fit_q4_weighted(wf, importance.view(k // g, g), (scale, zero))
+        sf, zf = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        q = torch.where(sf > 0, torch.round((wf - zf) / sf.clamp_min(1e-30)) + 8, 8).clamp_(0, 15)
+        end = r + wf.shape[0]  # qp and sz have padding rows beyond n
+        qp[r:end] = q.view(-1, k).to(torch.uint8)
+        sz[:, r:end, 0] = scale.T
+        sz[:, r:end, 1] = zero.T
+    return Q4Weight(kind_, (n, k), {"qweight": _pack_q4(qp), "scales_zeros": sz})
+
+
+# ---- GGUF blocks ----------------------------------------------------------------------------------------------
+
+def _gguf_type_name(gguf_type) -> str:
+    if isinstance(gguf_type, str):
+        return gguf_type.upper()
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(int(gguf_type)).name
+
+
+def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | Q8Weight:
+    """Re-express GGUF Q4_0 / Q4_1 (-> q4, group 32) or Q8_0 (-> q8, group 32) blocks without loss; Q4_K and
+    Q6_K become the two-level kinds q4k / q8k (section "GGUF K-quants" below).
+
+    raw: uint8 [N, K / 32 * block_bytes] (rows in HF order), shape: [N, K]. `dequantize()` of the result equals
+    `gguf.quants.dequantize` bit for bit in f32. Scales stay f16 where that is exact (Q4_0, Q8_0); Q4_1's zero
+    m + 8 d is stored in f32 and checked to be exact (raises ValueError otherwise).
+    """
+    name = _gguf_type_name(gguf_type)
+    n, k = (int(s) for s in shape)
+    if name in ("Q4_K", "Q6_K"):
+        return _k_from_gguf(raw, name, n, k)
+    bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
+    if bytes_per_block is None:
+        raise ValueError(f"from_gguf: {name} blocks are not supported (only Q4_0, Q4_1, Q8_0)")
+    if k % 32:
+        raise ValueError(f"from_gguf: K = {k} is not a multiple of the 32-value block")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, bytes_per_block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, G]
+    if name == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+        return Q8Weight(QuantKind("q8", 32, torch.float16), (n, k),
+                        {"qweight": q, "scales": torch.from_numpy(d.copy())})
+    nib = blocks[..., bytes_per_block - 16:]  # [N, G, 16]: byte j = value j (low nibble) | value j + 16 (high)
+    np_ = _round16(n)
+    q = torch.full((np_, k), 8, dtype=torch.uint8)
+    q[:n] = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k))
+    if name == "Q4_0":
+        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float16)
+        sz[:, :n, 0] = torch.from_numpy(d.T.copy())
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        zero64 = m.astype(np.float64) + 8 * d.astype(np.float64)
+        zero = zero64.astype(np.float32)
+        if not np.array_equal(zero.astype(np.float64), zero64):
+            raise ValueError("from_gguf: a Q4_1 block's m + 8 d is not exact in float32; keep this tensor as float")
+        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float32)
+        sz[:, :n, 0] = torch.from_numpy(d.T.astype(np.float32))
+        sz[:, :n, 1] = torch.from_numpy(zero.T.copy())
+    return Q4Weight(QuantKind("q4", 32, sz.dtype), (n, k), {"qweight": _pack_q4(q), "scales_zeros": sz})
+
+
+# ---- container helpers ----------------------------------------------------------------------------------------
+
+# GGUF block types re-expressed without loss, and the kind (group 32, scale dtype) each becomes.
+GGUF_EXACT = {
+    "Q4_0": QuantKind("q4", 32, torch.float16),
+    "Q4_1": QuantKind("q4", 32, torch.float32),
+    "Q8_0": QuantKind("q8", 32, torch.float16),
+}
+# ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
+GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q8k", 16, torch.float16)}
+
+
+def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
+    """Whether a weight of `shape` can be stored as `kind` (2-D, K divisible by the group size)."""
+    if len(shape) != 2:
+        return False
+    try:
+        _check_shape(_kind(kind, group_size), tuple(shape))
+    except ValueError:
+        return False
+    return True
+
+
+def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
+    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight}[kind]
+    return cls.from_buffers(tuple(shape), group_size, buffers)
+
+
+# ---- GGUF K-quants kept exactly -------------------------------------------------------------------------------
+#
+# GGUF K-quants kept exactly: Q4_K as the two-level q4 kind `q4k`, Q6_K as the two-level int8 kind `q8k`.
+#
+# A K-quant GGUF (llama.cpp's Q4_K_M) stores most matrices as Q4_K and the rest as Q6_K. Re-quantizing them into
+# q4 (one bf16 scale + zero per 64) and q8 (one scale per channel) is lossy twice and costs more bytes; these
+# kinds store the GGUF's own codes and scales, so a container's weights are the source's, bit for bit
+# (`dequantize()` equals `gguf.quants.dequantize` in f32), at about the source's bytes.
+#
+# q4k (N out, K in, K % 256 == 0, Np = N rounded up to 16): 4.625 bits per weight (Q4_K: 4.5, its 6-bit scale
+# codes packed; here one byte each)
+#   qweight  uint8 [Np, K/2]       codes q in [0, 15] in the q4 tile layout (colibri.quant.kinds, top of the file)
+#   scales   uint8 [K/32, Np, 2]   (sc, m) per group of 32 and row, 6-bit codes
+#   supers   f16   [K/256, Np, 2]  (d, dmin) per 256 values and row
+#   w = (d * sc) * q - dmin * m, in f32: d * sc and dmin * m are exact (11 + 6 bits), so is their product by q;
+#   one rounding, in the subtraction, as gguf's dequantize.
+# q8k: 8.5625 bits per weight (Q6_K: 6.5625)
+#   qweight  int8 [N, K]       q - 32, q in [0, 63]
+#   scales   int8 [N, K/16]    sc per 16 values
+#   supers   f16  [N, K/256]   d per 256 values
+#   w = (d * sc) * q, exact in f32.
+# Compute: colibri.kernels (kquant.cpp) decodes the scales per group on the fly; the torch fallback dequantizes a
+# few MiB at a time (exactly `dequantize()`), as q4 / q8 do.
+
+SUPER = 256  # values per K-quant super-block
+Q4K, Q8K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
+_K_KIND = {"q4k": Q4K, "q8k": Q8K}
+
+
+def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    if kind.name == "q4k":
+        np_ = _round16(n)
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
+                "supers": (torch.float16, (k // SUPER, np_, 2))}
+    return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
+            "supers": (torch.float16, (n, k // SUPER))}
+
+
+class Q4KWeight(Q4Weight):
+    """Q4_K kept exactly: w = (d * sc) * q - dmin * m per group of 32 (see the top of the file)."""
+
+    codes_offset = 0  # the dequantizing helpers of Q4Weight see the codes q, not q - 8
+
+    def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
+        # skips Q4Weight's int4 repack: torch's int4 kernel cannot take two-level scales (the fallback dequantizes)
+        super(Q4Weight, self).__init__(kind, shape, buffers)
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(Q4K, shape, buffers)
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
+                return kernels.library().q4k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
+            return kernels.library().q4k_linear(x, b["qweight"], b["scales"], b["supers"])
+        return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
+
+    def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d * sc, -dmin * m), f32 [K/32, r1 - r0] each: w = q * scale + zero."""
+        sc = self._buffers["scales"][:, r0:r1].float()
+        sup = self._buffers["supers"][:, r0:r1].float().repeat_interleave(SUPER // 32, dim=0)
+        return sup[..., 0] * sc[..., 0], -(sup[..., 1] * sc[..., 1])
+
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Q4Weight's, [tiles, K/32, 1, 64] each, built per dequantize step from the two-level codes."""
+        k = self.shape[1]
+        s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
+        p = torch.stack([s, z]).view(2, k // 32, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
+        return p[0], p[1]
+
+
+class Q8KWeight(Q8Weight):
+    """Q6_K kept exactly: w = (d * sc) * (q - 32) per 16 values (see the top of the file)."""
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(Q8K, shape, buffers)
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy: x per 16 values
+                return kernels.library().q8k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
+            return kernels.library().q8k_linear(x, b["qweight"], b["scales"], b["supers"])
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """d * sc of `rows` (a slice, or row ids), f32 [rows, K/16] (exact)."""
+        sup = self._buffers["supers"][rows].float().repeat_interleave(SUPER // 16, dim=1)
+        return sup * self._buffers["scales"][rows].float()
+
+
+def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
+    """GGUF Q4_K / Q6_K blocks (uint8 [N, K / 256 * block bytes], rows in HF order) re-expressed without loss."""
+    if k % SUPER:
+        raise ValueError(f"from_gguf: K = {k} is not a multiple of the {SUPER}-value K-quant block")
+    nb = k // SUPER
+    if name == "Q4_K":
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, 144)
+        dd = blocks[..., 0:4].copy().view(np.float16)  # [N, nb, 2]: d, dmin
+        s = blocks[..., 4:16].reshape(n, nb, 3, 4)
+        a, b, c = s[..., 0, :], s[..., 1, :], s[..., 2, :]  # llama.cpp's 12-byte packing of 8 + 8 6-bit codes
+        sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)  # [N, nb, 8]
+        mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+        qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(n, k)  # value 64 j + i: low nibble of byte 32 j + i (i < 32), else its high nibble
+        np_ = _round16(n)
+        qp = torch.zeros(np_, k, dtype=torch.uint8)
+        qp[:n] = torch.from_numpy(q)
+        scales = torch.zeros(k // 32, np_, 2, dtype=torch.uint8)
+        scales[:, :n] = torch.from_numpy(np.stack([sc, mn], axis=-1).reshape(n, k // 32, 2).transpose(1, 0, 2).copy())
+        supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
+        supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
+        return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
+    if name == "Q6_K":
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, 210)
+        ql = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        lo = (ql & 0x0F).reshape(n, nb, 2, 4, 32)  # [half, quarter, i]: 128 h + 32 j + i
+        hi = (qh & 0x03).reshape(n, nb, 2, 4, 32)
+        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+        sc = blocks[..., 192:208].copy().view(np.int8).reshape(n, k // 16)
+        d = blocks[..., 208:210].copy().view(np.float16).reshape(n, nb)
+        return Q8KWeight(Q8K, (n, k), {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(sc),
+                                       "supers": torch.from_numpy(d)})
+    raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")

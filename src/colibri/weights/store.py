@@ -1,0 +1,153 @@
+"""Weight stores: where the model math gets its tensors from.
+
+The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses. That
+contract lets a streaming store load a layer's pages just before `layer(i)` is entered and release them after.
+`RamStore` is the simplest store: everything resident in the compute dtype. Every store has the whole protocol
+(the RAM store's budget and I/O methods are trivial), so callers never probe a store for a capability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+
+import torch
+
+from colibri.core.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from colibri.weights.placement import Placement
+
+
+class WeightStore(Protocol):
+    placement: "Placement | None"  # which pages are pinned and which stream (None: all in RAM)
+    timeline: list[dict] | None  # per-scope records of the first `timeline_passes` passes (None: none kept)
+    timeline_passes: int
+
+    def get(self, name: str) -> torch.Tensor:
+        """The weight `name`, ready for compute (compute dtype, or a quantized object that ops.linear accepts)."""
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a lookup table (token embedding): [len(ids), D]."""
+
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        """A head table as consecutive row blocks (one block: the whole table), inside the head's scope."""
+
+    def begin_pass(self, tokens: int, longest: int | None = None) -> None:
+        """A forward pass over `tokens` tokens starts; `longest`: the most tokens one sequence has in it (a batch
+        of single-token decode steps is still decode; None: `tokens`)."""
+
+    def layer(self, i: int) -> contextlib.AbstractContextManager:
+        """Scope of layer i's compute (i == num_layers: the head): a streaming store makes its pages resident
+        and prefetches ahead; tensors got inside are not used after it closes."""
+
+    def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
+        """Scope of one routed expert's compute in layer i."""
+
+    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
+        """Layer i's router chose these experts (expert -> tokens routed to it; `names`: expert -> its tensors,
+        needed next). Returns the order to compute them in."""
+
+    def wants_lookahead(self, i: int) -> bool:
+        """Whether guesses of layer i's experts (`predict`) would be used: its experts are read from disk."""
+
+    def peek(self, name: str) -> torch.Tensor | None:
+        """A tensor outside its scope if it is resident already (pinned, or its page read), else None."""
+
+    def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
+        """A guess of layer i's routing (as `route`'s arguments), made before layer i runs: read ahead."""
+
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        """Share the memory limit with `held` bytes held besides the weights (the KV cache) and `extra` more the
+        next pass takes: pin or unpin pages beyond the placement's (pin=False: only unpin)."""
+
+    def kv_room(self, extra: int) -> int | None:
+        """Bytes the KV cache may hold beside a pass taking `extra` (None: no limit)."""
+
+    def spare(self, held: int) -> int | None:
+        """Bytes a pass may take beside `held` without unpinning anything (None: no limit)."""
+
+    def hold(self) -> None:
+        """Keep to the placement's own pins from here on (for measuring a placement)."""
+
+    def counters(self) -> dict:
+        """Cumulative I/O counters and resident bytes ({}: nothing is read from disk)."""
+
+    def close(self) -> None: ...
+
+
+class RamStore:
+    """All weights resident in RAM, converted once to the compute dtype: no limit, no reads, no timeline."""
+
+    placement = None
+    timeline = None
+    timeline_passes = 0
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.tensors = tensors
+        self.dtype = dtype
+
+    @classmethod
+    def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> "RamStore":
+        tensors = {}
+        for name in names:
+            t = read(name)
+            if isinstance(t, torch.Tensor):
+                tensors[name] = t.to(dtype) if t.is_floating_point() else t
+            else:  # a quantized weight: stays packed, computes in the activations' dtype
+                tensors[name] = t
+        return cls(tensors, dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"tensor {name!r} is not in the loaded weights; the checkpoint is incomplete") from None
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        w = self.get(name)
+        return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
+
+    @contextlib.contextmanager
+    def layer(self, i: int) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def expert(self, i: int, e: int) -> Iterator[None]:
+        yield
+
+    def row_blocks(self, name: str) -> Iterator[torch.Tensor]:
+        yield self.get(name)
+
+    def begin_pass(self, tokens: int, longest: int | None = None) -> None:
+        pass
+
+    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
+        return sorted(uses)
+
+    def wants_lookahead(self, i: int) -> bool:
+        return False  # everything is resident: nothing to read early
+
+    def peek(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+    def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
+        pass
+
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        pass  # nothing to pin or unpin
+
+    def kv_room(self, extra: int) -> int | None:
+        return None
+
+    def spare(self, held: int) -> int | None:
+        return None
+
+    def hold(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.tensors = {}

@@ -1,0 +1,94 @@
+"""Elastic pins: beyond the placement's own pins, streamed dense pages are pinned while the memory limit has
+room beside the KV cache and the activations of the pass at hand, and unpinned (the last made first; they stream
+again) when those grow. The staging was sized for the placement's streamed set, which holds every set left
+streaming, so pins never need more staging. The store does the pinning itself (`pin`, `release`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from colibri.weights import placement as place
+from colibri.formats.container import PageEntry, TensorEntry
+from colibri.core.errors import StorageError
+from colibri.weights.io import AlignedBuffer
+
+
+class ElasticPins:
+    def __init__(self, pages: list[PageEntry], tensors: dict[str, TensorEntry], pl: place.Placement,
+                 memory_limit: int | None, dtype: torch.dtype, pin: Callable[[int], AlignedBuffer],
+                 release: Callable[[int], None]):
+        """`pin(pid)`: read a streamed page into a buffer of its own and keep its tensors resident (on failure
+        the page streams again and the error propagates); `release(pid)`: the page streams again."""
+        self.pages, self.placement, self.memory_limit = pages, pl, memory_limit
+        self._pin, self._release = pin, release
+        self.baseline: int | None = None  # the runtime baseline RSS, set by the owner once measured
+        self._cost = {pid: p.nbytes + place.resident_extra(p, tensors, dtype) for pid, p in enumerate(pages)}
+        self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
+        self._candidates = sorted((pid for pid in pl.streamed if pages[pid].kind != "expert"),
+                                  key=lambda i: (place.PIN_ORDER.get(pages[i].kind, 9), pages[i].offset))
+        self._extra: dict[int, AlignedBuffer] = {}  # elastic pins in the order they were made
+        self._extra_bytes = 0  # their cost (pages and what their weights derive)
+        self.pins = self.unpins = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned page bytes now: the placement's and the elastic pins'."""
+        return self.placement.pinned_bytes + sum(self.pages[pid].nbytes for pid in self._extra)
+
+    def weight_bytes(self) -> int:
+        """What the weights hold now against the budget: pinned pages with what they derive, and the staging."""
+        return self._fixed + self._extra_bytes
+
+    def fit(self, held: int, extra: int, pin: bool = True) -> None:
+        """Share the budget with the KV cache and the next pass: `held` bytes held now besides the weights (the KV
+        cache) and `extra` more the pass takes. Unpin elastic pins (the last made first; their pages stream
+        again) until the weights fit beside them, then (pin=True) pin streamed dense pages in placement order
+        while they fit. What is held is also measured (RSS above `baseline`, when set, less the weights): memory
+        the allocator kept from earlier passes counts as held. Called between passes; the placement's own pins,
+        sized for the whole context and a full pass, always fit."""
+        if self.memory_limit is None:
+            return
+        room = self._room(held) - extra
+        while self._extra and self._extra_bytes > room:
+            self._unpin(next(reversed(self._extra)))
+        if not pin:
+            return
+        for pid in self._candidates:
+            if pid not in self._extra and self._extra_bytes + self._cost[pid] <= room:
+                try:
+                    self._extra[pid] = self._pin(pid)
+                except StorageError:  # a pin only saves reads: the page streams, and a pass needing it reports
+                    return
+                self._extra_bytes += self._cost[pid]
+                self.pins += 1
+
+    def _room(self, held: int) -> int:
+        """The budget less the placement's weights and what is held (measured as `fit` says)."""
+        if self.baseline is not None:
+            from colibri.core.metrics import rss_bytes
+            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
+        return self.memory_limit - self._fixed - held
+
+    def kv_room(self, extra: int) -> int | None:
+        """Bytes the KV cache may hold beside a pass taking `extra` once every elastic pin has given way: the
+        limit less the placement's own weights (None: no budget)."""
+        return None if self.memory_limit is None else self.memory_limit - self._fixed - extra
+
+    def spare(self, held: int) -> int | None:
+        """Bytes a pass may take beside `held` without unpinning anything (None: no budget). Optional work, such
+        as speculative drafts, is cut to this rather than make pages stream again."""
+        return None if self.memory_limit is None else self._room(held) - self._extra_bytes
+
+    def hold(self) -> None:
+        """Back to the placement's own pins, and no elastic pins from here on: for measuring a placement."""
+        while self._extra:
+            self._unpin(next(reversed(self._extra)))
+        self._candidates = []
+
+    def _unpin(self, pid: int) -> None:
+        del self._extra[pid]  # with the tensors built over it, the buffer is unmapped
+        self._release(pid)
+        self._extra_bytes -= self._cost[pid]
+        self.unpins += 1
