@@ -192,7 +192,7 @@ def test_pool_spills_and_preempts_with_the_same_tokens(tiny_model_dir, tmp_path)
     # sequences' windows at once: the others wait, swapped out whole
     m = load(path, kv_ram=24 * lay.token_bytes, swap_dir=tmp_path / "swap")
     assert m.kv_plan.window == 24
-    m.engine.pool_bytes = 4 * (64 * lay.token_bytes)
+    m.engine.memory.pool_bytes = 4 * (64 * lay.token_bytes)
     assert batched(m, ps, mts, join=[0] * N) == ref
     stats = m.stats()
     assert stats["preemptions"] > 0 and stats["kv_written_bytes"] > 0

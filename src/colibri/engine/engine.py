@@ -20,11 +20,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
 from colibri.engine.request import FINISHED, PREEMPTED, RUNNING, WAITING, Request, StreamChunk, token_ids
+from colibri.engine.memory import MemoryGovernor, PassShape
+from colibri.engine.plan import PassResult, Served, Slot, StepPlan
 from colibri.engine.speculate import CACHE_ENTRY_BYTES, Speculator
 from colibri.core.errors import ColibriError, InputError
 from colibri.models.base import Batch
@@ -32,38 +34,41 @@ from colibri.kv.prefix import common_prefix
 from colibri.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from colibri.core.config import EngineConfig
+    from colibri.formats.tokenizer import Tokenizer
     from colibri.kv.cache import KVCache
+    from colibri.kv.space import KVSpace
+    from colibri.weights.store import WeightStore
 
 
 class Engine:
-    """Continuous batching over one model's math, weight store and KV space.
+    """Continuous batching over one model's math (`arch`), weight store and KV space.
 
-    model: anything with `arch` (the family's math), `store` (a WeightStore), `kv` (a KVSpace), `tokenizer`
-    (or None), `eos_ids`, `context_length`, `pass_tokens` (tokens per pass), `max_sequences` and `kv_pool_bytes`
-    (the KV pool's RAM budget; None: unbounded), and optionally `config` (an EngineConfig: the speculation
-    settings). The engine reads them; it never calls back into the model."""
+    tokenizer: the model's (or None); eos_ids: tokens that end a reply; context: positions a sequence may hold;
+    pass_tokens: tokens per pass; max_sequences: sequences running at once; pool_bytes: the KV pool's RAM budget
+    (None: unbounded); pass_bytes: (tokens, ctx, logit rows) -> bytes a pass needs besides weights and KV, under a
+    memory limit only; config: the speculation settings (None: the speculator's defaults). The engine never
+    calls back into whatever built it."""
 
-    def __init__(self, model):
-        self.arch, self.store, self.space = model.arch, model.store, model.kv
-        self.tokenizer, self.eos_ids = model.tokenizer, set(model.eos_ids)
-        self.context = model.context_length
-        self.batch_tokens = model.pass_tokens
-        self.max_sequences = model.max_sequences
-        self.pool_bytes = model.kv_pool_bytes
-        # the elastic budget: before a pass, the weight store unpins (or pins) pages so that they, the KV pool's
-        # RAM and that pass's activations share the limit (None: a store without a limit)
-        self.pass_bytes = getattr(model, "pass_bytes", None)
-        self._fit = self.store.fit if self.pass_bytes is not None else None
-        self._elastic = self._fit is not None  # the KV pool may grow (pool_cap)
+    def __init__(self, arch, store: WeightStore, space: KVSpace, *, tokenizer: Tokenizer | None,
+                 eos_ids: Iterable[int], context: int, pass_tokens: int, max_sequences: int,
+                 pool_bytes: int | None = None, pass_bytes: Callable[[int, int, int], int] | None = None,
+                 config: EngineConfig | None = None):
+        self.arch, self.store, self.space = arch, store, space
+        self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
+        self.context = context
+        self.batch_tokens = pass_tokens
+        self.max_sequences = max_sequences
         self.waiting: deque[Request] = deque()  # preempted ones first, then new ones in arrival order
         self.running: list[Request] = []
         self.steps = 0
         self.preemptions = 0
         self._ids = 0
-        conf = getattr(model, "config", None)
-        self.spec = Speculator() if conf is None else Speculator(conf.draft_tokens, conf.ngram, conf.ngram_cache_size)
-        if self.pool_bytes is not None:  # the shared n-gram cache counts in the KV pool: at most an eighth of it
-            self.spec.cache.entries = min(self.spec.cache.entries, self.pool_bytes // (8 * CACHE_ENTRY_BYTES))
+        self.spec = Speculator() if config is None else Speculator(config.draft_tokens, config.ngram,
+                                                                    config.ngram_cache_size)
+        if pool_bytes is not None:  # the shared n-gram cache counts in the KV pool: at most an eighth of it
+            self.spec.cache.entries = min(self.spec.cache.entries, pool_bytes // (8 * CACHE_ENTRY_BYTES))
+        self.memory = MemoryGovernor(store, space, self.spec, pool_bytes, pass_bytes)
         self.decode_bytes = self.decode_tokens = 0  # weight bytes read in decode steps, and the tokens they yielded
         self.lock = threading.RLock()
 
@@ -135,100 +140,112 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """One forward pass over every running sequence; returns the requests that produced output in it."""
+        """One forward pass over every running sequence: schedule, execute, update. Returns the requests that
+        produced output in it."""
         with self.lock:
-            self._admit()
-            self._draft()
-            plan = self._schedule()
-            if not plan:
+            plan = self._plan()
+            if plan is None:
                 return []
-            t0 = time.perf_counter()
-            decode_only = all(req.pending == 1 for req, _ in plan)
+            t0, decode_only = time.perf_counter(), plan.decode_only
             plan = self._drafts_within_pins(plan)
-            self.make_room(*self._need(plan))
-            io0, kv0 = self._io(), self.space.counters()
-            parts, served = [], []
-            for req, n in plan:
-                cache = req.cache
-                try:
-                    cache.reserve(n)  # older blocks may go to the swap file
-                except ColibriError as e:
-                    self._fail(req, e)
-                    continue
-                ids = (req.ids[cache.length:] + req.draft)[:n]
-                # logits for the last pending row and each draft once the pending tokens are all in; a chunk in
-                # the middle of a prompt still computes its last row (the head's reads stay those of any pass)
-                rows = n - req.pending + 1 if n >= req.pending else 0
-                parts.append((ids, cache.length, cache, n - max(rows, 1)))
-                served.append((req, ids, rows))
-                req.draft = []
-            if not served:
+            self.memory.make_room(self._grow(plan), plan.shape())
+            result = self._execute(plan)
+            if result is None:
                 return []
+            return self._update(result, t0 if decode_only else None)
+
+    def _plan(self) -> StepPlan | None:
+        """Admit waiting requests, draft, and schedule the pass (None: nothing to run)."""
+        self._admit()
+        self._draft()
+        plan = self._schedule()
+        return plan if plan.slots else None
+
+    def _execute(self, plan: StepPlan) -> PassResult | None:
+        """Reserve each slot's KV (a sequence that cannot is failed and left out) and run the forward pass; a failed
+        pass fails its requests (None)."""
+        io0, kv0 = self._io(), self.space.counters()
+        parts, served = [], []
+        for slot in plan.slots:
+            req, n = slot.req, slot.tokens
+            cache = req.cache
             try:
-                logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]
-            except Exception as e:  # noqa: BLE001 - a failed pass fails its requests; each caller sees it
-                for req, _, _ in served:
-                    self._fail(req, e)
-                return []
-            self.steps += 1
-            io1, kv1 = self._io(), self.space.counters()
-            out, row, tokens = [], 0, 0
-            for req, ids, rows in served:
-                req.cache.advance(len(ids), ids)
-                m = req.metrics
-                if io0 is not None:
-                    m.add_io(io0, io1, 1 / len(served))
-                m.add_kv(kv0, kv1, 1 / len(served))
-                if rows:
-                    if not m.prefill_s:
-                        m.prefill_s = time.perf_counter() - m._t0
-                    had, accepted = len(req.token_ids), req.accepted
-                    drafts = ids[len(ids) - rows + 1:]
-                    self._sample(req, logits[row:row + rows], drafts)
-                    got = len(req.token_ids) - had
-                    m.add_pass(len(drafts), req.accepted - accepted, got)
-                    self.spec.verified(req, len(drafts), req.accepted - accepted, got)
-                    tokens += got
-                    out.append(req)
-                row += max(rows, 1)
-                if req.finished:
-                    self.running.remove(req)
-                    self._release(req)
-                else:  # its newly filled blocks join the prefix cache (by reference) for sequences to come
-                    self.space.commit(req.cache)
-            if decode_only:
-                self.spec.measured(sum(len(ids) for _, ids, _ in served), time.perf_counter() - t0)
-                self.decode_tokens += tokens
-                if io0 is not None:
-                    self.decode_bytes += io1["bytes_read"] - io0["bytes_read"]
-            return out
+                cache.reserve(n)  # older blocks may go to the swap file
+            except ColibriError as e:
+                self._fail(req, e)
+                continue
+            ids = (req.ids[cache.length:] + req.draft)[:n]
+            parts.append((ids, cache.length, cache, n - slot.rows))
+            served.append(Served(req, ids, slot.sampled))
+            req.draft = []
+        if not served:
+            return None
+        try:
+            logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]
+        except Exception as e:  # noqa: BLE001 - a failed pass fails its requests; each caller sees it
+            for s in served:
+                self._fail(s.req, e)
+            return None
+        self.steps += 1
+        return PassResult(served, logits, (io0, self._io()), (kv0, self.space.counters()))
 
-    def _need(self, plan: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
-        """(KV growth, tokens, context, logit rows) of a pass (make_room's arguments)."""
-        grow = self._grow(plan)
-        rows = sum(n - req.pending + 1 if n >= req.pending else 1 for req, n in plan)  # n counts the drafts
-        return grow, sum(n for _, n in plan), max(req.cache.length + n for req, n in plan), rows
+    def _update(self, result: PassResult, decode_t0: float | None) -> list[Request]:
+        """Advance each served sequence's KV, sample its rows (accepting drafts), account the pass (a decode pass,
+        started at decode_t0, feeds the speculator's cost gate and the bytes per token), and retire the finished
+        sequences or commit the others' new blocks to the prefix cache."""
+        (io0, io1), (kv0, kv1) = result.io, result.kv
+        out, row, tokens = [], 0, 0
+        share = 1 / len(result.served)
+        for s in result.served:
+            req = s.req
+            req.cache.advance(len(s.ids), s.ids)
+            m = req.metrics
+            if io0 is not None:
+                m.add_io(io0, io1, share)
+            m.add_kv(kv0, kv1, share)
+            if s.sampled:
+                if not m.prefill_s:
+                    m.prefill_s = time.perf_counter() - m._t0
+                had, accepted = len(req.token_ids), req.accepted
+                drafts = s.ids[len(s.ids) - s.sampled + 1:]
+                self._sample(req, result.logits[row:row + s.sampled], drafts)
+                got = len(req.token_ids) - had
+                m.add_pass(len(drafts), req.accepted - accepted, got)
+                self.spec.verified(req, len(drafts), req.accepted - accepted, got)
+                tokens += got
+                out.append(req)
+            row += max(s.sampled, 1)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+            else:  # its newly filled blocks join the prefix cache (by reference) for sequences to come
+                self.space.commit(req.cache)
+        if decode_t0 is not None:
+            self.spec.measured(sum(len(s.ids) for s in result.served), time.perf_counter() - decode_t0)
+            self.decode_tokens += tokens
+            if io0 is not None:
+                self.decode_bytes += io1["bytes_read"] - io0["bytes_read"]
+        return out
 
-    def _drafts_within_pins(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    def _drafts_within_pins(self, plan: StepPlan) -> StepPlan:
         """Drafts are optional work: a pass carrying them must fit beside the weights as pinned now, since a page
         the elastic budget unpinned for them would be read again by every later pass, for the rest of the run
         (docs/performance.md, "Speculative decoding", "Where prose lost its 5 %"). The longest draft is halved
         until the pass fits."""
-        if self._fit is None or not any(req.draft for req, _ in plan):
+        if not any(s.req.draft for s in plan.slots):
             return plan
-        room = self.store.spare(self._pool_used() + self.space.prefix_room())
+        room = self.memory.draft_room()
         if room is None:
             return plan
-        plan = list(plan)
+        plan = StepPlan([Slot(s.req, s.tokens) for s in plan.slots])
         while True:
-            grow, tokens, ctx, rows = self._need(plan)
-            j = max(range(len(plan)), key=lambda j: len(plan[j][0].draft))
-            req, n = plan[j]
-            if not req.draft or grow + self.pass_bytes(tokens, ctx, rows) <= room:
+            slot = max(plan.slots, key=lambda s: len(s.req.draft))
+            req = slot.req
+            if not req.draft or self._grow(plan) + self.memory.pass_cost(plan.shape()) <= room:
                 return plan
             keep = len(req.draft) // 2
             self.spec.cut += len(req.draft) - keep
-            plan[j] = (req, n - len(req.draft) + keep)
+            slot.tokens -= len(req.draft) - keep
             req.draft = req.draft[:keep]
 
     def _draft(self) -> None:
@@ -259,32 +276,27 @@ class Engine:
         if not req.finished and req.cache.length > len(req.ids) - 1:
             req.cache.truncate(len(req.ids) - 1)
 
-    def make_room(self, kv_grow: int, tokens: int, ctx: int, rows: int, pin: bool = True) -> None:
-        """Let the weight store share the limit with the KV pool (its RAM now plus `kv_grow`) and a pass of
-        `tokens` tokens over `ctx` positions with `rows` logit rows; pin=False only ever unpins."""
-        if self._fit is not None:
-            kv = self._pool_used() + self.space.prefix_room()  # the prefix cache's RAM share is kept for it
-            self._fit(kv, kv_grow + self.pass_bytes(tokens, ctx, rows), pin)
-
     def _io(self) -> dict | None:
         return self.store.counters() or None  # None: all in RAM, nothing read
 
     def _admit(self) -> None:
         """Move waiting requests into the running set while there is room: sequences and KV pool."""
+        mem = self.memory
         while self.waiting and len(self.running) < self.max_sequences:
             req = self.waiting[0]
             if req.state == PREEMPTED:
-                if self.running and not self._fits(req.cache.grow_bytes(1), self._next_pass(1, req.cache.length + 1)):
+                shape = self._joining(1, req.cache.length + 1)
+                if self.running and not mem.fits(req.cache.grow_bytes(1), shape):
                     return
-                self.make_room(req.cache.grow_bytes(1), 1, req.cache.length + 1, 1, pin=False)
+                mem.make_room(req.cache.grow_bytes(1), PassShape(1, req.cache.length + 1, 1), pin=False)
                 req.cache.swap_in()
             else:
                 if self._computing_shared(req):
                     return
-                self.make_room(self.space.acquire_bytes(req.prompt_ids), 1, len(req.ids), 1, pin=False)
+                mem.make_room(self.space.acquire_bytes(req.prompt_ids), PassShape(1, len(req.ids), 1), pin=False)
                 cache, reused = self.space.acquire(req.prompt_ids)
                 chunk = min(len(req.ids) - reused, self._chunk(cache))
-                if self.running and not self._fits(cache.grow_bytes(chunk), self._next_pass(chunk, len(req.ids))):
+                if self.running and not mem.fits(cache.grow_bytes(chunk), self._joining(chunk, len(req.ids))):
                     self.space.release(cache)
                     return
                 req.cache = cache
@@ -308,61 +320,37 @@ class Engine:
                     return True
         return False
 
-    def _grow(self, plan: list[tuple[Request, int]]) -> int:
+    def _grow(self, plan: StepPlan) -> int:
         """RAM the pass's reservations add: each sequence's blocks and read buffers, and the shared workspace
         once, for the longest context."""
-        return (sum(req.cache.grow_bytes(n, workspace=False) for req, n in plan)
-                + self.space.work.bytes_for(max(req.cache.length + n for req, n in plan)))
+        return (sum(s.req.cache.grow_bytes(s.tokens, workspace=False) for s in plan.slots)
+                + self.space.work.bytes_for(max(s.req.cache.length + s.tokens for s in plan.slots)))
 
     def _chunk(self, cache: "KVCache") -> int:
         return min(self.batch_tokens, cache.max_pass)
 
-    def _pool_used(self) -> int:
-        """What the KV pool's budget holds now: every sequence's KV in RAM, the cached prefixes, and the drafter's
-        n-gram indexes (they grow with the tokens, as KV does)."""
-        return self.space.ram_bytes() + self.spec.nbytes()
-
-    def _next_pass(self, tokens: int, ctx: int) -> tuple[int, int, int]:
-        """(tokens, context, logit rows) of the next pass with a sequence joining with `tokens` tokens over `ctx`
-        positions: the running sequences' pending tokens beside it, within the pass size."""
+    def _joining(self, tokens: int, ctx: int) -> PassShape:
+        """The next pass with a sequence joining with `tokens` tokens over `ctx` positions: the running sequences'
+        pending tokens beside it, within the pass size."""
         pending = sum(r.pending for r in self.running)
         longest = max([ctx] + [r.cache.length + 1 for r in self.running])
-        return min(self.batch_tokens, pending + tokens), longest, len(self.running) + 1
-
-    def pool_cap(self, pass_: tuple[int, int, int] | None = None) -> int | None:
-        """What the KV pool may hold beside a pass of (tokens, context, logit rows): its reserve (`pool_bytes`,
-        sized beside the largest pass), or, under a memory limit, all the limit leaves beside the placement's
-        own weights and that pass (the elastic pins give way to the KV, `make_room`): a decode pass needs a
-        fraction of the activations the reserve holds for a full prefill. None: unbounded."""
-        if self.pool_bytes is None or pass_ is None or not self._elastic:
-            return self.pool_bytes
-        cap = self.store.kv_room(self.pass_bytes(*pass_))
-        return self.pool_bytes if cap is None else max(self.pool_bytes, cap - self.space.prefix_room())
+        return PassShape(min(self.batch_tokens, pending + tokens), longest, len(self.running) + 1)
 
     def pool_capacity(self) -> int | None:
-        """What the KV pool may hold now: `pool_cap` beside a decode pass of the running sequences (the figure
-        /metrics reports as the pool's capacity; under a memory limit it exceeds the reserve while pins give
-        way). None: unbounded."""
+        """What the KV pool may hold now: the governor's cap beside a decode pass of the running sequences (the
+        figure /metrics reports as the pool's capacity; under a memory limit it exceeds the reserve while pins
+        give way). None: unbounded."""
         n = max(1, len(self.running))
         ctx = max((req.cache.length + 1 for req in self.running if req.cache is not None), default=1)
-        return self.pool_cap((n, ctx, n))
+        return self.memory.pool_cap(PassShape(n, ctx, n))
 
-    def _fits(self, extra: int, pass_: tuple[int, int, int] | None = None) -> bool:
-        cap = self.pool_cap(pass_)
-        if cap is None:
-            return True
-        if self._pool_used() + extra <= cap:
-            return True
-        self.space.drop_live()  # the last conversation's idle KV goes first (its blocks to the prefix cache)
-        return self._pool_used() + extra <= cap
-
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, tokens) for this pass: every decoding sequence, then prompt chunks, within batch_tokens;
-        preempting the newest sequences while their growth would overflow the KV pool. Under a memory limit the
-        pool's room depends on the pass (`pool_cap`): prompt chunks are halved first, down to one token."""
+    def _schedule(self) -> StepPlan:
+        """The slots of this pass: every decoding sequence, then prompt chunks, within batch_tokens; preempting the
+        newest sequences while their growth would overflow the KV pool. Under a memory limit the pool's room
+        depends on the pass (`MemoryGovernor.pool_cap`): prompt chunks are halved first, down to one token."""
         prefill = self.batch_tokens  # tokens of prompt chunks this pass may carry
         while True:
-            budget, left, plan = self.batch_tokens, prefill, []
+            budget, left, plan = self.batch_tokens, prefill, StepPlan([])
             decoding = [r for r in self.running if r.pending == 1]
             prefilling = [r for r in self.running if r.pending > 1]
             for req in decoding + prefilling:
@@ -378,20 +366,19 @@ class Engine:
                         n += len(req.draft)
                     else:
                         req.draft = []
-                plan.append((req, n))
+                plan.slots.append(Slot(req, n))
                 budget -= n
-            if self.pool_bytes is None or len(self.running) <= 1:
+            if self.memory.pool_bytes is None or len(self.running) <= 1:
                 return plan
-            grow, tokens, ctx, rows = self._need(plan)
-            if self._fits(grow, (tokens, ctx, rows)):
+            if self.memory.fits(self._grow(plan), plan.shape()):
                 return plan
             if any(req.draft for req in self.running):  # drafts are the first to go: they never preempt
                 for req in self.running:
                     req.draft = []
                 prefill = self.batch_tokens
                 continue
-            chunks = sum(n for req, n in plan if req.pending > 1)
-            if self._elastic and chunks > 1:
+            chunks = sum(s.tokens for s in plan.slots if s.req.pending > 1)
+            if self.memory.elastic and chunks > 1:
                 prefill = chunks // 2  # a smaller pass leaves the pool more room
                 continue
             self._preempt(max(self.running, key=lambda r: (r.admitted_at, r.id)))
@@ -404,7 +391,7 @@ class Engine:
         except ColibriError as e:
             self.running.remove(req)
             self._release(req)
-            req.fail(InputError(f"the KV pool ({self.pool_bytes} bytes) is full and this sequence could not be "
+            req.fail(InputError(f"the KV pool ({self.memory.pool_bytes} bytes) is full and this sequence could not be "
                                 f"moved to the swap file: {e}"))
             return
         self.running.remove(req)
@@ -441,8 +428,8 @@ class Engine:
                 part = ids[s:s + step]
                 with self.lock:
                     # logits of every row are the caller's, outside the budget: the pass is charged one
-                    self.make_room(cache.grow_bytes(len(part)), len(part),
-                                   cache.length + len(part), 1)
+                    self.memory.make_room(cache.grow_bytes(len(part)),
+                                          PassShape(len(part), cache.length + len(part), 1))
                     cache.reserve(len(part))
                     logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
                     cache.advance(len(part), part)

@@ -17,6 +17,7 @@ from colibri.engine import generate as gen
 from colibri.core.config import EngineConfig
 from colibri.formats.container import ContainerCheckpoint
 from colibri.engine import Engine
+from colibri.engine.memory import PassShape
 from colibri.engine.request import token_ids
 from colibri.core.errors import InputError, UnsupportedModelError
 from colibri.kv.cache import KVCache
@@ -214,8 +215,12 @@ class Model:
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
-        self.engine = Engine(self)
-        self.engine.make_room(0, 1, 1, 1)  # pin what a short pass leaves of the limit, before the first request
+        self.engine = Engine(self.arch, self.store, self.kv, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                             context=self.context_length, pass_tokens=self.pass_tokens,
+                             max_sequences=self.max_sequences, pool_bytes=self.kv_pool_bytes,
+                             pass_bytes=self.pass_bytes, config=config)
+        # pin what a short pass leaves of the limit, before the first request
+        self.engine.memory.make_room(0, PassShape(1, 1, 1))
 
     @property
     def pass_tokens(self) -> int:
