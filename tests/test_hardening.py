@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import colibri
+import colibri.runtime.model
 import colibri.models
 import real_models
 from faults import PAUSE_AFTER_PAGES

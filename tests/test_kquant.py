@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 import colibri
+import colibri.runtime.model
 from colibri.convert import pipeline as conv
 from colibri import kernels
 from colibri.weights import placement

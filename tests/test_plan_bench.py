@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import colibri
+import colibri.runtime.model
 from colibri import cli
 from colibri.weights import placement
 from colibri.perf import predict

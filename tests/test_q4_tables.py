@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import colibri
+import colibri.runtime.model
 import tiny_models
 from colibri.convert import pipeline as conv
 from colibri.weights import placement

@@ -7,6 +7,7 @@ import os
 import pytest
 
 import colibri
+import colibri.runtime.model
 import tiny_models
 from colibri.convert import pipeline as conv
 from colibri.core.errors import InputError, StorageError

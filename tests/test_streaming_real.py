@@ -9,6 +9,7 @@ import json
 import pytest
 
 import colibri
+import colibri.runtime.model
 import real_models
 from colibri.convert import pipeline as conv
 

@@ -83,18 +83,9 @@ class GenerationMetrics:
 
     def account_io(self, start: dict, now: dict) -> None:
         """Take a streaming store's counters: differences since `start` for the flows, `now` for the levels."""
-        diff = {k: now[k] - start[k] for k in ("bytes_read", "io_wait_s", "read_active_s", "hits", "misses",
-                                               "hit_bytes", "miss_bytes", "expert_hits", "expert_misses",
-                                               "expert_pinned_uses")}
-        self.disk_bytes_read, self.io_wait_s, self.read_s = diff["bytes_read"], diff["io_wait_s"], diff["read_active_s"]
-        self.page_hits, self.page_misses = diff["hits"], diff["misses"]
-        self.hit_bytes, self.miss_bytes = diff["hit_bytes"], diff["miss_bytes"]
-        self.expert_hits, self.expert_misses = diff["expert_hits"], diff["expert_misses"]
-        self.expert_pinned_uses = diff["expert_pinned_uses"]
-        self.direct_io = now["direct_io"]
-        self.pinned_bytes, self.cached_bytes, self.staging_bytes = (now["pinned_bytes"], now["cached_bytes"],
-                                                                    now["staging_bytes"])
-        self.staging_huge_fraction = now.get("staging_huge_fraction")
+        for dst in IO_FLOWS.values():
+            setattr(self, dst, 0.0 if isinstance(getattr(self, dst), float) else 0)
+        self.add_io(start, now)
 
     def add_io(self, start: dict, now: dict, share: float = 1.0) -> None:
         """Add `share` of the store's flows between two counter snapshots (one engine step, split among the
@@ -113,12 +104,6 @@ class GenerationMetrics:
         self.kv_read_bytes += round((now["kv_read_bytes"] - start["kv_read_bytes"]) * share)
         self.kv_written_bytes += round((now["kv_written_bytes"] - start["kv_written_bytes"]) * share)
         self.kv_read_wait_s += (now["kv_read_wait_s"] - start["kv_read_wait_s"]) * share
-        self.kv_ram_bytes, self.kv_disk_bytes = now["kv_ram_bytes"], now["kv_disk_bytes"]
-
-    def account_kv(self, start: dict, now: dict) -> None:
-        self.kv_read_bytes = now["kv_read_bytes"] - start["kv_read_bytes"]
-        self.kv_written_bytes = now["kv_written_bytes"] - start["kv_written_bytes"]
-        self.kv_read_wait_s = now["kv_read_wait_s"] - start["kv_read_wait_s"]
         self.kv_ram_bytes, self.kv_disk_bytes = now["kv_ram_bytes"], now["kv_disk_bytes"]
 
     @property

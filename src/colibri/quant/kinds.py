@@ -4,6 +4,9 @@ A weight is a few contiguous tensors (`buffers()`) that a container writes as ra
 `from_buffers`, which keeps them as they are (no copy on the common path). `colibri.kernels.ops.linear` calls
 `w.linear(x, b)` for these objects.
 
+Longer than the package's other files on purpose: it is the one writer and reader of every stored weight layout
+(q4, q8, and the GGUF K-quants at the end), so each layout and all the code that touches its bytes read together.
+
 q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0, Np = N rounded up to 16):
   qweight       uint8 [Np, K/2]   nibbles in the AVX-512 layout of torch's CPU int4 kernel: rows in tiles of 64;
                                   tile t holds bytes [K, 32], byte (k, j) = q[64t + j, k] | q[64t + 32 + j, k] << 4.
