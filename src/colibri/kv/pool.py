@@ -8,9 +8,9 @@ its swap slot. A block with more than one holder is never written: a sequence ab
 filled last block of a reused prefix) gets a copy of its own first. The pool's RAM is its blocks' bytes, each
 counted once however many hold it.
 
-The pool makes each sequence's `BlockTable` and is the only code that changes one, so a table's entries and their
-references always agree; the sequence (colibri.kv.cache) decides what to reserve, spill or drop, the table carries
-it out.
+Each sequence's `BlockTable` is made by the pool and changed only by this module's code, so a table's entries and
+their references always agree; the sequence (colibri.kv.cache) decides what to reserve, spill or drop, its table
+carries it out.
 """
 
 from __future__ import annotations
