@@ -15,6 +15,8 @@ from colibri.kv import session
 from colibri.kv import swap
 from colibri.core.errors import InputError
 from colibri.kv.cache import block_for
+from colibri.kv.pool import BlockPool, KVLayout
+from colibri.kv.swap import SwapSlots
 
 PROMPT = list(range(5, 75))
 BLOCK = 4  # small blocks: a 12-token window over a 110-token sequence spills and reads back many blocks
@@ -281,3 +283,35 @@ def test_kv_ram_too_small_and_context_overflow(tiny_model_dir, tmp_path):
     small = load(path, tmp_path, ctx_length=32)
     with pytest.raises(InputError, match="context holds 32"):
         small.generate(list(range(5, 45)), max_tokens=4)
+
+
+def test_block_tables_hold_one_reference_per_entry(tmp_path):
+    """Tables change references only through their pool: a shared entry is copied before a write, a swap_out that
+    finds no room leaves the table as it was, and letting go of every table frees every block and slot."""
+    lay = KVLayout(2, 1, 32, torch.float32, 4)
+    file = swap.create(tmp_path / "t.swap", swap.HEADER + 2 * lay.block_bytes, keep_free=0)
+    slots = SwapSlots(lay.num_layers, lay.seg_bytes, lay.block, file)
+    pool = BlockPool(lay, slots)
+    a, b = pool.table(), pool.table()
+    for _ in range(3):
+        a.append_new()
+    b.append_shared(a[:2])
+    assert [x.refs for x in a] == [2, 2, 1] and pool.ram_blocks == 3
+    b.make_writable(1)  # b writes its second block: a copy of its own
+    assert b[1] is not a[1] and a[1].refs == 1 and pool.ram_blocks == 4
+    a.swap_out()  # a alone holds a[1] and a[2]: both to the two slots, a[0] stays for b
+    assert a.swapped and a.to_read_back() == 2 and a[0].in_ram and slots.file.used == 2
+    a.swap_in()
+    assert not a.swapped and slots.file.used == 0
+    b.truncate(1)
+    b.replace(0, a[1])  # b now holds a[1] in place of a[0]: a alone holds a[0] and a[2]
+    assert [x.refs for x in a] == [1, 2, 1] and pool.ram_blocks == 3
+    b.release()
+    with pytest.raises(InputError, match="is full"):
+        a.swap_out()  # three blocks for two slots
+    assert not a.swapped and all(x.in_ram for x in a) and slots.file.used == 0
+    a.spill_oldest(1)
+    assert [x.in_ram for x in a] == [False, False, True] and slots.file.used == 2
+    a.release()
+    assert pool.ram_blocks == 0 and slots.file.used == 0
+    slots.close()

@@ -1,9 +1,9 @@
 """Paged KV cache: a sequence's positions in blocks of `block` tokens, blocks of the model's shared pool.
 
-One sequence's cache (`KVCache`) is a table of blocks (colibri.kv.pool): block j holds positions
-[j * block, (j + 1) * block) of every layer. Blocks are reference counted and shared: a sequence that starts with
-a cached prefix holds the prefix trie's blocks themselves, and a block it is about to write that others hold too
-(the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
+One sequence's cache (`KVCache`) holds a table of blocks that its pool made (colibri.kv.pool): block j holds
+positions [j * block, (j + 1) * block) of every layer. Blocks are reference counted and shared: a sequence that
+starts with a cached prefix holds the prefix trie's blocks themselves, and a block it is about to write that others
+hold too (the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
 in RAM: when a pass needs more, its oldest blocks move to the swap file (for every holder), and attention reads
 them back one layer at a time with the next layer's reads in flight. A context of one block is read in place;
 longer ones are assembled per layer into one scratch buffer shared by the sequences of a pass (one at a time),
@@ -20,14 +20,13 @@ vector; every use dequantizes, so a position's keys are the same wherever they a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from colibri.core.errors import InputError
 from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
-from colibri.kv.pool import BLOCK, Block, BlockPool, KVLayout
+from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
 
 MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would take more than BLOCK_BYTES of RAM
@@ -99,8 +98,10 @@ class Workspace:
 
 class KVCache:
     """One sequence's KV; see the module docstring. `pool`, `work` and `swap`: the block pool, the workspace and
-    the swap file it shares with other sequences (None: a pool and a workspace of its own, RAM only).
-    `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's cursor)."""
+    the swap file it shares with other sequences (None: a pool and a workspace of its own, RAM only). Its block
+    table comes from `pool`; the cache keeps the positions and their token ids, its read buffers and the reads in
+    flight. `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's
+    cursor)."""
 
     def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
                  layer_windows: list[int | None] | None = None, pool: BlockPool | None = None,
@@ -121,10 +122,9 @@ class KVCache:
         self.layer_windows = layer_windows or [None] * layout.num_layers
         self.length = 0  # positions committed (visible to the next pass)
         self.ids: list[int] = []  # the token at each committed position
-        self.blocks: list[Block] = []  # block j: positions [j * block, (j + 1) * block)
+        self.table: BlockTable = self.pool.table()  # entry j: positions [j * block, (j + 1) * block)
         self._staging: list[AlignedBuffer] = []  # read buffers for blocks on disk (two: one layer ahead)
         self._pending: dict[int, tuple[list[int], list, int]] = {}  # layer -> (blocks, futures, buffer)
-        self._out: list[Block] | None = None  # swapped out: the blocks swap_out moved to disk
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class KVCache:
         return self.window - self.layout.block if self.offloads else self.max_length
 
     def ram_blocks(self) -> int:
-        return sum(1 for b in self.blocks if b.in_ram)
+        return self.table.ram_blocks()
 
     def staging_bytes(self) -> int:
         return sum(b.nbytes for b in self._staging)
@@ -152,19 +152,20 @@ class KVCache:
         swapped-out cache being read back first): blocks appended, read back or copied from shared ones, less
         those the window sends to disk, and the workspace and read buffers the pass first needs."""
         lay, B = self.layout, self.layout.block
-        back = sum(1 for b in self._out if not b.in_ram) if self._out is not None else 0
-        own = self.ram_blocks() + back
+        table = self.table
+        back = table.to_read_back()
+        own = table.ram_blocks() + back
         added = shared = 0  # blocks entering this sequence's RAM / copies of shared blocks kept in RAM by others
         for j in range(self.length // B, -(-(self.length + tokens) // B)):
-            if j >= len(self.blocks) or not self.blocks[j].in_ram:
+            if j >= len(table) or not table[j].in_ram:
                 added += 1
-            elif self.blocks[j].shared:
+            elif table[j].shared:
                 shared += 1
         spilled = max(0, own + added - self.window // B)
         extra = 0
         if workspace and (self.length + tokens > B or lay.quant):
             extra += self.work.bytes_for(self.length + tokens)
-        if not self._staging and (spilled or any(not b.in_ram for b in self.blocks)):
+        if not self._staging and (spilled or any(not b.in_ram for b in table)):
             extra += self._staging_size()
         return max(0, back + added + shared - spilled) * lay.ram_block_bytes + extra
 
@@ -181,26 +182,23 @@ class KVCache:
         B = self.layout.block
         first = self.length // B
         for j in range(first, -(-(self.length + tokens) // B)):
-            if j == len(self.blocks):
-                self.blocks.append(self.pool.new())
+            if j == len(self.table):
+                self.table.append_new()
             else:
-                self.blocks[j] = self.pool.writable(self.blocks[j])
+                self.table.make_writable(j)
         self._fit_window()
 
     def _fit_window(self) -> None:
         """Send the oldest of this sequence's blocks in RAM to the swap file while more than `window` positions
         are in RAM (the pass's own blocks are the newest: `max_pass` leaves them room)."""
-        if not self.offloads:
-            return
-        ram = [b for b in self.blocks if b.in_ram]
-        for b in ram[:max(0, len(ram) - self.window // self.layout.block)]:
-            self.pool.spill(b)
+        if self.offloads:
+            self.table.spill_oldest(self.window // self.layout.block)
 
     def _writable(self, end: int) -> bool:
         B = self.layout.block
-        if len(self.blocks) * B < end:
+        if len(self.table) * B < end:
             return False
-        return all(b.in_ram and not b.shared for b in self.blocks[self.length // B:-(-end // B)])
+        return all(b.in_ram and not b.shared for b in self.table[self.length // B:-(-end // B)])
 
     # -- writing -------------------------------------------------------------------------------------------
 
@@ -219,7 +217,7 @@ class KVCache:
         while pos < end:
             j, o = divmod(pos, B)
             n = min(B - o, end - pos)
-            bk, bv, bks, bvs = self.blocks[j].layers[i]
+            bk, bv, bks, bvs = self.table[j].layers[i]
             s = pos - self.length
             bk[:, o:o + n] = k[:, s:s + n]
             bv[:, o:o + n] = v[:, s:s + n]
@@ -228,7 +226,7 @@ class KVCache:
                 bvs[:, o:o + n] = vs[:, s:s + n]
             pos += n
         if end <= B and not lay.quant:  # one block: read in place
-            bk, bv = self.blocks[0].layers[i][:2]
+            bk, bv = self.table[0].layers[i][:2]
             return bk[:, :end], bv[:, :end]
         return self._assemble(i, end)
 
@@ -245,7 +243,7 @@ class KVCache:
         return 0 if w is None else max(0, self.length - w + 1) // self.layout.block  # first query at `length`
 
     def _disk_blocks(self, i: int) -> list[int]:
-        return [j for j in range(self._first_block(i), len(self.blocks)) if not self.blocks[j].in_ram]
+        return [j for j in range(self._first_block(i), len(self.table)) if not self.table[j].in_ram]
 
     def _submit(self, i: int, priority: int) -> None:
         js = self._disk_blocks(i)
@@ -254,7 +252,7 @@ class KVCache:
         if not self._staging:
             self._staging = [AlignedBuffer(self._staging_size() // 2) for _ in range(2)]
         buf = i % 2
-        futures = self.swap.read_layer([self.blocks[j].slot for j in js], i, self._staging[buf], priority)
+        futures = self.swap.read_layer([self.table[j].slot for j in js], i, self._staging[buf], priority)
         self._pending[i] = (js, futures, buf)
 
     def _drain(self) -> None:
@@ -285,7 +283,7 @@ class KVCache:
             sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
             sv[:, :first * B].zero_()
         on_disk: set[int] = set()
-        if any(not self.blocks[j].in_ram for j in range(first, nb)):
+        if any(not self.table[j].in_ram for j in range(first, nb)):
             pend = self._pending.pop(i, None)
             if pend is None or pend[0] != self._disk_blocks(i):
                 if pend is not None:
@@ -296,12 +294,7 @@ class KVCache:
             if i + 1 < lay.num_layers and i + 1 not in self._pending:
                 self._submit(i + 1, PREFETCH)
             js, futures, buf = pend
-            t0 = time.perf_counter()
-            for f in futures:
-                self.swap.promote(f)
-            for f in futures:
-                f.result()
-            self.swap.read_wait_s += time.perf_counter() - t0
+            self.swap.wait(futures)
             raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
             k, v, ks, vs = lay.views(raw, len(js))
             for n, j in enumerate(js):
@@ -310,7 +303,7 @@ class KVCache:
             on_disk.update(js)
         for j in range(first, nb):
             if j not in on_disk:
-                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *self.blocks[j].layers[i])
+                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *self.table[j].layers[i])
         return sk[:, :end], sv[:, :end]
 
     # -- blocks in and out ---------------------------------------------------------------------------------
@@ -319,7 +312,7 @@ class KVCache:
     def encode_block(self, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The padded bytes of block b (uint8 [block_bytes]), from RAM or the swap file."""
         out = torch.empty(self.layout.block_bytes, dtype=torch.uint8) if out is None else out
-        return self.pool.read(self.blocks[b], out)
+        return self.pool.read(self.table[b], out)
 
     @torch.inference_mode()
     def append_block(self, block: torch.Tensor, ids: list[int]) -> None:
@@ -329,7 +322,7 @@ class KVCache:
         if self.length % B:
             raise ValueError("blocks are appended at block boundaries only")
         self.reserve(B if self.length + B <= self.max_length else len(ids))
-        self.layout.unpad(block, self.blocks[self.length // B].data)
+        self.layout.unpad(block, self.table[self.length // B].data)
         self.advance(len(ids), ids)
 
     @torch.inference_mode()
@@ -339,12 +332,9 @@ class KVCache:
         B = self.layout.block
         if self.length % B or len(ids) != len(blocks) * B or self.length + len(ids) > self.max_length:
             raise ValueError("shared blocks are whole blocks appended at a block boundary within the context")
-        for b in blocks:
-            self.blocks.append(self.pool.ref(b))
+        self.table.append_shared(blocks)
         self.advance(len(ids), ids)
-        ram = self.window // B
-        for b in self.blocks[-min(len(blocks), ram):]:
-            self.pool.load(b)
+        self.table.load_last(min(len(blocks), self.window // B))
         self._fit_window()
 
     @torch.inference_mode()
@@ -353,12 +343,7 @@ class KVCache:
         the pool."""
         length = max(0, min(self.length, length))
         self._drain()
-        keep = -(-length // self.layout.block)
-        for b in self.blocks[keep:]:
-            self.pool.unref(b)
-        del self.blocks[keep:]
-        if self._out is not None:
-            self._out = [b for b in self._out if any(b is c for c in self.blocks)]
+        self.table.truncate(-(-length // self.layout.block))
         if self._on_truncate is not None:
             self._on_truncate(self, length)
         self.length = length
@@ -367,45 +352,29 @@ class KVCache:
     def use_block(self, j: int, block: Block) -> None:
         """Hold `block` (the same positions' KV, held elsewhere) in place of block j; nothing while swapped out or
         with reads in flight (they name the blocks' slots)."""
-        if self.swapped or self._pending:
-            return
-        mine, self.blocks[j] = self.blocks[j], self.pool.ref(block)
-        self.pool.unref(mine)
+        if not self._pending:
+            self.table.replace(j, block)
 
     # -- preemption: the sequence out to the swap file and back, nothing recomputed -------------------------
 
     @property
     def swapped(self) -> bool:
-        return self._out is not None
+        return self.table.swapped
 
     @torch.inference_mode()
     def swap_out(self) -> None:
         """Move the blocks only this sequence holds to the swap file and free its read buffers (blocks others
         hold stay where they are). InputError when the swap file has no room, with the cache unchanged."""
-        if self._out is not None:
+        if self.table.swapped:
             return
         self._drain()
-        out: list[Block] = []
-        try:
-            for b in self.blocks:
-                if b.in_ram and not b.shared:
-                    self.pool.spill(b)
-                    out.append(b)
-        except BaseException:
-            for b in out:
-                self.pool.load(b)
-            raise
-        self._out = out
+        self.table.swap_out()
         self._staging = []
 
     @torch.inference_mode()
     def swap_in(self) -> None:
         """Read the blocks `swap_out` moved back into RAM and free their slots."""
-        if self._out is None:
-            return
-        for b in self._out:
-            self.pool.load(b)
-        self._out = None
+        self.table.swap_in()
 
     def reset(self) -> None:
         self.truncate(0)
@@ -414,9 +383,8 @@ class KVCache:
     def release(self) -> None:
         """Give this cache's blocks back to the pool and free its buffers."""
         self._drain()
-        for b in self.blocks:
-            self.pool.unref(b)
-        self.blocks, self._out, self._staging = [], None, []
+        self.table.release()
+        self._staging = []
         self.length, self.ids = 0, []
         if self._on_truncate is not None:
             self._on_truncate(self, 0)

@@ -2,11 +2,15 @@
 
 A block holds `block` positions of every layer (the byte layout of `KVLayout`: per layer one segment, K then V,
 then their scales; unpadded in RAM, each segment padded to 4096 bytes in the swap file) and lives in RAM or in
-the swap file, the second tier. Whoever holds a block (a sequence's
-block table, a node of the prefix trie) holds one reference; the last one to let go frees its RAM or its swap
-slot. A block with more than one holder is never written: a sequence about to write into one (the partly filled
-last block of a reused prefix) gets a copy of its own first. The pool's RAM is its blocks' bytes, each counted
-once however many hold it.
+the swap file, the second tier, in a slot of the `SwapSlots` the pool is given. Whoever holds a block (a
+sequence's block table, a node of the prefix trie) holds one reference; the last one to let go frees its RAM or
+its swap slot. A block with more than one holder is never written: a sequence about to write into one (the partly
+filled last block of a reused prefix) gets a copy of its own first. The pool's RAM is its blocks' bytes, each
+counted once however many hold it.
+
+Each sequence's `BlockTable` is made by the pool and changed only by this module's code, so a table's entries and
+their references always agree; the sequence (colibri.kv.cache) decides what to reserve, spill or drop, its table
+carries it out.
 """
 
 from __future__ import annotations
@@ -131,6 +135,111 @@ class Block:
         return self.refs > 1
 
 
+class BlockTable:
+    """One sequence's blocks in position order: entry j holds positions [j * block, (j + 1) * block). The table
+    holds one reference to each entry. `swapped`: the sequence is preempted, and the blocks `swap_out` sent to
+    the swap file (those it alone held in RAM then) are listed until `swap_in` reads them back."""
+
+    __slots__ = ("pool", "_blocks", "_out")
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self._blocks: list[Block] = []
+        self._out: list[Block] | None = None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, j):
+        return self._blocks[j]
+
+    def __iter__(self):
+        return iter(self._blocks)
+
+    def ram_blocks(self) -> int:
+        return sum(1 for b in self._blocks if b.in_ram)
+
+    def append_new(self) -> None:
+        self._blocks.append(self.pool.new())
+
+    def append_shared(self, blocks: list[Block]) -> None:
+        """Append blocks others hold, by reference."""
+        for b in blocks:
+            self._blocks.append(self.pool.ref(b))
+
+    def make_writable(self, j: int) -> None:
+        """Entry j in RAM and held by this table alone (`BlockPool.writable`)."""
+        self._blocks[j] = self.pool.writable(self._blocks[j])
+
+    def replace(self, j: int, block: Block) -> bool:
+        """Hold `block` (the same positions' KV) in place of entry j; refused (False) while swapped out."""
+        if self._out is not None:
+            return False
+        mine, self._blocks[j] = self._blocks[j], self.pool.ref(block)
+        self.pool.unref(mine)
+        return True
+
+    def load_last(self, n: int) -> None:
+        """Bring the last `n` entries into RAM."""
+        for b in self._blocks[-n:] if n else ():
+            self.pool.load(b)
+
+    def spill_oldest(self, keep: int) -> None:
+        """Send the oldest entries in RAM to the swap file until at most `keep` are in RAM."""
+        ram = [b for b in self._blocks if b.in_ram]
+        for b in ram[:max(0, len(ram) - keep)]:
+            self.pool.spill(b)
+
+    def truncate(self, keep: int) -> None:
+        """Let go of the entries from `keep` on."""
+        for b in self._blocks[keep:]:
+            self.pool.unref(b)
+        del self._blocks[keep:]
+        if self._out is not None:
+            self._out = [b for b in self._out if any(b is c for c in self._blocks)]
+
+    def release(self) -> None:
+        """Let go of every entry."""
+        for b in self._blocks:
+            self.pool.unref(b)
+        self._blocks, self._out = [], None
+
+    # -- preemption ----------------------------------------------------------------------------------------
+
+    @property
+    def swapped(self) -> bool:
+        return self._out is not None
+
+    def to_read_back(self) -> int:
+        """Blocks `swap_in` would read back."""
+        return 0 if self._out is None else sum(1 for b in self._out if not b.in_ram)
+
+    def swap_out(self) -> None:
+        """Send the entries only this table holds in RAM to the swap file (entries others hold stay where they
+        are). On failure those already sent come back, the table unchanged, and the error propagates."""
+        if self._out is not None:
+            return
+        out: list[Block] = []
+        try:
+            for b in self._blocks:
+                if b.in_ram and not b.shared:
+                    self.pool.spill(b)
+                    out.append(b)
+        except BaseException:
+            for b in out:
+                self.pool.load(b)
+            raise
+        self._out = out
+
+    def swap_in(self) -> None:
+        """Read the entries `swap_out` sent to disk back into RAM, freeing their slots."""
+        if self._out is None:
+            return
+        for b in self._out:
+            self.pool.load(b)
+        self._out = None
+
+
 class BlockPool:
     """The blocks of one model's KV and their swap slots. `swap` gives the slots (None: RAM only; spilling is
     refused)."""
@@ -164,6 +273,16 @@ class BlockPool:
     def _detach(self, block: Block) -> None:
         block.data, block.layers = None, []
         self.ram_blocks -= 1
+
+    def table(self) -> BlockTable:
+        """An empty block table for a sequence."""
+        return BlockTable(self)
+
+    @property
+    def can_spill(self) -> bool:
+        """Whether a spill may be tried: a swap file is open or given (a temporary one is created only when a
+        block must go to disk)."""
+        return self.swap is not None and self.swap.available
 
     def new(self) -> Block:
         block = Block()

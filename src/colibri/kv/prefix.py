@@ -6,6 +6,10 @@ Each node below the root is one full block of `block` token ids and holds one re
 least-recently-used eviction. The trie keeps a cursor per sequence (how many of its leading blocks are in, and
 the node of the last), so each commit inserts only the blocks filled since; a sequence that drops positions tells
 the trie (`rewind`), and a cleared trie starts every cursor over.
+
+The trie keeps the blocks only it holds within its RAM share: beyond it the least recently used go to the swap
+file (when one is open and has room) or are dropped, and when the swap file is full its own blocks there are
+dropped first (`evict`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import itertools
 import weakref
 from collections.abc import Iterator
 
+from colibri.core.errors import InputError, StorageError
 from colibri.kv.cache import KVCache
 from colibri.kv.pool import Block, BlockPool
 
@@ -48,10 +53,12 @@ class Cursor:
 
 class PrefixTrie:
     """Full blocks of `block` token ids from the root down, each node holding a reference to its block in
-    `pool`, and a cursor per sequence it has taken blocks from (held weakly: a sequence gone is forgotten)."""
+    `pool`, and a cursor per sequence it has taken blocks from (held weakly: a sequence gone is forgotten).
+    `ram_share`: RAM bytes for the blocks only the trie holds."""
 
-    def __init__(self, pool: BlockPool, block: int):
+    def __init__(self, pool: BlockPool, block: int, ram_share: int = 0):
         self.pool, self.block = pool, block
+        self.ram_share = max(0, int(ram_share))
         self.root = Node((), None)
         self.generation = 0  # bumped when the trie is cleared: cursors of an older one start over
         self.count = 0  # nodes
@@ -85,7 +92,7 @@ class PrefixTrie:
         B, node = self.block, cur.node
         for b in range(cur.committed, cache.length // B):
             key = tuple(cache.ids[b * B:(b + 1) * B])
-            mine = cache.blocks[b]
+            mine = cache.table[b]
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = Node(key, node, self.pool.ref(mine))
@@ -123,3 +130,39 @@ class PrefixTrie:
             self.pool.unref(n.block)
         self.root, self.count = Node((), None), 0
         self.generation += 1
+
+    # -- the RAM share -------------------------------------------------------------------------------------
+
+    def ram_bytes(self) -> int:
+        """RAM of the blocks only the trie holds."""
+        size = self.pool.layout.ram_block_bytes
+        return sum(size for n in self.nodes() if n.block.in_ram and n.block.refs == 1)
+
+    def room(self) -> int:
+        """RAM the trie may still take (its share less what it holds)."""
+        return max(0, self.ram_share - self.ram_bytes())
+
+    def shrink(self) -> None:
+        """Keep the blocks only the trie holds within its RAM share."""
+        while self.ram_bytes() > self.ram_share and self.evict(disk=False):
+            pass
+
+    def evict(self, disk: bool) -> bool:
+        """disk=False: the least recently used block only the trie holds in RAM goes to the swap file (when one
+        is open or given and has room), else its node is dropped (a leaf). disk=True: the least recently used leaf
+        whose block only the trie holds on disk is dropped, freeing its slot. False when there is none."""
+        def mine(n: Node) -> bool:
+            return n.block.refs == 1 and n.block.in_ram != disk
+        if not disk and self.pool.can_spill:
+            held = [n for n in self.nodes() if mine(n)]
+            if held:
+                try:
+                    self.pool.spill(min(held, key=lambda x: x.stamp).block)
+                    return True
+                except (InputError, StorageError):  # caching only saves work: a full disk costs that saving
+                    pass
+        leaves = [n for n in self.nodes() if not n.children and mine(n)]
+        if not leaves:
+            return False
+        self.drop(min(leaves, key=lambda x: x.stamp))
+        return True

@@ -29,7 +29,8 @@ from colibri.core.errors import InputError
 from colibri.weights.io import align_up
 
 if TYPE_CHECKING:
-    from colibri.kv.cache import KVCache, KVLayout
+    from colibri.kv.cache import KVCache
+    from colibri.kv.pool import KVLayout
     from colibri.formats.checkpoint import Checkpoint
     from colibri.kv.space import KVSpace
 

@@ -1,8 +1,10 @@
 """A model's KV memory: one block pool shared by every sequence and the prefix cache, and the swap file.
 
-`KVSpace` composes the parts and hands each sequence its own: the pool owns the blocks and their swap slots
-(colibri.kv.pool), `SwapSlots` the swap file (colibri.kv.swap), the trie its nodes and a cursor per sequence
-(colibri.kv.prefix); the space itself keeps the live sequence and the prefix cache's RAM share.
+`KVSpace` builds the parts, each given the ones it uses, and hands each sequence its cache: `SwapSlots` owns the
+swap file (colibri.kv.swap); the pool owns the blocks, their swap slots and the sequences' block tables
+(colibri.kv.pool); a cache owns its positions, token ids, read buffers and reads in flight (colibri.kv.cache); the
+trie owns its nodes, a cursor per sequence and the prefix cache's RAM share (colibri.kv.prefix). The space itself
+keeps the live sequence.
 
 Every KV block (colibri.kv.pool) belongs to the one pool; sequences and the prefix cache hold references to them.
 The prefix cache is a trie whose nodes are full blocks of `block` token ids: after each pass a sequence's newly
@@ -18,7 +20,6 @@ from __future__ import annotations
 import os
 import weakref
 
-from colibri.core.errors import InputError, StorageError
 from colibri.kv.cache import KVCache, Workspace
 from colibri.kv.pool import BlockPool, KVLayout
 from colibri.kv.prefix import Node, PrefixTrie, common_prefix
@@ -39,22 +40,20 @@ class KVSpace:
         self.layout, self.ctx, self.window = layout, ctx, window
         self.sequences = max(1, int(sequences))  # sequences that may hold KV at once (sizes a temporary swap)
         self._caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
-        self.prefix_ram = max(0, int(prefix_ram))
         self.layer_windows = layer_windows
         # a temporary swap file holds each sequence's context (all of it, when preempted), and as much again for
         # the prefix cache
         temporary = (self.sequences + 1) * -(-ctx // layout.block) * layout.block_bytes
+        # a full swap file takes a slot from the prefix cache's blocks on disk
         self.slots = SwapSlots(layout.num_layers, layout.seg_bytes, layout.block, swap_path, swap_dir, temporary,
-                               io_threads, make_room=lambda: self._evict(disk=True))
+                               io_threads, make_room=lambda: self.trie.evict(disk=True))
         self.pool = BlockPool(layout, self.slots)
         self.work = Workspace(layout, ctx)
-        self.trie = PrefixTrie(self.pool, layout.block)
+        self.trie = PrefixTrie(self.pool, layout.block, prefix_ram)
         if swap_path is not None:
             _ = self.swap  # opened and locked at load: a bad or busy file is refused before any work
         self.live: KVCache | None = None
         self.live_busy = False
-        self.prefix_hit_tokens = 0
-        self.prefill_tokens = 0
 
     # -- the swap file -------------------------------------------------------------------------------------
 
@@ -96,13 +95,18 @@ class KVSpace:
         read buffers."""
         return self.pool.ram_bytes + self.work.nbytes + sum(c.staging_bytes() for c in list(self._caches))
 
+    @property
+    def prefix_ram(self) -> int:
+        """RAM bytes for blocks only the prefix cache holds (the trie's share)."""
+        return self.trie.ram_share
+
     def prefix_bytes(self) -> int:
         """RAM of the blocks only the prefix cache holds."""
-        return sum(self.layout.ram_block_bytes for n in self.trie.nodes() if n.block.in_ram and n.block.refs == 1)
+        return self.trie.ram_bytes()
 
     def prefix_room(self) -> int:
         """RAM the prefix cache may still take (its share less what it holds)."""
-        return max(0, self.prefix_ram - self.prefix_bytes())
+        return self.trie.room()
 
     def drop_live(self) -> int:
         """Let go of the idle live sequence (its full blocks stay in the prefix cache, within its share); bytes
@@ -115,7 +119,7 @@ class KVSpace:
         live.release()
         self._caches.discard(live)
         self.live = None
-        self._shrink()
+        self.trie.shrink()
         return max(0, before - self.ram_bytes())
 
     def acquire(self, ids: list[int]) -> tuple[KVCache, int]:
@@ -149,7 +153,7 @@ class KVSpace:
         else:
             cache.release()
             self._caches.discard(cache)
-        self._shrink()
+        self.trie.shrink()
 
     def adopt(self, cache: KVCache) -> None:
         """Make `cache` (a restored session) the live sequence, committing the previous one."""
@@ -159,38 +163,13 @@ class KVSpace:
             self._caches.discard(self.live)
         self.live, self.live_busy = cache, False
         self._caches.add(cache)
-        self._shrink()
+        self.trie.shrink()
 
     # -- the prefix cache ----------------------------------------------------------------------------------
 
     def commit(self, cache: KVCache) -> None:
         """The cache's full blocks not in the prefix trie yet go in, by reference (`PrefixTrie.commit`)."""
         self.trie.commit(cache)
-
-    def _shrink(self) -> None:
-        """Keep the blocks only the trie holds within the prefix cache's RAM share."""
-        while self.prefix_bytes() > self.prefix_ram and self._evict(disk=False):
-            pass
-
-    def _evict(self, disk: bool) -> bool:
-        """disk=False: the least recently used block only the trie holds in RAM goes to the swap file (when one
-        is open and has room), else its node is dropped (a leaf). disk=True: the least recently used leaf whose
-        block only the trie holds on disk is dropped, freeing its slot. False when there is none."""
-        def mine(n: Node) -> bool:
-            return n.block.refs == 1 and n.block.in_ram != disk
-        if not disk and self.slots.available:
-            held = [n for n in self.trie.nodes() if mine(n)]
-            if held:
-                try:
-                    self.pool.spill(min(held, key=lambda x: x.stamp).block)
-                    return True
-                except (InputError, StorageError):  # caching only saves work: a full disk costs that saving
-                    pass
-        leaves = [n for n in self.trie.nodes() if not n.children and mine(n)]
-        if not leaves:
-            return False
-        self.trie.drop(min(leaves, key=lambda x: x.stamp))
-        return True
 
     def clear(self) -> None:
         """Forget the live sequence and every cached prefix (the next prompt is computed from scratch)."""

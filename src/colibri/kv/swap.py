@@ -23,6 +23,7 @@ import json
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -318,7 +319,7 @@ class SwapSlots:
     """The swap file of one KV space, as its block pool and sequences use it: opened on first use (the file at
     `path`, else a temporary one of `temporary_bytes` in `directory`), slots allocated and freed, blocks written
     and read. When the file is full, `alloc` calls `make_room` (it frees a slot and returns True, or returns
-    False) before giving up. `read_wait_s` sums the time sequences waited on its reads."""
+    False) before giving up. `read_wait_s` sums the time sequences waited on its reads (`wait`)."""
 
     def __init__(self, layers: int, seg_bytes: int, block_tokens: int, path: str | os.PathLike | None = None,
                  directory: str | os.PathLike | None = None, temporary_bytes: int = 0, io_threads: int = 2,
@@ -370,8 +371,15 @@ class SwapSlots:
     def read_layer(self, slots: list[int], layer: int, buffer: AlignedBuffer, priority: int) -> list[Future]:
         return self.file.read_layer(slots, layer, buffer, priority)
 
-    def promote(self, future: Future) -> None:
-        self.file.reader.promote(future)
+    def wait(self, futures: list[Future]) -> None:
+        """Wait for reads a sequence needs now: each is moved ahead of prefetches first; the time waited adds to
+        `read_wait_s`."""
+        t0 = time.perf_counter()
+        for f in futures:
+            self.file.reader.promote(f)
+        for f in futures:
+            f.result()
+        self.read_wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         if self.opened is not None:
