@@ -40,6 +40,14 @@ def colibri_cmd() -> list[str]:
 
 
 def env_with_cache(cache: Path) -> dict:
+    """An environment whose cache directory is `cache` (swap files, sessions), sharing this process's built
+    kernels and converted default model: a fresh cache would build and convert them again, minutes per test."""
+    from colibri import kernels
+    from colibri.core.defaults import cache_dir
+    cache.mkdir(parents=True, exist_ok=True)
+    for name, target in (("kernels", kernels.cache_root()), ("models", cache_dir() / "models")):
+        target.mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(target, target_is_directory=True)
     return {**os.environ, "COLIBRI_CACHE": str(cache)}
 
 
