@@ -223,13 +223,13 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     assert m.store.placement.cache_slots >= 3 and m.store.placement.learned_pins == 0
     assert m.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == ref
     assert m.store.stats.expert_hits > 0
-    decode_set = {pid for pid, s in m.store._slots.items() if s.cached}
+    decode_set = set(m.store.experts.cached())
     assert decode_set
     m.store.begin_pass(2)  # a prefill pass: only free cache slots may take its experts
     for pid in [p.id for p in pages if p.kind == "expert" and p.id not in decode_set]:
         with m.store.expert(pages[pid].layer, pages[pid].expert):
             pass
-    assert decode_set <= {pid for pid, s in m.store._slots.items() if s.cached}
+    assert decode_set <= set(m.store.experts.cached())
     m.close()
     usage = json.loads((path / "usage.json").read_text())
     assert usage["shape"] == [m.args.num_layers, m.args.num_experts] and sum(map(sum, usage["counts"])) > 0
