@@ -69,6 +69,21 @@ def test_placement_never_changes_tokens(containers, family):
         m.close()
 
 
+def test_every_store_has_the_whole_weight_store_protocol(containers):
+    """Callers never probe a store for a capability: the RAM, streaming, calibration and probe stores each have
+    every method and attribute of WeightStore."""
+    from colibri.convert.calibrate import _LayerStore
+    from colibri.perf.probes import _ProbeStore
+    from colibri.weights.store import RamStore, WeightStore
+
+    members = [n for n in vars(WeightStore) if not n.startswith("_")] + list(WeightStore.__annotations__)
+    streaming = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25)).store
+    for store in (RamStore({}, torch.float32), streaming, _LayerStore(None, set()),
+                  _ProbeStore({}, torch.float32, None, [])):
+        assert [n for n in members if not hasattr(store, n)] == [], type(store).__name__
+    streaming.close()
+
+
 def test_dense_sweep_reads_exactly_the_streamed_bytes(containers):
     m = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25),
                      prefetch_depth=0)
