@@ -146,3 +146,12 @@ def test_fixed_mix_keeps_the_policy_kinds_with_the_weighted_fit(tiny_model_dir, 
     q4 = [t["name"] for t in fixed["tensors"] if t["kind"] == "q4" and t["role"] != "embedding"]
     sums = {t["name"]: t["checksum"] for t in plain["tensors"]}
     assert all(t["checksum"] != sums[t["name"]] for t in fixed["tensors"] if t["name"] in q4)
+
+
+def test_calibrating_a_moe_model_runs_its_experts_through_the_calibration_store(tiny_model_dir, tmp_path):
+    """The calibration store has the whole WeightStore protocol: a MoE block asks it whether to read the next
+    layer's experts ahead (no), and the calibrated container generates."""
+    conv.convert(tiny_model_dir("qwen3_moe"), tmp_path / "moe", conv.ConvertOptions(
+        quant="q4", group_size=32, calibration="builtin", calibration_tokens=64))
+    assert manifest(tmp_path / "moe")["quant"]["policy"]["mixed"]
+    assert len(colibri.load(tmp_path / "moe").generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2

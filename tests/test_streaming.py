@@ -70,6 +70,21 @@ def test_placement_never_changes_tokens(containers, family):
         m.close()
 
 
+def test_every_store_has_the_whole_weight_store_protocol(containers):
+    """Callers never probe a store for a capability: the RAM, streaming, calibration and probe stores each have
+    every method and attribute of WeightStore."""
+    from colibri.convert.calibrate import _LayerStore
+    from colibri.perf.probes import _ProbeStore
+    from colibri.weights.store import RamStore, WeightStore
+
+    members = [n for n in vars(WeightStore) if not n.startswith("_")] + list(WeightStore.__annotations__)
+    streaming = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25)).store
+    for store in (RamStore({}, torch.float32), streaming, _LayerStore(None, set()),
+                  _ProbeStore({}, torch.float32, None, [])):
+        assert [n for n in members if not hasattr(store, n)] == [], type(store).__name__
+    streaming.close()
+
+
 def test_dense_sweep_reads_exactly_the_streamed_bytes(containers):
     m = colibri.load(containers("llama"), memory_limit=limit_for(containers("llama"), 0.25),
                      prefetch_depth=0)
@@ -224,13 +239,13 @@ def test_expert_cache_learns_and_persists_usage(containers, tmp_path):
     assert m.store.placement.cache_slots >= 3 and m.store.placement.learned_pins == 0
     assert m.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == ref
     assert m.store.stats.expert_hits > 0
-    decode_set = {pid for pid, s in m.store._slots.items() if s.cached}
+    decode_set = set(m.store.experts.cached())
     assert decode_set
     m.store.begin_pass(2)  # a prefill pass: only free cache slots may take its experts
     for pid in [p.id for p in pages if p.kind == "expert" and p.id not in decode_set]:
         with m.store.expert(pages[pid].layer, pages[pid].expert):
             pass
-    assert decode_set <= {pid for pid, s in m.store._slots.items() if s.cached}
+    assert decode_set <= set(m.store.experts.cached())
     m.close()
     usage = json.loads((path / "usage.json").read_text())
     assert usage["shape"] == [m.args.num_layers, m.args.num_experts] and sum(map(sum, usage["counts"])) > 0

@@ -18,13 +18,12 @@ mixed.py spends a size budget on the tensors with the most sensitivity per byte.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +33,7 @@ from safetensors.torch import save as safetensors_bytes
 from colibri.quant import kinds as quant
 from colibri.core.atomic import atomic_write
 from colibri.models.base import Batch, rms_norm, rope_cos_sin
+from colibri.weights.store import RamStore
 
 EMBED = "model.embed_tokens.weight"
 CALIBRATION = "calibration.safetensors"  # in the container: the statistics its q4 fit used
@@ -142,18 +142,19 @@ class _Recorder:
         return F.linear(x2, self.w, b).reshape(*x.shape[:-1], self.shape[0])
 
 
-class _LayerStore:
+class _LayerStore(RamStore):
     """The WeightStore for calibration: one layer's tensors read on first use, f32, dropped by `release`;
-    2-D weights wrapped in recorders; `override` replaces a tensor (its quantized version) for a re-run."""
+    2-D weights wrapped in recorders; `override` replaces a tensor (its quantized version) for a re-run. The rest
+    of the protocol is the RAM store's: nothing streams, no guess is read ahead."""
 
     def __init__(self, ckpt, linears: set[str]):
+        super().__init__({}, torch.float32)
         self.ckpt, self.linears = ckpt, linears
         self.loaded: dict[str, torch.Tensor] = {}
         self.override: dict[str, torch.Tensor] = {}
         self.stats: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self.recording = True
-        self.dtype = torch.float32
 
     def weight(self, name: str) -> torch.Tensor:
         if name not in self.loaded:
@@ -173,21 +174,6 @@ class _LayerStore:
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         return self.weight(name)[ids]
-
-    def row_blocks(self, name: str) -> Iterator:
-        yield self.get(name)
-
-    def begin_pass(self, tokens: int) -> None:
-        pass
-
-    def layer(self, i: int):
-        return contextlib.nullcontext()
-
-    def expert(self, i: int, e: int):
-        return contextlib.nullcontext()
-
-    def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
-        return sorted(uses)
 
     def importance(self, name: str) -> torch.Tensor:
         return self.stats[name] / self.counts[name]

@@ -207,11 +207,10 @@ class Model:
             self.store = StreamingStore(ckpt, self.args, conf.memory_limit, self.dtype,
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size,
-                                        lookahead=config.lookahead)
+                                        lookahead=config.lookahead, baseline=self.baseline_rss_bytes)
             # the elastic budget: what each pass needs beside the weights, so the store pins what the KV pool
             # and that pass leave of the limit
             self.pass_bytes = functools.partial(budget.pass_bytes, self.args, self.dtype, quantized(ckpt))
-            self.store.baseline = self.baseline_rss_bytes
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)

@@ -177,6 +177,13 @@ class _Read:
         self.skip = False  # cancelled before it started, or failed: its queued requests are dropped
 
 
+def _forget_read(fut: Future) -> None:
+    """A settled read needs no promotion: unlinking it breaks the Future <-> _Read cycle, so a buffer is freed as
+    soon as its owner lets go of it, not at the next garbage collection (RSS, which elastic pins measure, counts
+    it until then)."""
+    vars(fut).pop("_colibri_read", None)
+
+
 class _Request:
     __slots__ = ("read", "offset", "length", "need", "view", "taken")
 
@@ -268,6 +275,7 @@ class Reader:
                                  buffer.memoryview(buffer_offset + pos, length)))
         read.todo = len(reqs)
         fut._colibri_read = read  # lets promote() find the requests
+        fut.add_done_callback(_forget_read)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the reader is closed")

@@ -1,7 +1,8 @@
-"""Elastic pins: beyond the placement's own pins, streamed dense pages are pinned while the memory limit has
-room beside the KV cache and the activations of the pass at hand, and unpinned (the last made first; they stream
-again) when those grow. The staging was sized for the placement's streamed set, which holds every set left
-streaming, so pins never need more staging. The store does the pinning itself (`pin`, `release`)."""
+"""Pinned pages. PinnedPages holds them: each read into a buffer of its own, its tensors resident in the compute
+dtype. ElasticPins decides which beyond the placement's own: streamed dense pages are pinned while the memory limit
+has room beside the KV cache and the activations of the pass at hand, and unpinned (the last made first; they
+stream again) when those grow. The staging was sized for the placement's streamed set, which holds every set left
+streaming, so pins never need more staging."""
 
 from __future__ import annotations
 
@@ -10,20 +11,65 @@ from typing import Callable
 import torch
 
 from colibri.weights import placement as place
-from colibri.formats.container import PageEntry, TensorEntry
+from colibri.formats.container import PageEntry, TensorEntry, tensor_from_bytes
 from colibri.core.errors import StorageError
-from colibri.weights.io import AlignedBuffer
+from colibri.weights.io import DEMAND, AlignedBuffer, Reader
+from colibri.weights.streaming.checks import Checksums
+from colibri.weights.streaming.staging import Staging
+from colibri.weights.streaming.stats import PageState, StreamStats
+
+
+class PinnedPages:
+    def __init__(self, pages: list[PageEntry], tensors: dict[str, TensorEntry], reader: Reader, checks: Checksums,
+                 stats: StreamStats, state: dict[int, PageState], staging: Staging, as_compute: Callable):
+        """`state`: the tier of every page, shared with the store; `staging`: where a page pinned elastically
+        streamed from, and streams again once released; `as_compute`: a tensor in the compute dtype."""
+        self.pages, self.tensors, self.reader, self.checks = pages, tensors, reader, checks
+        self.stats, self.state, self.staging, self.as_compute = stats, state, staging, as_compute
+        self.objects: dict[str, object] = {}  # tensor name -> its value, over the page's own buffer
+
+    def pin(self, pid: int) -> AlignedBuffer:
+        """Read page `pid` into a buffer of its own and keep its tensors resident."""
+        page = self.pages[pid]
+        buf = AlignedBuffer(page.nbytes)
+        self.reader.submit(page.file, page.offset, page.nbytes, buf, DEMAND, label=f"page {pid}",
+                           verify=self.checks.verifier(pid)).result()
+        self.stats.bytes_read += page.nbytes
+        for name in page.tensors:
+            t = self.tensors[name]
+            self.objects[name] = self.as_compute(tensor_from_bytes(t, buf.tensor(t.offset - page.offset, t.nbytes)))
+        self.state[pid] = PageState.PINNED
+        return buf
+
+    def pin_streamed(self, pid: int) -> AlignedBuffer:
+        """An elastic pin of streamed page `pid`: it leaves the streamed set; after a failed read it streams again."""
+        self.staging.drop(pid)  # prefetched for the next pass: the pinned copy replaces it
+        self.staging.remove(pid)
+        try:
+            return self.pin(pid)
+        except BaseException:
+            self.state[pid] = PageState.ON_DISK
+            self.staging.add(pid)
+            raise
+
+    def release(self, pid: int) -> None:
+        """An elastic pin given up: its tensors go (with them, its buffer); the page streams again."""
+        for name in self.pages[pid].tensors:
+            self.objects.pop(name, None)
+        self.state[pid] = PageState.ON_DISK
+        self.staging.add(pid)
 
 
 class ElasticPins:
     def __init__(self, pages: list[PageEntry], tensors: dict[str, TensorEntry], pl: place.Placement,
                  memory_limit: int | None, dtype: torch.dtype, pin: Callable[[int], AlignedBuffer],
-                 release: Callable[[int], None]):
+                 release: Callable[[int], None], baseline: int | None = None):
         """`pin(pid)`: read a streamed page into a buffer of its own and keep its tensors resident (on failure
-        the page streams again and the error propagates); `release(pid)`: the page streams again."""
+        the page streams again and the error propagates); `release(pid)`: the page streams again; `baseline`:
+        the runtime baseline RSS (None: not measured)."""
         self.pages, self.placement, self.memory_limit = pages, pl, memory_limit
         self._pin, self._release = pin, release
-        self.baseline: int | None = None  # the runtime baseline RSS, set by the owner once measured
+        self.baseline = baseline
         self._cost = {pid: p.nbytes + place.resident_extra(p, tensors, dtype) for pid, p in enumerate(pages)}
         self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
         self._candidates = sorted((pid for pid in pl.streamed if pages[pid].kind != "expert"),
