@@ -91,7 +91,7 @@ class Sampler:
 
 def warm_up(logits: torch.Tensor, ids: list[int]) -> None:
     """Run the greedy and the filtered, penalized random paths once on `logits` [R, V], so the code they run is
-    paged in before the runtime baseline is measured (colibri.runtime.budget.warm_up makes such logits)."""
+    paged in before the runtime baseline is measured (colibri.runtime.warmup.warm_up makes such logits)."""
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=0,
                                                                   repetition_penalty=1.1)):
         Sampler(params)(logits[0], ids)

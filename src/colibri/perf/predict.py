@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri.runtime import budget
+from colibri.core.config import DEFAULT_BATCH
+from colibri.core.metrics import rss_bytes
 from colibri.runtime.budget import Reserve
 from colibri.formats.container import PageEntry, TensorEntry, read_manifest, records
 from colibri.weights.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
@@ -104,7 +106,7 @@ class Layout:
 
 
 def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int | None = None,
-           ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH) -> Layout:
+           ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH) -> Layout:
     """What `colibri.load` with these settings would keep resident and read per token, without reading a weight."""
     from colibri.runtime.model import plan
 
@@ -115,7 +117,7 @@ def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int 
     tensors, pages = records(manifest)
     largest = max(manifest["files"], key=lambda f: f["size"])  # one file below 1 TiB; the probe reads the largest
     return Layout(path, args, placement, res, pages, tensors, path / largest["name"],
-                  token_bytes(placement, pages, tensors, args), budget.rss_bytes())
+                  token_bytes(placement, pages, tensors, args), rss_bytes())
 
 
 def head_blocks(t: TensorEntry) -> list[tuple[int, int]]:

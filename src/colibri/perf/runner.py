@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from colibri.runtime import budget
+from colibri.core.config import DEFAULT_BATCH
 from colibri.formats.container import MANIFEST
 from colibri.core.errors import InputError
 from colibri.core.metrics import GenerationMetrics
@@ -65,7 +66,7 @@ def error_pct(measured: float, predicted: float | None) -> float | None:
 
 
 def predict(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int | None = None, io_threads: int = 2,
-            ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH, probe_seconds: float = 1.0,
+            ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH, probe_seconds: float = 1.0,
             lay: Layout | None = None) -> Plan:
     """`colibri plan`: the layout (or `lay`, computed earlier), the disk and compute probes, the prediction."""
     lay = lay or layout(path, memory_limit, dtype, prefetch_depth, ctx_length, batch_size)
@@ -181,7 +182,7 @@ def drop_page_cache(files: list[Path]) -> int:
 
 def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str = "", dtype=None,
               threads: int | None = None, io_threads: int = 2, prefetch_depth: int | None = None,
-              ctx_length: int | None = None, batch_size: int = budget.DEFAULT_BATCH,
+              ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH,
               probe_seconds: float = 1.0) -> BenchReport:
     """Cold-start decode benchmark: drop the model's files from the page cache, load under the limit, generate
     `tokens` tokens greedily (EOS ignored), and set the decode phase's measured speed and I/O beside the plan's

@@ -10,15 +10,12 @@ rest.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import dataclass
 
 import torch
 
-from colibri.core.config import DEFAULT_BATCH, EngineConfig  # noqa: F401 - DEFAULT_BATCH re-exported
+from colibri.core.config import EngineConfig
 from colibri.core.errors import InputError
-from colibri.core.metrics import rss_bytes  # noqa: F401 - budget.rss_bytes, where callers measure the baseline
 
 LIMITED_CTX = 4096  # default context under a memory limit: its KV cache is reserved up front...
 KV_SHARE = 0.25  # ...and halved (down to MIN_CTX) while that KV cache would take more of the limit than this
@@ -210,16 +207,34 @@ def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = F
     minimum working set under a limit (placement.minimum_staging); given, a limit is accepted iff reserve + floor
     fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
     found with the same test."""
-    limit, ram = config.memory_limit_bytes, config.kv_ram_bytes
-    options = (args, dtype, config.ctx_length, config.batch_size, ram, config.kv_quant, config.kv_block, quantized,
-               config.max_sequences, floor)
-    conf = _resolve(limit, *options)
+    limit = config.memory_limit_bytes
+    o = Options(args, dtype, config.ctx_length, config.batch_size, config.kv_ram_bytes, config.kv_quant,
+                config.kv_block, quantized, config.max_sequences, floor)
+    conf = _resolve(limit, o)
     if limit is not None and floor is not None and not _accepted(conf, floor):
-        least = minimum_limit(options, limit)
+        least = minimum_limit(o, limit)
         raise InputError(f"memory limit {_fmt(limit)} is below this model's minimum working set of {_fmt(least)} "
-                         f"(with the KV cache and activations for a {_resolve(least, *options).ctx}-token context);"
+                         f"(with the KV cache and activations for a {_resolve(least, o).ctx}-token context);"
                          " raise --memory-limit or lower --ctx-length / --batch-size")
     return conf
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything but the limit that decides a load's memory settings: the model's args, the compute dtype, the
+    context asked for (None: automatic), tokens per pass, the KV RAM asked for, KV quantization and block, whether
+    the weights are quantized, sequences decoded together, and the weights' minimum working set (None: no limit
+    test)."""
+    args: object
+    dtype: torch.dtype
+    ctx_length: int | None
+    batch: int
+    kv_ram: int | None
+    kv_quant: str | None
+    kv_block: int | None
+    quantized: bool
+    sequences: int
+    floor: int | None
 
 
 def _fmt(n: int) -> str:
@@ -230,38 +245,38 @@ def _accepted(conf: Settings, floor: int) -> bool:
     return conf.memory_limit >= conf.reserve.total + floor
 
 
-def _resolve(limit: int | None, args, dtype, ctx_length, batch, ram, kv_quant, kv_block, quantized, sequences,
-             floor) -> Settings:
+def _resolve(limit: int | None, o: Options) -> Settings:
     """The settings a limit gets. The automatic context (none asked for, under a limit) is the largest of
     LIMITED_CTX, halved down to MIN_CTX, whose KV cache is at most KV_SHARE of the limit and whose reserve fits
-    beside `floor`; the smallest when none does (then refused)."""
-    if ctx_length is not None or limit is None:
-        ladder = [context_length(args, ctx_length, limit, dtype, kv_quant)]
+    beside `o.floor`; the smallest when none does (then refused)."""
+    args, dtype = o.args, o.dtype
+    if o.ctx_length is not None or limit is None:
+        ladder = [context_length(args, o.ctx_length, limit, dtype, o.kv_quant)]
     else:
         ladder = [min(args.max_position_embeddings, LIMITED_CTX)]
         while ladder[-1] > MIN_CTX:
             ladder.append(ladder[-1] // 2)
+    limited = limit is not None
     for i, ctx in enumerate(ladder):
-        act = reserve(args, ctx, batch, dtype, None, limit is not None, quantized, sequences).activation_bytes
-        spare = None if limit is None or floor is None else limit - floor - act
-        kv = kv_plan(args, ctx, dtype, limit, ram, kv_quant, kv_block, explicit_ctx=ctx_length is not None,
+        act = reserve(args, ctx, o.batch, dtype, None, limited, o.quantized, o.sequences).activation_bytes
+        spare = None if limit is None or o.floor is None else limit - o.floor - act
+        kv = kv_plan(args, ctx, dtype, limit, o.kv_ram, o.kv_quant, o.kv_block, explicit_ctx=o.ctx_length is not None,
                      spare=spare)
-        conf = Settings(limit, ctx, kv, reserve(args, ctx, batch, dtype, kv, limit is not None, quantized, sequences))
+        conf = Settings(limit, ctx, kv, reserve(args, ctx, o.batch, dtype, kv, limited, o.quantized, o.sequences))
         last = i == len(ladder) - 1
-        if last or (kv_bytes(args, ctx, dtype, kv_quant) <= KV_SHARE * limit
-                    and (floor is None or _accepted(conf, floor))):
+        if last or (kv_bytes(args, ctx, dtype, o.kv_quant) <= KV_SHARE * limit
+                    and (o.floor is None or _accepted(conf, o.floor))):
             return conf
     raise AssertionError("unreachable: the ladder's last context is returned")
 
 
-def minimum_limit(options: tuple, upper: int) -> int:
+def minimum_limit(o: Options, upper: int) -> int:
     """The smallest limit `_resolve` accepts (bisection: acceptance is upward-closed by construction; the
     property test sweeps it). `upper` need not be accepted: the search doubles it until it is."""
-    floor = options[-1]
 
     def ok(limit: int) -> bool:
         try:
-            return _accepted(_resolve(limit, *options), floor)
+            return _accepted(_resolve(limit, o), o.floor)
         except InputError:  # e.g. a KV window of under two blocks: not accepted at this limit
             return False
 
@@ -275,97 +290,3 @@ def minimum_limit(options: tuple, upper: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi
-
-
-def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | None":
-    """Run each kind of kernel once on tiny inputs, so the one-time state torch creates on first use (thread
-    pools, kernel caches, the pages of library code each kernel lives in) is part of the measured baseline
-    rather than charged to the budget. `arch` given (the model's math): one prefill and one two-sequence decode
-    pass of a miniature of it (a layer of each kind, 64 wide, random weights), which pages in the code the real
-    passes run (libtorch code that the kernels below alone leave out; its size is in docs/performance.md,
-    section "Streaming under `--memory-limit`"); returns that pass's
-    logits [2, V] and the ids before them, for the caller to warm the sampler on (`sampling.warm_up`)."""
-    import torch.nn.functional as F
-
-    x = torch.ones(2, 64, dtype=dtype)
-    F.linear(x, torch.ones(64, 64, dtype=dtype))
-    from colibri.models.base import attend
-    q = torch.ones(2, 2, 16, dtype=dtype)
-    attend(q, q, q, torch.arange(2), None, 0.25, None)
-    torch.softmax(x.float(), dim=-1)
-    if arch is not None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the same kernels' code, without waiting on the wake-ups of worker threads,
-        try:  # which a busy machine delays (docs/performance.md, "Streaming under `--memory-limit`")
-            return _warm_forward(arch, dtype)
-        finally:
-            torch.set_num_threads(threads)
-    return None
-
-
-def miniature(args):
-    """`args` shrunk to a model of a few small layers with the same features: one layer of each (attention
-    kind, MoE or dense) the model has, 64 wide, its grouped-query ratio, at most 4 experts."""
-    import dataclasses
-
-    kinds = list(dict.fromkeys(zip(args.layer_types, args.moe_layers)))
-    experts = min(args.num_experts, 4)
-    group = max(1, min(4, args.num_heads // max(1, args.num_kv_heads)))
-    return dataclasses.replace(
-        args, vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=len(kinds), num_heads=2 * group,
-        num_kv_heads=2, head_dim=16, layer_types=[t for t, _ in kinds], moe_layers=[m for _, m in kinds],
-        num_experts=experts, top_k=min(args.top_k, experts),
-        moe_intermediate_size=32 if args.moe_intermediate_size else 0,
-        shared_expert_intermediate_size=32 if args.shared_expert_intermediate_size else 0,
-        sliding_window=None if args.sliding_window is None else 8, eos_token_id=[])
-
-
-@torch.inference_mode()
-def _warm_forward(arch, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
-    from colibri.kv.cache import KVCache, KVLayout
-    from colibri.models.base import SLIDING, Batch
-    from colibri.weights.store import RamStore
-
-    mini = type(arch)(miniature(arch.args))
-    a, g = mini.args, torch.Generator().manual_seed(0)
-    store = RamStore({name: (torch.randn(shape, generator=g) * 0.02 + (1.0 if len(shape) == 1 else 0.0)).to(dtype)
-                      for name, shape in mini.weight_shapes().items()}, dtype)
-    layout = KVLayout(a.num_layers, a.num_kv_heads, a.head_dim, dtype, block=8)
-    windows = [a.sliding_window if t == SLIDING else None for t in a.layer_types]
-    caches = [KVCache(layout, 32, layer_windows=windows) for _ in range(2)]
-    ids = list(range(12))
-    for c in caches:
-        c.reserve(len(ids))
-    mini.forward(store, Batch.pack([(ids, 0, c, len(ids) - 1) for c in caches]))
-    for c in caches:
-        c.advance(len(ids), ids)
-        c.reserve(1)
-    return mini.forward(store, Batch.pack([([1], c.length, c, 0) for c in caches])).float(), ids
-
-
-def _libc():
-    path = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(path) if path else None
-    except OSError:
-        return None
-
-
-def trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc malloc_trim). Parsing a large tokenizer.json leaves much of its
-    freed heap resident; the loader trims it before measuring the runtime baseline, so it does not count there
-    (figure: docs/performance.md, "Figures moved from source comments")."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def tame_allocator() -> None:
-    """Keep glibc from holding freed memory: large blocks come from (and return to) mmap, and the heap is
-    trimmed eagerly. Without it, glibc's adaptive mmap threshold lets freed activation buffers of a few MB stay
-    in the heap, and RSS drifts above the budget."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 256 << 10)
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 20)

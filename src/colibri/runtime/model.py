@@ -12,22 +12,23 @@ from typing import Iterator
 import torch
 
 from colibri import kernels
-from colibri.runtime import budget
-from colibri.engine import generate as gen
 from colibri.core.config import EngineConfig
-from colibri.formats.container import ContainerCheckpoint
-from colibri.engine import Engine
+from colibri.core.errors import InputError, UnsupportedModelError
+from colibri.core.metrics import rss_bytes
 from colibri.engine.memory import PassShape
 from colibri.engine.request import token_ids
-from colibri.core.errors import InputError, UnsupportedModelError
+from colibri.engine import Engine
+from colibri.engine import generate as gen
+from colibri.engine.sampling import warm_up as warm_sampler
+from colibri.formats.checkpoint import Checkpoint, check_tensors
+from colibri.formats.container import ContainerCheckpoint
+from colibri.formats.tokenizer import Tokenizer
 from colibri.kv.cache import KVCache
 from colibri.kv.space import KVSpace
-from colibri.formats.checkpoint import Checkpoint, check_tensors
 from colibri.models import open_model
 from colibri.models.base import SLIDING
-from colibri.engine.sampling import warm_up as warm_sampler
+from colibri.runtime import budget, heap, warmup
 from colibri.weights.store import RamStore
-from colibri.formats.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -193,17 +194,17 @@ class Model:
         # activations) is inside it.
         # (the miniature forward pass pages in the code the passes run: under a limit only, where the baseline
         # bounds the budget)
-        warm = budget.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
+        warm = warmup.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
         if warm is not None:
             warm_sampler(*warm)
-        budget.trim_heap()
-        self.baseline_rss_bytes = budget.rss_bytes()
+        heap.trim_heap()
+        self.baseline_rss_bytes = rss_bytes()
         if conf.memory_limit is not None:
             if not isinstance(ckpt, ContainerCheckpoint):
                 raise UnsupportedModelError(f"{self.path}: --memory-limit streams weights from a Colibri container;"
                                             " convert the model first (colibri convert --input ... --output ...)")
             from colibri.weights.streaming import StreamingStore
-            budget.tame_allocator()
+            heap.tame_allocator()
             self.store = StreamingStore(ckpt, self.args, conf.memory_limit, self.dtype,
                                         io_threads=config.io_threads, prefetch_depth=config.prefetch_depth,
                                         reserve=self.reserve.total, batch=self.batch_size,
