@@ -30,7 +30,9 @@ from colibri.runtime.budget import Reserve
 from colibri.formats.container import PageEntry, TensorEntry, read_manifest, records
 from colibri.weights.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
 from colibri.models.base import ModelArgs
-from colibri.weights.placement import Placement, block_rows, main_part, row_bytes, row_span_bytes, row_tensor, scopes_of
+from colibri.weights.placement import (EmbeddingScope, LayerScope, Placement, block_rows, main_part, row_bytes,
+                                       row_span_bytes, row_tensor, scopes_of)
+from colibri.weights.placement import Scope as PageScope
 
 KINDS = ("embedding", "attention", "ffn", "expert", "shared_expert", "head")
 BASELINE_NOTE = ("the runtime baseline (Python, torch, tokenizer, manifest) is outside --memory-limit; the limit "
@@ -354,40 +356,40 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[Scope], list[int]]:
     num_layers, tied = args.num_layers, args.tie_word_embeddings
     order = sorted(i for i in placement.streamed if pages[i].kind != "expert")
     index = {pid: k for k, pid in enumerate(order)}
-    end: dict[tuple, int] = {}
-    members: dict[tuple, list[int]] = {}
+    end: dict[PageScope, int] = {}
+    members: dict[PageScope, list[int]] = {}
     for p in pages:
         for key in scopes_of(p, num_layers, tied):
             end[key] = max(end.get(key, -1), p.id)
             if p.id in index:
                 members.setdefault(key, []).append(index[p.id])
 
-    def scope(key: tuple, **kw) -> Scope:
+    def scope(key: PageScope, **kw) -> Scope:
         return Scope(members.get(key, []), bisect.bisect_right(order, end.get(key, -1)), **kw)
 
     per_token, by_rows = lay.per_token, set(placement.by_rows)
     scopes = []
     embedding = next(p for p in pages if p.kind == "embedding")
     if embedding.id in index:  # staged whole for the lookup
-        scopes.append(scope(("embedding",)))
+        scopes.append(scope(EmbeddingScope()))
     elif embedding.id in by_rows:
         scopes.append(Scope([], None, demand_bytes=per_token["lookup_row_bytes"]))
     experts = {x["layer"]: x["expected_bytes"] for x in (per_token["experts"] or {}).get("layers", [])}
     for i in range(num_layers):
         c = compute["layers"]["moe" if args.moe_layers[i] else "dense"]
         if args.moe_layers[i]:
-            scopes.append(scope(("layer", i), compute_s=c["attention_s"], expert_bytes=experts.get(i, 0),
+            scopes.append(scope(LayerScope(i), compute_s=c["attention_s"], expert_bytes=experts.get(i, 0),
                                 rest_s=c["s"] - c["attention_s"]))
         else:
-            scopes.append(scope(("layer", i), compute_s=c["s"]))
+            scopes.append(scope(LayerScope(i), compute_s=c["s"]))
     head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     head_page = tensors[head_name].page
     if head_page in by_rows:
         rows = tensors[head_name].shape[0]
         blocks = [(b, compute["head_s"] * r / rows) for b, r in head_blocks(tensors[head_name])]
-        scopes.append(scope(("layer", num_layers), blocks=blocks))
+        scopes.append(scope(LayerScope(num_layers), blocks=blocks))
     else:
-        scopes.append(scope(("layer", num_layers), compute_s=compute["head_s"]))
+        scopes.append(scope(LayerScope(num_layers), compute_s=compute["head_s"]))
     scopes.append(Scope([], None, compute_s=compute["sample_s"]))  # after the head's scope closes
     return scopes, [pages[i].nbytes for i in order]
 

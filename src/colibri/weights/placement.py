@@ -96,13 +96,43 @@ def side_ranges(page: PageEntry, tensors: dict[str, TensorEntry], table: str) ->
     return out
 
 
-def scopes_of(page: PageEntry, num_layers: int, tied: bool) -> list[tuple]:
+@dataclass(frozen=True)
+class LayerScope:
+    """Layer `layer`'s attention and dense FFN pages; layer == num_layers: the head."""
+    layer: int
+
+    def __str__(self) -> str:
+        return f"layer/{self.layer}"
+
+
+@dataclass(frozen=True)
+class ExpertScope:
+    """One routed expert's pages, opened inside its layer's scope."""
+    layer: int
+    expert: int
+
+    def __str__(self) -> str:
+        return f"expert/{self.layer}/{self.expert}"
+
+
+@dataclass(frozen=True)
+class EmbeddingScope:
+    """The embedding table staged whole for the lookup."""
+
+    def __str__(self) -> str:
+        return "embedding"
+
+
+Scope = LayerScope | ExpertScope | EmbeddingScope  # where model code holds pages (the store opens one at a time)
+
+
+def scopes_of(page: PageEntry, num_layers: int, tied: bool) -> list[Scope]:
     """The scopes that read a page. A tied embedding serves the lookup and the head."""
     if page.kind == "expert":
-        return [("expert", page.layer, page.expert)]
+        return [ExpertScope(page.layer, page.expert)]
     if page.kind == "embedding":
-        return [("embedding",), ("layer", num_layers)] if tied else [("embedding",)]
-    return [("layer", num_layers if page.kind == "head" else page.layer)]
+        return [EmbeddingScope(), LayerScope(num_layers)] if tied else [EmbeddingScope()]
+    return [LayerScope(num_layers if page.kind == "head" else page.layer)]
 
 
 def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool,
@@ -111,7 +141,7 @@ def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: i
     pages: reads into 4 KiB pages are slower, io.AlignedBuffer), as many as the largest scope has streamed pages,
     plus `prefetch_depth` for reads ahead. Equal slots never fragment, so a demand read always finds room once
     prefetched pages are dropped."""
-    count: dict[tuple, int] = {}
+    count: dict[Scope, int] = {}
     size = 0
     for pid in streamed:
         p = pages[pid]
@@ -121,8 +151,8 @@ def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: i
     if not count:
         return 0, 0
     # An expert's scope opens inside its layer's: both are held at once.
-    nested = {key: n + (1 if any(k[0] == "expert" and k[1] == key[1] for k in count) else 0)
-              for key, n in count.items() if key[0] == "layer"}
+    nested = {key: n + (1 if any(isinstance(k, ExpertScope) and k.layer == key.layer for k in count) else 0)
+              for key, n in count.items() if isinstance(key, LayerScope)}
     return max([*count.values(), *nested.values()]) + prefetch_depth, huge_align(size)  # whole huge pages
 
 

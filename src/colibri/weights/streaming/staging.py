@@ -19,7 +19,7 @@ import torch
 
 from colibri.formats.container import PageEntry, TensorEntry
 from colibri.weights.io import DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes
-from colibri.weights.placement import scopes_of
+from colibri.weights.placement import Scope, scopes_of
 from colibri.weights.streaming.checks import Checksums
 from colibri.weights.streaming.stats import PageState, StreamStats
 
@@ -46,8 +46,8 @@ class Staging:
         self.held: set[int] = set()  # streamed pages of the open scope(s)
         self.order = list(streamed)  # forward order: the prefetch sequence
         self.streamed = set(self.order)
-        self.scope_pages: dict[tuple, list[int]] = {}  # scope -> its streamed pages, in order
-        self.scope_end: dict[tuple, int] = {}  # last page id of each scope (streamed or not)
+        self.scope_pages: dict[Scope, list[int]] = {}  # scope -> its streamed pages, in order
+        self.scope_end: dict[Scope, int] = {}  # last page id of each scope (streamed or not)
         for p in pages:
             for key in scopes_of(p, num_layers, tied):
                 if p.id in self.streamed:

@@ -27,7 +27,7 @@ import torch
 
 from colibri.formats.container import ContainerCheckpoint, TensorEntry, tensor_from_bytes
 from colibri.weights.io import DEMAND, Reader
-from colibri.weights.placement import plan
+from colibri.weights.placement import EmbeddingScope, ExpertScope, LayerScope, Scope, plan
 from colibri.weights.streaming.checks import Checksums
 from colibri.weights.streaming.experts import ExpertCache
 from colibri.weights.streaming.lookahead import Lookahead, guessed_layers, reserved_slots
@@ -144,7 +144,7 @@ class StreamingStore:
             return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
         if self._page_of[name] in self._by_rows:
             return self.tables.read(name, ids)
-        with self._scope(("embedding",)):
+        with self._scope(EmbeddingScope()):
             w = self.get(name)
             return (w[ids].clone() if isinstance(w, torch.Tensor) else w.rows(ids)).to(self.dtype)
 
@@ -156,10 +156,10 @@ class StreamingStore:
         yield from self.tables.stream(name)
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
-        return self._scope(("layer", i))
+        return self._scope(LayerScope(i))
 
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
-        return self._scope(("expert", i, e))
+        return self._scope(ExpertScope(i, e))
 
     def route(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> list[int]:
         """Layer i's router picked experts (expert -> tokens routed to it): count the use, start reading the
@@ -221,8 +221,8 @@ class StreamingStore:
     # -- scopes ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _scope(self, key: tuple) -> Iterator[None]:
-        st, expert = self.staging, key[0] == "expert"
+    def _scope(self, key: Scope) -> Iterator[None]:
+        st, expert = self.staging, isinstance(key, ExpertScope)
         pids = st.scope_pages.get(key, [])
         ahead = st.take(pids, expert, self.lookahead.soon, self.experts.evict)
         waited = st.wait(pids)  # raises StorageError naming the page and file
@@ -232,7 +232,7 @@ class StreamingStore:
             yield
         finally:
             if self._passes <= self.timeline_passes:
-                self.timeline.append({"pass": self._passes, "scope": "/".join(map(str, key)), "pages": len(pids),
+                self.timeline.append({"pass": self._passes, "scope": str(key), "pages": len(pids),
                                       "demand_bytes": sum(self.pages[p].nbytes for p in pids if p not in ahead),
                                       "wait_ms": round(1e3 * waited, 3),
                                       "compute_ms": round(1e3 * (time.perf_counter() - t1), 3)})
