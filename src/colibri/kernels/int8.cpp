@@ -75,8 +75,8 @@ float scalar_of(const void* p, int64_t i, at::ScalarType t) {
 }
 
 // Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse (fresh ones
-// faulted in their pages on every call, ~1 us per 4 KiB: 5 % of a 500 x 1536 pass); above kKeepBytes they are given
-// back when the call ends.
+// would fault in their pages on every call, a measurable share of a prefill pass); above kKeepBytes they are
+// given back when the call ends.
 constexpr size_t kKeepBytes = 16 << 20;
 
 struct ActBuffers {
