@@ -37,7 +37,11 @@ class MemoryGovernor:
         self.store, self.space, self.spec = store, space, spec
         self.pool_bytes = pool_bytes
         self.pass_bytes = pass_bytes
-        self.elastic = pass_bytes is not None
+
+    @property
+    def elastic(self) -> bool:
+        """Under a memory limit: the store's pins give way to the KV pool and the pass."""
+        return self.pass_bytes is not None
 
     def pass_cost(self, shape: PassShape) -> int:
         return self.pass_bytes(shape.tokens, shape.ctx, shape.rows)
