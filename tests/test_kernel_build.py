@@ -237,11 +237,15 @@ def test_colibri_kernels_lists_the_tiers(monkeypatch, capsys):
     assert [r["name"] for r in report["tiers"]] == [*kernels.NATIVE, "torch"]
     best = kernels.runnable_tiers()[0]
     assert report["setting"] == "auto" and set(report["cpu_flags"]) >= {"avx512f", "avx2", "avx512_vnni"}
+    assert {f for f, have in report["cpu_flags"].items() if have} == set(report["cpu_flags"]) & kernels._cpu_flags()
     by = {r["name"]: r for r in report["tiers"]}
     assert by["portable"]["runnable"] and by["torch"]["built"] is None
     assert report["auto"] == report["pick"]
     if kernels.tier() == best:  # the session built it (conftest): the listing finds it built and picks it
-        assert by[best]["built"] and report["pick"] == dict(tier=best, why=f"{best} is built")
+        # the tiers above it, which this CPU cannot run, are named with what they lack (none on an AVX-512 CPU)
+        above = kernels.NATIVE[:kernels.NATIVE.index(best)]
+        passed = [f"{t} needs {', '.join(kernels.missing_flags(kernels.TIERS[t]))}" for t in above]
+        assert by[best]["built"] and report["pick"] == dict(tier=best, why="; ".join([*passed, f"{best} is built"]))
     assert cli.main(["kernels"]) == 0
     text = capsys.readouterr().out
     assert "COLIBRI_KERNELS=auto picks " in text and re.search(r"^portable +yes", text, re.M)

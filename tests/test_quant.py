@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from colibri import kernels
 from colibri.kernels import ops
 from colibri.quant.kinds import (Q4Weight, Q8Weight, QuantKind, _pack_q4, _unpack_q4, buffer_layout,
-                           from_gguf, kernel_layout_is_stored_layout, quantize)
+                                 from_gguf, kernel_layout_is_stored_layout, quantize, torch_tier_repacks_q4)
 
 
 def _randn(*shape, seed=0):
@@ -54,11 +55,20 @@ def test_q4_nibble_layout_round_trip():
         assert torch.equal(_unpack_q4(_pack_q4(q)).int() + 8, q.int())
 
 
-def test_stored_layout_matches_kernel_or_is_repacked():
-    """On AVX-512 torch packs exactly our layout; anywhere else from_buffers must have repacked."""
-    q = quantize(_randn(80, 128), "q4", 32)
+def test_stored_layout_matches_kernel_or_is_repacked(monkeypatch):
+    """On AVX-512 torch packs exactly our layout. The native tiers read the stored tiles on every CPU: a q4
+    weight keeps no second copy; the torch tier repacks at its first bf16 call where torch's layout differs."""
     native = torch.backends.cpu.get_cpu_capability() == "AVX512"
     assert kernel_layout_is_stored_layout() == native
+    x = _randn(2, 128).bfloat16()
+    q = quantize(_randn(80, 128), "q4", 32)
+    assert q._packed is None
+    if kernels.native():
+        q.linear(x)
+        assert q._packed is None and not torch_tier_repacks_q4()
+    monkeypatch.setattr(kernels, "native", lambda: False)
+    assert torch_tier_repacks_q4() == (not native)
+    q.linear(x)
     assert (q._packed is q.buffers()["qweight"]) == kernel_layout_is_stored_layout()
 
 
@@ -138,8 +148,7 @@ def test_from_buffers_is_zero_copy(kind, group_size):
         off += nb
     w2 = type(w).from_buffers(w.shape, group_size, views)
     assert w2.buffers()["qweight"].data_ptr() == views["qweight"].data_ptr()
-    if kind == "q4" and kernel_layout_is_stored_layout():
-        assert w2._packed.data_ptr() == views["qweight"].data_ptr()
+    assert kind != "q4" or w2._packed is None  # made at the torch tier's first bf16 call, if that tier needs it
     assert w2.kind == w.kind == QuantKind(kind, group_size, torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16):
         x = _randn(3, 256, seed=5).to(dtype)
@@ -241,7 +250,7 @@ def test_weights_keep_only_the_kernels_scale_copies(kind, group_size):
     extra = resident_extra(page, {"w": entry}, torch.bfloat16)
     assert kept <= extra if kind == "q4" or not group_size else kept == extra == 0  # native kernels keep none
     assert resident_extra(page, {"w": entry}, torch.float32) == \
-        (0 if kind != "q4" or kernel_layout_is_stored_layout() else bufs["qweight"].numel())
+        (0 if kind != "q4" or not torch_tier_repacks_q4() else bufs["qweight"].numel())
     for dt in (torch.float32, torch.bfloat16):  # results unchanged on a second call (no stale cache)
         for rows in (1, 128):
             assert torch.equal(w.linear(_randn(rows, 256, seed=rows).to(dt)), ref[dt][rows])

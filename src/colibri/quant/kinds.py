@@ -193,8 +193,14 @@ def kernel_layout_is_stored_layout() -> bool:
     return True
 
 
+def torch_tier_repacks_q4() -> bool:
+    """Whether q4 weights hold a second copy of their codes: only on the torch tier (the native tiers read the
+    stored tiles), and only where torch's int4 kernel packs them otherwise (its AVX2 and portable dispatch)."""
+    return not kernels.native() and not kernel_layout_is_stored_layout()
+
+
 def repack_for_kernel(qweight: torch.Tensor) -> torch.Tensor:
-    """Stored q4 bytes -> the bytes this machine's int4 kernel reads (the same tensor where they agree)."""
+    """Stored q4 bytes -> the bytes torch's int4 kernel reads (the same tensor where they agree)."""
     if kernel_layout_is_stored_layout():
         return qweight
     q = _unpack_q4(qweight).to(torch.int32) + 8
@@ -279,7 +285,7 @@ class Q4Weight(_QuantWeight):
 
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
         super().__init__(kind, shape, buffers)
-        self._packed = repack_for_kernel(self._buffers["qweight"])
+        self._packed: torch.Tensor | None = None  # torch's int4 layout, made at the torch tier's first bf16 call
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
@@ -289,6 +295,8 @@ class Q4Weight(_QuantWeight):
             return kernels.library().q4_linear(x, b["qweight"], b["scales_zeros"], self.group_size)
         if x.dtype == torch.bfloat16:
             sz = self._buffer_as("scales_zeros", torch.bfloat16)
+            if self._packed is None:
+                self._packed = repack_for_kernel(self._buffers["qweight"])
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group_size, sz)
         return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 

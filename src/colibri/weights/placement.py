@@ -274,7 +274,7 @@ def resident_extra(page: PageEntry, tensors: dict[str, TensorEntry], dtype: torc
             scales = t.parts["scales_zeros" if t.kind == "q4" else "scales"]
             if scales.dtype != "bfloat16" and (t.kind == "q4" or not t.group_size):
                 extra += 2 * math.prod(scales.shape)
-        if t.kind == "q4" and not quant.kernel_layout_is_stored_layout():
+        if t.kind == "q4" and quant.torch_tier_repacks_q4():
             extra += math.prod(t.parts["qweight"].shape)  # uint8
     return extra
 
