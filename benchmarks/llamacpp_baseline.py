@@ -89,7 +89,7 @@ def model(work: Path) -> Path:
     return out
 
 
-def build(work: Path, version: str) -> None:
+def build(work: Path, version: str, names: list[str]) -> None:
     src = work / "src"
     sdist = src / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
@@ -100,8 +100,8 @@ def build(work: Path, version: str) -> None:
         with tarfile.open(sdist) as t:
             t.extractall(src)
     llama = tree / "vendor" / "llama.cpp"
-    for name, flags in BUILDS.items():
-        b = work / name
+    for name in names:
+        flags, b = BUILDS[name], work / name
         sh(NICE + ["cmake", "-S", str(llama), "-B", str(b)] + COMMON + flags)
         sh(NICE + ["cmake", "--build", str(b), "--config", "Release", "-j2", "--target", "llama-bench"])
         cpu = sorted(glob.glob(str(b / "bin" / "libggml-cpu.so.*")) + glob.glob(str(b / "ggml/src/libggml-cpu.a")))
@@ -121,7 +121,7 @@ def smollm2() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def run(work: Path, threads: int) -> None:
+def run(work: Path, threads: int, names: list[str]) -> None:
     res = work / "results"
     res.mkdir(exist_ok=True)
     cases = [
@@ -129,7 +129,7 @@ def run(work: Path, threads: int) -> None:
         ("smol", smollm2(), ["-p", "128", "-n", "64", "-r", "2"]),
     ]
     for tag, gguf_path, args in cases:
-        for name in BUILDS:
+        for name in names:
             before = loadavg()
             pre = NICE if float(before.split()[0]) >= 0.5 else []
             cmd = pre + [str(work / name / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads)] + args
@@ -146,14 +146,16 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/work/scratch/bench"))
     ap.add_argument("--version", default="0.3.36", help="llama-cpp-python sdist whose vendored llama.cpp is built")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--builds", nargs="+", choices=list(BUILDS), default=list(BUILDS),
+                    help="which builds (on an AVX2-only CPU the two are the same: build-avx2 alone will do)")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     if a.step in ("model", "all"):
         model(a.workdir)
     if a.step in ("build", "all"):
-        build(a.workdir, a.version)
+        build(a.workdir, a.version, a.builds)
     if a.step in ("run", "all"):
-        run(a.workdir, a.threads)
+        run(a.workdir, a.threads, a.builds)
 
 
 if __name__ == "__main__":

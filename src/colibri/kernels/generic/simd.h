@@ -184,6 +184,74 @@ inline i8 s8x8(const int8_t* p) {  // 8 signed bytes sign-extended
 }
 inline f8 to_f(i8 v) { return __builtin_convertvector(v, f8); }
 
+// ---- q4 codes in the nibble order (the outer form's decode path) --------------------------------------------
+// A stored q4 tile row is 32 bytes, byte j holding column j in its low nibble and column j + 32 in its high one.
+// nibbles(row, half, out) gives the 32 columns of one half (0: low nibbles, columns 0-31; 1: high, 32-63) as
+// f32 values code - 8 (exact) in the nibble order: vector v (0-3), lane i holds column nibble_col(half * 4 + v, i).
+// It is the order AVX2's in-lane byte and word unpacks leave: a table lookup per nibble gives the two bytes of
+// the value's bf16 bits (which are its f32 bits' upper half), two unpacks put them into f32 lanes. Each column
+// keeps its own accumulation, so the lane order changes no bit (the driver permutes s, z and the sums to match).
+constexpr int nibble_col(int v, int i) { return 32 * (v >> 2) + 4 * (v & 3) + (i & 3) + 16 * (i >> 2); }
+
+#if defined(__AVX2__)
+struct NibbleTables {
+  __m256i hi, lo, mask;  // bf16 bits of code - 8 for codes 0-15 (both 128-bit lanes): upper and lower bytes
+};
+inline NibbleTables nibble_tables() {
+  alignas(32) uint8_t hi[32], lo[32];
+  for (int q = 0; q < 32; ++q) {
+    const float f = static_cast<float>((q & 15) - 8);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);  // small integers: the low 16 bits are zero
+    hi[q] = static_cast<uint8_t>(u >> 24);
+    lo[q] = static_cast<uint8_t>(u >> 16);
+  }
+  return NibbleTables{_mm256_load_si256(reinterpret_cast<const __m256i*>(hi)),
+                      _mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), _mm256_set1_epi8(15)};
+}
+inline void nibbles(const NibbleTables& t, const uint8_t* row, int half, f8 out[4]) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i idx = _mm256_and_si256(half ? _mm256_srli_epi16(b, 4) : b, t.mask);
+  const __m256i hb = _mm256_shuffle_epi8(t.hi, idx), lb = _mm256_shuffle_epi8(t.lo, idx);
+  const __m256i w0 = _mm256_unpacklo_epi8(lb, hb), w1 = _mm256_unpackhi_epi8(lb, hb);  // bytes 0-7 / 8-15 per lane
+  const __m256i z = _mm256_setzero_si256();
+  out[0] = reinterpret_cast<f8>(_mm256_unpacklo_epi16(z, w0));
+  out[1] = reinterpret_cast<f8>(_mm256_unpackhi_epi16(z, w0));
+  out[2] = reinterpret_cast<f8>(_mm256_unpacklo_epi16(z, w1));
+  out[3] = reinterpret_cast<f8>(_mm256_unpackhi_epi16(z, w1));
+}
+#else
+struct NibbleTables {};
+inline NibbleTables nibble_tables() { return {}; }
+inline void nibbles(const NibbleTables&, const uint8_t* row, int half, f8 out[4]) {
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t b = row[nibble_col(v, i)];
+      out[v][i] = static_cast<float>((half ? b >> 4 : b & 15) - 8);
+    }
+}
+#endif
+
+// 64 values in column order <-> the nibble order, in place (four 8-lane vectors per half).
+inline void to_nibble_order(float* p) {
+  for (int h = 0; h < 64; h += 32) {
+    const f8 n0 = load(p + h), n1 = load(p + h + 8), n2 = load(p + h + 16), n3 = load(p + h + 24);
+    store(p + h, __builtin_shuffle(n0, n2, i8{0, 1, 2, 3, 8, 9, 10, 11}));
+    store(p + h + 8, __builtin_shuffle(n0, n2, i8{4, 5, 6, 7, 12, 13, 14, 15}));
+    store(p + h + 16, __builtin_shuffle(n1, n3, i8{0, 1, 2, 3, 8, 9, 10, 11}));
+    store(p + h + 24, __builtin_shuffle(n1, n3, i8{4, 5, 6, 7, 12, 13, 14, 15}));
+  }
+}
+inline void from_nibble_order(float* p) {
+  for (int h = 0; h < 64; h += 32) {
+    const f8 a = load(p + h), b = load(p + h + 8), c = load(p + h + 16), d = load(p + h + 24);
+    store(p + h, __builtin_shuffle(a, b, i8{0, 1, 2, 3, 8, 9, 10, 11}));
+    store(p + h + 8, __builtin_shuffle(c, d, i8{0, 1, 2, 3, 8, 9, 10, 11}));
+    store(p + h + 16, __builtin_shuffle(a, b, i8{4, 5, 6, 7, 12, 13, 14, 15}));
+    store(p + h + 24, __builtin_shuffle(c, d, i8{4, 5, 6, 7, 12, 13, 14, 15}));
+  }
+}
+
 // ---- pairs: the operands of dpbf16 ---------------------------------------------------------------------------
 // A vdpbf16ps lane holds the pair (element 2i, element 2i + 1) of 32 bf16; the generic tiers keep a pair vector
 // of 8 lanes as its two halves, even and odd, each as f32 values.

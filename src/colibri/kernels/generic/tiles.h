@@ -141,8 +141,8 @@ inline void q4_codes(const Q4& w, int64_t n0, int64_t k0, int64_t kn, int off, f
 // tot = tot + fma(A, s, z * xsum) per column. Each step is two dependent roundings per accumulator: R * V
 // independent chains (at least 4) keep the FMA units from waiting on their latency.
 template <int R, int V, class Codes>
-inline void q4_group(Codes&& codes, int64_t g, const float* xf, const float* xs, const float* s, const float* z,
-                     const int* vid, float* tot) {
+inline void q4_group(Codes&& codes, int64_t g, const float* xf, int64_t ldx, const float* xs, const float* s,
+                     const float* z, const int* vid, float* tot) {
   f8 a[R][V];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < V; ++i) a[r][i] = simd::zero();
@@ -150,7 +150,7 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, const float* xs,
     Pair p[V];
     codes(k, p);
     for (int r = 0; r < R; ++r) {
-      const f8 xe = simd::set1(xf[r * kMaxGroup + k]), xo = simd::set1(xf[r * kMaxGroup + k + 1]);
+      const f8 xe = simd::set1(xf[r * ldx + k]), xo = simd::set1(xf[r * ldx + k + 1]);
       for (int i = 0; i < V; ++i) a[r][i] = simd::dpbf16(a[r][i], p[i], xe, xo);
     }
   }
@@ -160,6 +160,30 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, const float* xs,
       float* o = tot + r * kTile + 8 * vid[i];
       simd::store(o, simd::load(o) + simd::fma(a[r][i], simd::load(s + 8 * vid[i]), simd::load(z + 8 * vid[i]) * xv));
     }
+  }
+}
+
+// Decode (one row, full tiles): one group of the tile's rows (32 bytes each, from its first), nibble half h, read
+// straight in the nibble order (simd.h): per column the same dpbf16 steps (odd element first) and update of tot
+// as q4_group, with s, z and tot in the nibble order too. A step's odd row is widened and multiplied before its
+// even one: four accumulators, four weight vectors and the two x values stay in AVX2's sixteen registers.
+template <int H>
+inline void q4_group_nibbles(const simd::NibbleTables& nt, const uint8_t* rows, int64_t g, const float* xf,
+                             float xs, const float* s, const float* z, float* tot) {
+  f8 a[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
+  for (int64_t k = 0; k < g; k += 2) {
+    f8 v[4];
+    simd::nibbles(nt, rows + (k + 1) * 32, H, v);
+    const f8 xo = simd::set1(xf[k + 1]);
+    for (int i = 0; i < 4; ++i) a[i] = simd::madd_exact(v[i], xo, a[i]);
+    simd::nibbles(nt, rows + k * 32, H, v);
+    const f8 xe = simd::set1(xf[k]);
+    for (int i = 0; i < 4; ++i) a[i] = simd::madd_exact(v[i], xe, a[i]);
+  }
+  const f8 xv = simd::set1(xs);
+  for (int i = 0; i < 4; ++i) {
+    float* o = tot + 8 * (4 * H + i);
+    simd::store(o, simd::load(o) + simd::fma(a[i], simd::load(s + 8 * (4 * H + i)), simd::load(z + 8 * (4 * H + i)) * xv));
   }
 }
 
@@ -195,18 +219,24 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
   at::Tensor y = at::empty({t, np}, x.options());
   const int64_t tiles = (np + kTile - 1) / kTile, groups = k / g;
   const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  std::vector<float> xs;
+  std::vector<float> xs, xf;  // bf16 x: its group sums [T][G] and its values as f32 [T][K], once per call
   if (bf) {
     xs.resize(t * groups);
+    xf.resize(t * k);
     at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
+      for (int64_t r = b; r < e; ++r) {
         for (int64_t gi = 0; gi < groups; ++gi) xs[r * groups + gi] = group_sum(xb + r * k + gi * g, g);
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) simd::store(xf.data() + r * k + i, simd::bf16x8(xb + r * k + i));
+        for (; i < k; ++i) xf[r * k + i] = simd::bf16_to_f32(xb[r * k + i]);
+      }
     });
   }
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * kTile);
     std::vector<float> buf(kMaxGroup * kTile);
-    alignas(32) float s[kTile], z[kTile], xf[kRows * kMaxGroup], xsum[kRows];
+    alignas(32) float s[kTile], z[kTile], xsum[kRows];
+    const simd::NibbleTables nt = simd::nibble_tables();
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
@@ -229,6 +259,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const bool direct = full && t <= kRows;  // decode: codes straight from the tile (same values, same order)
+      const bool nib = full && t == 1;         // ... in the nibble order (s, z and the sums permuted to match)
       const uint8_t* tp = w.qw + n0 * (k / 2);
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t kg = gi * g;
@@ -236,13 +267,20 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
+        if (nib) {
+          simd::to_nibble_order(s);
+          simd::to_nibble_order(z);
+        }
         for_rows(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
-          for (int r = 0; r < rr; ++r) {
-            for (int64_t i = 0; i < g; ++i) xf[r * kMaxGroup + i] = simd::bf16_to_f32(xb[(r0 + r) * k + kg + i]);
-            xsum[r] = xs[(r0 + r) * groups + gi];
-          }
+          for (int r = 0; r < rr; ++r) xsum[r] = xs[(r0 + r) * groups + gi];
+          const float* xr = xf.data() + r0 * k + kg;
           float* tot = acc.data() + r0 * kTile;
+          const uint8_t* rows = tp + kg * (kTile / 2);
+          if (nib) {
+            q4_group_nibbles<0>(nt, rows, g, xr, xsum[0], s, z, tot);
+            return q4_group_nibbles<1>(nt, rows, g, xr, xsum[0], s, z, tot);
+          }
           if (direct) {  // column vectors c and c + 4 come from the same bytes; one row: two such pairs at once
             constexpr int h = rr == 1 ? 2 : 1;
             for (int c = 0; c < 4; c += h) {
@@ -255,7 +293,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
                       q4_row8(tp, kg + kk + 1, c + i, -8, p[i].odd, p[h + i].odd);
                     }
                   },
-                  g, xf, xsum, s, z, vid, tot);
+                  g, xr, k, xsum, s, z, vid, tot);
             }
           } else {
             const float* cb = buf.data();
@@ -268,11 +306,13 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
                       p[i].odd = simd::load(cb + (kk + 1) * kTile + 8 * (c + i));
                     }
                   },
-                  g, xf, xsum, s, z, vid, tot);
+                  g, xr, k, xsum, s, z, vid, tot);
             }
           }
         });
       }
+      if (nib)
+        for (int64_t r = 0; r < t; ++r) simd::from_nibble_order(acc.data() + r * kTile);
       store_rows(acc.data(), kTile, t, std::min<int64_t>(kTile, np - n0), y, n0);
     }
   });
