@@ -118,6 +118,8 @@ def test_pointwise_elements_do_not_depend_on_the_tensor_size():
             assert all(torch.equal(ops.pointwise(fn, x[i:i + n]), whole[i:i + n])
                        for i, n in ((0, 1), (5, 3), (100, 77), (16383, 2), (20000, 20000)))
             assert torch.equal(whole, ops._pointwise_pieces(fn, x))  # the native pieces (40,000 = 625 x 64)
+            for n in (1, 3, 77, 20001):  # sizes off the 64-element step: the native op pads as the Python loop does
+                assert torch.equal(ops.pointwise(fn, x[:n]), ops._pointwise_pieces(fn, x[:n]))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the native pieces on two threads, inside inference mode (as the engine runs them)
     try:

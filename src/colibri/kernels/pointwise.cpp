@@ -13,9 +13,13 @@
 
 namespace {
 
-at::Tensor pointwise(const at::Tensor& x, c10::string_view fn, int64_t piece) {
-  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && piece > 0 && piece % 64 == 0 && x.numel() % 64 == 0,
-              "pointwise: x must be flat and contiguous, its size and the piece a multiple of 64");
+at::Tensor pointwise(const at::Tensor& x_in, c10::string_view fn, int64_t piece) {
+  TORCH_CHECK(x_in.dim() == 1 && x_in.is_contiguous() && piece > 0 && piece % 64 == 0,
+              "pointwise: x must be flat and contiguous, the piece a multiple of 64");
+  // a size that is not a multiple of 64 (a norm's T scale factors): zero-padded to one, as ops.pointwise's
+  // Python loop pads it, so every element still goes through the vectorized body; the result is cut back
+  const int64_t n_in = x_in.numel();
+  const at::Tensor x = n_in % 64 == 0 ? x_in : at::constant_pad_nd(x_in, {0, 64 - n_in % 64}, 0);
   const std::string name(fn);
   const int kind = name == "silu" ? 0 : name == "sigmoid" ? 1 : name == "rsqrt" ? 2 : name == "gelu" ? 3 : -1;
   TORCH_CHECK(kind >= 0, "pointwise: ", name, " is not one of silu, sigmoid, rsqrt, gelu");
@@ -36,7 +40,7 @@ at::Tensor pointwise(const at::Tensor& x, c10::string_view fn, int64_t piece) {
       }
     }
   });
-  return out;
+  return n_in == n ? out : out.slice(0, 0, n_in);
 }
 
 }  // namespace

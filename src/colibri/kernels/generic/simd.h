@@ -232,23 +232,18 @@ inline void nibbles(const NibbleTables&, const uint8_t* row, int half, f8 out[4]
 }
 #endif
 
-// 64 values in column order <-> the nibble order, in place (four 8-lane vectors per half).
-inline void to_nibble_order(float* p) {
+// 64 values in column order -> the nibble order (inverse: back), in place, four 8-lane vectors per half. Going
+// there, A = (columns 0-3, 16-19) takes the low halves of n0 and n2, B their high halves, C and D those of n1
+// and n3; coming back, n0 = the low halves of A and B, n1 of C and D, n2 and n3 their high halves.
+inline void nibble_order(float* p, bool inverse) {
+  const i8 lo{0, 1, 2, 3, 8, 9, 10, 11}, hi{4, 5, 6, 7, 12, 13, 14, 15};
   for (int h = 0; h < 64; h += 32) {
-    const f8 n0 = load(p + h), n1 = load(p + h + 8), n2 = load(p + h + 16), n3 = load(p + h + 24);
-    store(p + h, __builtin_shuffle(n0, n2, i8{0, 1, 2, 3, 8, 9, 10, 11}));
-    store(p + h + 8, __builtin_shuffle(n0, n2, i8{4, 5, 6, 7, 12, 13, 14, 15}));
-    store(p + h + 16, __builtin_shuffle(n1, n3, i8{0, 1, 2, 3, 8, 9, 10, 11}));
-    store(p + h + 24, __builtin_shuffle(n1, n3, i8{4, 5, 6, 7, 12, 13, 14, 15}));
-  }
-}
-inline void from_nibble_order(float* p) {
-  for (int h = 0; h < 64; h += 32) {
-    const f8 a = load(p + h), b = load(p + h + 8), c = load(p + h + 16), d = load(p + h + 24);
-    store(p + h, __builtin_shuffle(a, b, i8{0, 1, 2, 3, 8, 9, 10, 11}));
-    store(p + h + 8, __builtin_shuffle(c, d, i8{0, 1, 2, 3, 8, 9, 10, 11}));
-    store(p + h + 16, __builtin_shuffle(a, b, i8{4, 5, 6, 7, 12, 13, 14, 15}));
-    store(p + h + 24, __builtin_shuffle(c, d, i8{4, 5, 6, 7, 12, 13, 14, 15}));
+    const f8 v0 = load(p + h), v1 = load(p + h + 8), v2 = load(p + h + 16), v3 = load(p + h + 24);
+    const f8 b = inverse ? v1 : v2, c = inverse ? v2 : v1;
+    store(p + h, __builtin_shuffle(v0, b, lo));
+    store(p + h + 8 * (inverse ? 2 : 1), __builtin_shuffle(v0, b, hi));
+    store(p + h + 8 * (inverse ? 1 : 2), __builtin_shuffle(c, v3, lo));
+    store(p + h + 24, __builtin_shuffle(c, v3, hi));
   }
 }
 

@@ -268,8 +268,8 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
         if (nib) {
-          simd::to_nibble_order(s);
-          simd::to_nibble_order(z);
+          simd::nibble_order(s, false);
+          simd::nibble_order(z, false);
         }
         for_rows(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
@@ -312,7 +312,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         });
       }
       if (nib)
-        for (int64_t r = 0; r < t; ++r) simd::from_nibble_order(acc.data() + r * kTile);
+        for (int64_t r = 0; r < t; ++r) simd::nibble_order(acc.data() + r * kTile, true);
       store_rows(acc.data(), kTile, t, std::min<int64_t>(kTile, np - n0), y, n0);
     }
   });
