@@ -49,7 +49,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
       std::memcpy(out, wf + n0 * k, cols * k * 4);
       return;
     }
-    for (int64_t i = 0; i < cols * k; ++i) out[i] = simd::bf16_to_f32(wb[n0 * k + i]);
+    widen_bf16(wb + n0 * k, cols * k, out);
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {
     lo = simd::bf16_pairs(wb + j * k + k0);
     hi = simd::bf16_pairs(wb + j * k + k0 + 16);

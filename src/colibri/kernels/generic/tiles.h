@@ -42,6 +42,13 @@ inline float load1(const void* p, int64_t i, at::ScalarType t) {
   return simd::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
 }
 
+// k bf16 values -> f32 (exact).
+inline void widen_bf16(const uint16_t* x, int64_t k, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) simd::store(out + i, simd::bf16x8(x + i));
+  for (; i < k; ++i) out[i] = simd::bf16_to_f32(x[i]);
+}
+
 // Rows in ceil(t / kRows) blocks of balanced sizes: a block's row count only sets how many accumulators share
 // each weight load, never the arithmetic of a row.
 template <typename F>
@@ -226,9 +233,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         for (int64_t gi = 0; gi < groups; ++gi) xs[r * groups + gi] = group_sum(xb + r * k + gi * g, g);
-        int64_t i = 0;
-        for (; i + 8 <= k; i += 8) simd::store(xf.data() + r * k + i, simd::bf16x8(xb + r * k + i));
-        for (; i < k; ++i) xf[r * k + i] = simd::bf16_to_f32(xb[r * k + i]);
+        widen_bf16(xb + r * k, k, xf.data() + r * k);
       }
     });
   }
@@ -281,17 +286,13 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
             q4_group_nibbles<0>(nt, rows, g, xr, xsum[0], s, z, tot);
             return q4_group_nibbles<1>(nt, rows, g, xr, xsum[0], s, z, tot);
           }
-          if (direct) {  // column vectors c and c + 4 come from the same bytes; one row: two such pairs at once
-            constexpr int h = rr == 1 ? 2 : 1;
-            for (int c = 0; c < 4; c += h) {
-              int vid[2 * h];
-              for (int i = 0; i < h; ++i) vid[i] = c + i, vid[h + i] = c + i + 4;
-              q4_group<rr, 2 * h>(
+          if (direct) {  // 2-4 rows (one takes the nibble order): column vectors c and c + 4 share their bytes
+            for (int c = 0; c < 4; ++c) {
+              const int vid[2] = {c, c + 4};
+              q4_group<rr, 2>(
                   [&](int64_t kk, Pair* p) {
-                    for (int i = 0; i < h; ++i) {
-                      q4_row8(tp, kg + kk, c + i, -8, p[i].even, p[h + i].even);
-                      q4_row8(tp, kg + kk + 1, c + i, -8, p[i].odd, p[h + i].odd);
-                    }
+                    q4_row8(tp, kg + kk, c, -8, p[0].even, p[1].even);
+                    q4_row8(tp, kg + kk + 1, c, -8, p[0].odd, p[1].odd);
                   },
                   g, xr, k, xsum, s, z, vid, tot);
             }
@@ -366,9 +367,7 @@ inline std::vector<float> lay_out_x(const at::Tensor& x) {
     for (int64_t r = b; r < e; ++r) {
       if (bf) {
         const uint16_t* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k;
-        int64_t i = 0;
-        for (; i + 8 <= k; i += 8) simd::store(row.data() + i, simd::bf16x8(xr + i));
-        for (; i < k; ++i) row[i] = simd::bf16_to_f32(xr[i]);
+        widen_bf16(xr, k, row.data());
         lay_out(row.data(), k, true, out.data() + r * kp);
       } else {
         lay_out(x.data_ptr<float>() + r * k, k, false, out.data() + r * kp);
