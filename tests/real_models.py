@@ -8,6 +8,7 @@ ship in pieces are assembled once into a cache directory:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -115,3 +116,16 @@ def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
     return "".join(topics[k] for k in sorted(topics))
+
+
+@functools.lru_cache(maxsize=1)
+def hf_reference(path: Path):
+    """(model, tokenizer): transformers' own load of a GGUF, f32 and in eval mode, the oracle of the tests that
+    compare against it. Loaded once per session and shared read-only: transformers parses the GGUF's metadata and
+    converts its tokenizer on every load, half a minute for SmolLM2 on a 2-core machine. One model is kept."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

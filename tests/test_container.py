@@ -117,8 +117,8 @@ def test_smollm2_q4_1_import_is_lossless(tmp_path):
     assert len(q_names) > 200
     for name in q_names[:40] + ["model.embed_tokens.weight"]:
         assert torch.equal(c.load(name).dequantize(), g.load(name)), name
-    transformers = pytest.importorskip("transformers")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    pytest.importorskip("transformers")
+    ref, _ = real_models.hf_reference(src)
     ours_c = colibri.load(tmp_path / "c", dtype="float32")  # f32 activations: the exact path
     ids = ours_c.tokenizer.encode(real_models.pydoc_text()[:2000])[:256]
     with torch.no_grad():

@@ -47,12 +47,8 @@ def _ckpt(name: str) -> GGUFCheckpoint:
     return GGUFCheckpoint(_path_or_skip(name))
 
 
-@lru_cache(maxsize=None)
 def _hf_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    p = _path_or_skip(name)
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return real_models.hf_reference(_path_or_skip(name))[1]
 
 
 @lru_cache(maxsize=1)
@@ -76,10 +72,7 @@ CONFIG_KEYS = [
 
 @pytest.mark.parametrize("name", [_param("smollm2", False), _param("qwen25", True), _param("gemma3", True)])
 def test_config_matches_transformers(name):
-    from transformers import AutoConfig
-
-    p = _path_or_skip(name)
-    hf = AutoConfig.from_pretrained(p.parent, gguf_file=p.name).to_dict()
+    hf = real_models.hf_reference(_path_or_skip(name))[0].config.to_dict()  # AutoConfig's, as the model got it
     ours = _ckpt(name).config
     compared = 0
     for key in CONFIG_KEYS:
@@ -104,11 +97,7 @@ def test_config_matches_transformers(name):
 
 @pytest.mark.parametrize("name", [_param("smollm2", False), _param("qwen25", True), _param("gemma3", True)])
 def test_tensors_match_transformers(name):
-    from transformers import AutoModelForCausalLM
-
-    p = _path_or_skip(name)
-    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
-    hf = model.state_dict()
+    hf = real_models.hf_reference(_path_or_skip(name))[0].state_dict()
     ckpt = _ckpt(name)
     expected = set(hf)
     if ckpt.config["tie_word_embeddings"]:

@@ -38,8 +38,7 @@ def pair(request):
     name = request.param
     p = gguf_path(name)
     ours = colibri.load(p, dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    ref, tok = real_models.hf_reference(p)
     yield name, ours, ref, tok
     ours.close()
 

@@ -199,12 +199,12 @@ def part_layout(kind: str, shape: tuple[int, ...], group_size: int | None,
                 source_type: str | None = None) -> dict[str, Part]:
     if kind in FLOAT_KINDS:
         dt = FLOAT_KINDS[kind]
-        n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+        n = int(np.prod(shape)) * dt.itemsize
         return {"data": Part(0, n, str(dt).removeprefix("torch."), list(shape))}
     parts, off = {}, 0
     qkind = quant.GGUF_EXACT.get(source_type) or kind  # GGUF blocks keep their own scale dtype
     for pname, (dt, pshape) in quant.buffer_layout(qkind, tuple(shape), group_size).items():
-        n = int(np.prod(pshape)) * torch.empty(0, dtype=dt).element_size()
+        n = int(np.prod(pshape)) * dt.itemsize
         parts[pname] = Part(off, n, str(dt).removeprefix("torch."), list(pshape))
         off = align(off + n, PART_ALIGN)
     return parts

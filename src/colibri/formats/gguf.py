@@ -183,8 +183,8 @@ class GGUFCheckpoint:
     def _drop_pages(self, t) -> None:
         """Unmap the pages of a tensor just read, so converting a large file keeps RSS at about one tensor (the
         kernel keeps them in the page cache; only this process's mapping lets go)."""
-        mm = getattr(self._reader.data, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise"):
+        mm = self._reader.mmap
+        if mm is None:
             return
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(t.data_offset + t.n_bytes, len(mm))
@@ -382,6 +382,22 @@ class GGUFCheckpoint:
             ) from None
 
 
+class _Reader(GGUFReader):
+    """gguf's reader over the map as a plain ndarray: it slices the file once per metadata value (each string of
+    a tokenizer's vocabulary and merges: ~250k slices for a 49k-token vocabulary), and numpy.memmap's slicing
+    runs Python hooks (__getitem__, __array_finalize__) on each, most of the open's time. The same bytes, fields
+    and tensor views; `mmap` is the mapping (for madvise), None where numpy kept none."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, v: np.ndarray) -> None:  # the reader's __init__ assigns its np.memmap here first
+        self.mmap = getattr(v, "_mmap", None)
+        self._array = v.view(np.ndarray)
+
+
 def _open_reader(path: Path) -> GGUFReader:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file; check the path")
@@ -390,7 +406,7 @@ def _open_reader(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); pass a .gguf file")
     try:
-        return GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # the reader fails in many obscure ways on a short or damaged file
         raise ModelLoadError(
             f"{path}: the GGUF file is truncated or corrupt ({type(e).__name__}: {_first_line(e)}); download it again"

@@ -20,6 +20,7 @@ vector; every use dequantizes, so a position's keys are the same wherever they a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would t
 BLOCK_BYTES = 4 << 20
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, asked at every limit a plan tries
 def block_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, quant: str | None) -> int:
     """The default block size of a model: BLOCK tokens, halved (down to MIN_BLOCK) while one block's RAM exceeds
     BLOCK_BYTES. A block is the unit a sequence's KV grows by, so a large one wastes most of itself on short
@@ -81,7 +83,7 @@ class Workspace:
         lay = self.layout
         have = 0 if self._k is None else self._k.shape[1]
         return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * \
-            torch.empty((), dtype=lay.dtype).element_size()
+            lay.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -54,7 +54,7 @@ class KVLayout:
         return torch.int8 if self.quant else self.dtype
 
     def value_bytes(self, tokens: int) -> int:
-        return self.num_kv_heads * tokens * self.head_dim * torch.empty((), dtype=self.store_dtype).element_size()
+        return self.num_kv_heads * tokens * self.head_dim * self.store_dtype.itemsize
 
     def scale_bytes(self, tokens: int) -> int:
         return self.num_kv_heads * tokens * (self.head_dim // self.group) * 4 if self.quant else 0

@@ -188,7 +188,7 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     head_name = arch.lm_head_name()
     vocab, hidden = shapes[head_name]
     entry = entries.get(head_name)
-    per_row = row_bytes(entry) if entry else hidden * torch.empty((), dtype=dt).element_size()
+    per_row = row_bytes(entry) if entry else hidden * dt.itemsize
     rows = min(vocab, max(64, HEAD_PROBE_BYTES // per_row // 64 * 64))
     head, norm = weight(head_name, (rows, hidden)), weight("model.norm.weight")
     xh = (torch.randn(1, hidden, generator=gen) * 0.5).to(dt)

@@ -25,10 +25,6 @@ SLACK = 1.25
 PASS_FIXED = 4 << 20  # ...and what any pass touches besides its tensors (kernel threads' scratch, heap growth)
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def kv_layout(args, dtype: torch.dtype, quant: str | None = None, block: int | None = None):
     """The model's KV layout; `block` None: the model's default block size (kv.block_for)."""
     from colibri.kv.cache import KVLayout, block_for
@@ -46,7 +42,7 @@ def activation_bytes(args, batch: int, ctx: int, dtype: torch.dtype, rows: int =
     (the largest moment: one layer's attention and FFN, or the head, with the residual stream alive), with
     allocator slack. The terms are the tensors the pass allocates (models.base, ops, the kernels); the KV cache
     and its assembly scratch are the KV plan's."""
-    b = element_size(dtype)
+    b = dtype.itemsize
     T, S, d = batch, ctx, args.hidden_size
     H, Hkv, Dh = args.num_heads, args.num_kv_heads, args.head_dim
     residual = 5 * T * d * b  # the embedded rows, x, the normed input, the branch output, the sum
@@ -114,7 +110,7 @@ class KVPlan:
 def kv_scratch_bytes(args, full: int, dtype: torch.dtype) -> int:
     """The workspace attention input is assembled in (kv.Workspace): one layer's K and V for the whole context,
     in the compute dtype."""
-    return 2 * full * args.num_kv_heads * args.head_dim * element_size(dtype)
+    return 2 * full * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
 def kv_working_bytes(args, lay, full: int, dtype: torch.dtype) -> int:
