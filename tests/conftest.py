@@ -33,7 +33,21 @@ def pytest_configure(config):
 def pytest_sessionstart(session):
     # Build the native kernels once, before any test: a first-use build inside a child process (a CLI test
     # under its timeout, a memory-limited child) would be slow there, or fall back to the torch kernels.
+    # Every tier this CPU runs is built (the cross-tier tests load them all), side by side: each build is one
+    # compiler process, so two tiers take about the time of one on two cores.
+    from concurrent.futures import ThreadPoolExecutor
+
     from colibri import kernels
+
+    def build(name):
+        try:
+            kernels.ensure_built(kernels.TIERS[name])
+        except kernels.KernelsUnavailable:
+            pass  # the tier falls down when used, with its notice; the tests that need it say so
+
+    names = kernels.runnable_tiers()
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(build, names))
     kernels.native()
 
 

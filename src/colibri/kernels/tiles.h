@@ -19,7 +19,7 @@ namespace {  // internal linkage: each kernel file gets its own copy
 constexpr int kTile = 64;   // q4 tile columns (the stored layout)
 constexpr int kRows = 6;    // x rows per register block
 constexpr int kChunk = 256; // k per dequantized q4 chunk: 32 KiB of bf16 pairs / 64 KiB of f32
-constexpr int kCols = 4;    // weight rows per dot-form register block
+constexpr int kDotCols = 4;    // weight rows per dot-form register block
 
 inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
@@ -416,12 +416,12 @@ constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in 
 // arithmetic depends on K alone, never on T or on where the weights come from (Src gives the same values).
 template <bool Stream, typename E, class Src>
 void dot_block_pass(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
-  alignas(64) __m512 acc[16][kRows * kCols];
+  alignas(64) __m512 acc[16][kRows * kDotCols];
   for_rows(t, [&](int64_t r0, auto R) {
     constexpr int rr = decltype(R)::value;
     for (int64_t k0 = 0; k0 < k; k0 += kDotChunk) {
       const int64_t kn = std::min(kDotChunk, k - k0);
-      for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
+      for (int64_t j = 0, gi = 0; j < cols; j += kDotCols, ++gi) {
         auto run = [&](auto C) {
           constexpr int c = decltype(C)::value;
           if constexpr (std::is_same_v<E, uint16_t>)
@@ -429,16 +429,16 @@ void dot_block_pass(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols
           else
             dot_f32<rr, c, Stream>(x + r0 * k + k0, k, w, j, k0, kn, acc[gi], k0 == 0);
         };
-        switch (std::min<int64_t>(kCols, cols - j)) {
+        switch (std::min<int64_t>(kDotCols, cols - j)) {
           case 1: run(std::integral_constant<int, 1>{}); break;
           case 2: run(std::integral_constant<int, 2>{}); break;
           case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, kCols>{}); break;
+          default: run(std::integral_constant<int, kDotCols>{}); break;
         }
       }
     }
-    for (int64_t j = 0, gi = 0; j < cols; j += kCols, ++gi) {
-      const int64_t c = std::min<int64_t>(kCols, cols - j);
+    for (int64_t j = 0, gi = 0; j < cols; j += kDotCols, ++gi) {
+      const int64_t c = std::min<int64_t>(kDotCols, cols - j);
       for (int r = 0; r < rr; ++r)
         for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = hsum(acc[gi][r * c + i]);
     }
@@ -464,12 +464,12 @@ void dot_block_stored(const E* x, int64_t t, const W* w, int64_t k, int64_t cols
 // Weight rows per parallel block: they stay in L2 (about 512 KiB) while every x row passes over them.
 int64_t block_rows(int64_t k, int64_t esz) {
   int64_t rows = (512 << 10) / std::max<int64_t>(1, k * esz);
-  return std::max<int64_t>(kCols, std::min<int64_t>(64, rows / kCols * kCols));
+  return std::max<int64_t>(kDotCols, std::min<int64_t>(64, rows / kDotCols * kDotCols));
 }
 
 // Weight rows per block of the buffered form below: the block's f32-sized buffer stays within 128 KiB.
 inline int64_t buffered_rows(int64_t k) {
-  return std::max<int64_t>(kCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kCols * kCols));
+  return std::max<int64_t>(kDotCols, std::min<int64_t>(16, (128 << 10) / (k * 4) / kDotCols * kDotCols));
 }
 
 // The buffered form of the q8 kinds (q8 with grouped scales or f32 x, q8k above kRows rows): y [T, n] in x's

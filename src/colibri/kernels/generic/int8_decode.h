@@ -73,7 +73,6 @@ inline s8x32 broadcast4(const int8_t* p) {
 //     (|pair| <= 2 * 128 * 127 = 32512), then vpmaddwd: int32 lane i sums k = 4i .. 4i + 3; eight rows' lanes
 //     summed per group by a fixed tree (int32: exact in any order).
 
-constexpr int64_t kDirectRows = 4;
 constexpr int64_t kAhead = 1024;  // bytes of each weight row fetched ahead of their use
 
 inline u8x32 load32(const void* p) { return vload<u8x32>(p); }

@@ -486,8 +486,6 @@ void dot_direct(const float* x, int64_t kp, Pairs&& pairs, int64_t cols, float* 
   for (; j < cols; ++j) dot_direct_rows<R, 1>(x, kp, pairs, j, y, ldy, scratch);
 }
 
-constexpr int kDirectRows = 4;  // decode and speculation's short passes read dot-form weights straight
-
 struct NoPairs {};
 
 // The dot-form driver of every row-major kind: y [T, n] in x's dtype. fill(n0, cols, bf, out) writes weight rows
