@@ -6,6 +6,7 @@ the reader trusts nothing but the manifest it produced.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -425,23 +426,34 @@ class ContainerCheckpoint:
         tok = m.get("tokenizer") or {}
         self.special = dict(tok.get("special") or {})
         self.chat_template = None
-        self.tokenizer = None
+        self._tokenizer_json: str | None = None  # checked here, parsed on first use (plan() never needs it)
         required = m["version"] >= 3
         try:
             if tok.get("chat_template_file"):
                 data = self._side_file(tok["chat_template_file"], tok.get("chat_template_checksum"), required)
                 self.chat_template = data.decode("utf-8")
             if tok.get("file"):
-                from tokenizers import Tokenizer
-                data = self._side_file(tok["file"], tok.get("checksum"), required)
-                self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+                self._tokenizer_json = self._side_file(tok["file"], tok.get("checksum"), required).decode("utf-8")
         except ModelLoadError:
             raise
-        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type for a damaged file
-            raise ModelLoadError(f"{self.path}: the tokenizer or chat template file is missing or damaged "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); reconvert "
-                                 "the model") from None
+        except Exception as e:  # noqa: BLE001 - a missing file, bytes that are not UTF-8
+            raise self._side_file_error(e) from None
         self._fds: dict[int, int] = {}
+
+    def _side_file_error(self, e: Exception) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: the tokenizer or chat template file is missing or damaged "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); reconvert the model")
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` of tokenizer.json, or None where the container has none."""
+        if self._tokenizer_json is None:
+            return None
+        from tokenizers import Tokenizer
+        try:
+            return Tokenizer.from_str(self._tokenizer_json)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type for a damaged file
+            raise self._side_file_error(e) from None
 
     def _side_file(self, name: str, checksum: str | None, required: bool) -> bytes:
         """The bytes of a file beside the manifest (tokenizer, chat template), checked against its checksum: they

@@ -151,8 +151,8 @@ def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: i
     if not count:
         return 0, 0
     # An expert's scope opens inside its layer's: both are held at once.
-    nested = {key: n + (1 if any(isinstance(k, ExpertScope) and k.layer == key.layer for k in count) else 0)
-              for key, n in count.items() if isinstance(key, LayerScope)}
+    expert_layers = {k.layer for k in count if isinstance(k, ExpertScope)}
+    nested = {key: n + (key.layer in expert_layers) for key, n in count.items() if isinstance(key, LayerScope)}
     return max([*count.values(), *nested.values()]) + prefetch_depth, huge_align(size)  # whole huge pages
 
 
