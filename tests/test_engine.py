@@ -78,8 +78,7 @@ def test_concurrent_seeded_sampling_equals_each_alone(tiny_model_dir):
 
 
 def test_smollm2_concurrent_greedy_equals_each_alone():
-    from colibri.core.defaults import default_model_path
-    m = colibri.load(default_model_path(), batch_size=32)
+    m = colibri.load(conv.default_container(), batch_size=32)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "List three primary colors:", "1, 2, 3, 4,", "The quick brown fox", "import numpy as np\n",
              "Water boils at"]

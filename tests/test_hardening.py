@@ -489,18 +489,19 @@ def test_bad_option_values_from_python_are_clear(tiny_model_dir):
 
 @needs_smol
 def test_text_that_is_not_unicode_and_tiny_contexts(tmp_path):
-    m = colibri.load(SMOL)
+    smol = conv.default_container()  # the demo's container (cached per machine): loads faster than the GGUF
+    m = colibri.load(smol)
     with pytest.raises(InputError, match="not valid Unicode at character 0"):
         m.generate("\udcff", max_tokens=2)
     p = subprocess.run(colibri_cmd() + ["run", "--raw", "--prompt", os.fsdecode(b"caf\xe9"), "--max-tokens", "2"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 2 and "not valid Unicode at character 3" in p.stderr, p.stderr
     for ctx in (3, 8, 64):  # a context under two KV blocks runs (it never spills); no "KV window" blamed
-        small = colibri.load(SMOL, ctx_length=ctx)
+        small = colibri.load(smol, ctx_length=ctx)
         r = small.generate("Hi", max_tokens=10)
         assert small.context_length == ctx and r.prompt_tokens + len(r.token_ids) <= ctx
     with pytest.raises(InputError, match="context holds 2 with the reply; .* raise --ctx-length"):
-        colibri.load(SMOL, ctx_length=2).generate("Hi there, how are you today?", max_tokens=2)
+        colibri.load(smol, ctx_length=2).generate("Hi there, how are you today?", max_tokens=2)
 
 
 @needs_smol

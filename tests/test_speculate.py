@@ -128,10 +128,9 @@ def test_greedy_with_drafts_equals_plain_decoding(tiny_model_dir, family, draft)
 
 
 def test_smollm2_greedy_with_drafts_equals_plain_decoding():
-    from colibri.core.defaults import default_model_path
     texts = ["Copy the list.\nred, green, blue, yellow, orange, purple, white, black\nred, green, blue,",
              "Once upon a time, in a small village,"]
-    on = colibri.load(default_model_path(), max_sequences=8, draft_tokens=6)
+    on = colibri.load(conv.default_container(), max_sequences=8, draft_tokens=6)
     ps = [on.tokenizer.encode(t) for t in texts]
     drafter, on.engine.spec = on.engine.spec, Speculator(draft_tokens=0)  # one load: plain decoding first
     ref = [on.generate(p, max_tokens=10, ignore_eos=True).token_ids for p in ps]
