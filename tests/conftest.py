@@ -51,12 +51,7 @@ def pytest_sessionstart(session):
     kernels.native()
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config, items):
-    import cross_compile
-
-    if any(item.name == cross_compile.TEST for item in items):  # selected: its compile starts now, in the background
-        cross_compile.start()
     if _slow_enabled(config):
         return
     skip = pytest.mark.skip(reason="slow test: set COLIBRI_SLOW=1 or run with -m slow")

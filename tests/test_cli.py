@@ -116,7 +116,8 @@ def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tm
     assert p2.returncode == 0, p2.stderr
     assert "resumed" in p2.stderr
     (prompt, reused), = re.findall(r"(\d+) prompt \((\d+) reused\) \+", p2.stderr)
-    first = json.loads(cli_here(capsys, monkeypatch, "run", "--prompt", turns[0], "--max-tokens", "24", "--json").stdout)
+    run = cli_here(capsys, monkeypatch, "run", "--prompt", turns[0], "--max-tokens", "24", "--json")
+    first = json.loads(run.stdout)
     # everything of turn 1 (its prompt and the reply tokens fed back) is reused; only turn 2's text is computed
     # a reply's tokens were fed back through the model, except the last when max_tokens cut the reply
     fed_back = len(first["token_ids"]) - (first["finish_reason"] == "length")
