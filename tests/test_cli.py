@@ -126,12 +126,12 @@ def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tm
     assert p2.stdout == once.stdout.splitlines(keepends=True)[1]  # the reply of an uninterrupted chat
 
 
-def test_swap_create_cli(tmp_path):
-    p = cli("swap", "create", "--path", str(tmp_path / "kv.swap"), "--size", "16M")
+def test_swap_create_cli(tmp_path, capsys, monkeypatch):
+    p = cli("swap", "create", "--path", str(tmp_path / "kv.swap"), "--size", "16M")  # the command itself
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "kv.swap").stat().st_size == 16 << 20
-    p = cli("swap", "create", "--path", str(tmp_path / "huge.swap"), "--size", "1000T")
+    p = cli_here(capsys, monkeypatch, "swap", "create", "--path", str(tmp_path / "huge.swap"), "--size", "1000T")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not enough disk space" in p.stderr
     assert not (tmp_path / "huge.swap").exists()
-    p = cli("run", "--prompt", "hi", "--swap", str(tmp_path / "nope.swap"))
+    p = cli_here(capsys, monkeypatch, "run", "--prompt", "hi", "--swap", str(tmp_path / "nope.swap"))
     assert p.returncode == 2 and "colibri swap create" in p.stderr

@@ -304,18 +304,19 @@ def test_killed_conversion_leaves_nothing_valid_and_resumes(tiny_model_dir, tmp_
     assert torch.equal(colibri.load(out).logits(IDS), colibri.load(fresh).logits(IDS))
 
 
-def test_convert_cli_and_info(tiny_model_dir, tmp_path):
+def test_convert_cli_and_info(tiny_model_dir, tmp_path, capsys):
+    from colibri import cli
+
     out = tmp_path / "c"
     p = subprocess.run([sys.executable, "-m", "colibri.cli", "convert", "--input", str(tiny_model_dir("olmoe")),
                         "--output", str(out), "--quant", "q4_k_m", "--group-size", "32"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "wrote" in p.stderr
-    info = subprocess.run([sys.executable, "-m", "colibri.cli", "info", "--model", str(out)],
-                          capture_output=True, text=True)
-    assert info.returncode == 0, info.stderr
+    capsys.readouterr()  # info and the refused convert: in-process
+    assert cli.main(["info", "--model", str(out)]) == 0
+    info = capsys.readouterr().out
     for needle in ("colibri container v3", "bits/weight", "pages", "q4 group 32", "policy"):
-        assert needle in info.stdout
-    again = subprocess.run([sys.executable, "-m", "colibri.cli", "convert", "--input", str(tiny_model_dir("olmoe")),
-                            "--output", str(out)], capture_output=True, text=True)
-    assert again.returncode == 2 and "--force" in again.stderr
+        assert needle in info
+    assert cli.main(["convert", "--input", str(tiny_model_dir("olmoe")), "--output", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
