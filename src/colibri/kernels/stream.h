@@ -11,8 +11,9 @@
 namespace {
 
 constexpr int64_t kStreamAhead = 4096;  // bytes (the distances tried: docs/performance.md)
-constexpr int64_t kDirectRows = 4;    // passes of at most this many rows (decode, speculation's verify) read
-                                     // the stored weights straight, with no laid-out copy
+// Passes of at most kDirectRows rows (decode, speculation's verify) read the stored weights straight, with no
+// laid-out copy (every tier's linear and int8 kernels).
+constexpr int64_t kDirectRows = 4;
 
 // The line kStreamAhead bytes past p (in the same stream: tiles and weight rows are laid out consecutively, so
 // past a tile's or row's end this is the next one's start).

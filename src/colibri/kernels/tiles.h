@@ -14,12 +14,12 @@
 #include <cstring>
 #include <vector>
 
-namespace {  // internal linkage: each kernel file gets its own copy
+namespace {  // internal linkage: each tier's library (one translation unit) gets its own copy
 
 constexpr int kTile = 64;   // q4 tile columns (the stored layout)
 constexpr int kRows = 6;    // x rows per register block
 constexpr int kChunk = 256; // k per dequantized q4 chunk: 32 KiB of bf16 pairs / 64 KiB of f32
-constexpr int kDotCols = 4;    // weight rows per dot-form register block
+constexpr int kDotCols = 4; // weight rows per dot-form register block
 
 inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 

@@ -82,8 +82,7 @@ class Workspace:
         """RAM the workspace adds to assemble `positions` positions."""
         lay = self.layout
         have = 0 if self._k is None else self._k.shape[1]
-        return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * \
-            lay.dtype.itemsize
+        return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
