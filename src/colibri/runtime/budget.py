@@ -197,19 +197,27 @@ class Settings:
     reserve: Reserve
 
 
+class BelowMinimum(InputError):
+    """A memory limit under the working set of these settings (`settings(state_minimum=False)`: the message does
+    not search for the smallest limit that would do)."""
+
+
 def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = False,
-             floor: int | None = None) -> Settings:
+             floor: int | None = None, state_minimum: bool = True) -> Settings:
     """Resolve a config's memory settings for a model: limit, context, KV plan and reserve. `floor`: the weights'
     minimum working set under a limit (placement.minimum_staging); given, a limit is accepted iff reserve + floor
-    fits it, the automatic context is the largest that fits, and a refusal states the smallest accepted limit,
-    found with the same test."""
+    fits it, the automatic context is the largest that fits, and a refusal (BelowMinimum) states the smallest
+    accepted limit, found with the same test, unless `state_minimum` is false (a caller that retries with other
+    settings: the search is most of a refusal's cost)."""
     limit = config.memory_limit_bytes
     o = Options(args, dtype, config.ctx_length, config.batch_size, config.kv_ram_bytes, config.kv_quant,
                 config.kv_block, quantized, config.max_sequences, floor)
     conf = _resolve(limit, o)
     if limit is not None and floor is not None and not _accepted(conf, floor):
+        if not state_minimum:
+            raise BelowMinimum(f"memory limit {_fmt(limit)} is below this model's minimum working set")
         least = minimum_limit(o, limit)
-        raise InputError(f"memory limit {_fmt(limit)} is below this model's minimum working set of {_fmt(least)} "
+        raise BelowMinimum(f"memory limit {_fmt(limit)} is below this model's minimum working set of {_fmt(least)} "
                          f"(with the KV cache and activations for a {_resolve(least, o).ctx}-token context);"
                          " raise --memory-limit or lower --ctx-length / --batch-size")
     return conf

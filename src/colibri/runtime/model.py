@@ -63,12 +63,13 @@ def fitted_settings(ckpt: Checkpoint, args, dtype: torch.dtype, config: EngineCo
     found with the shortest pass."""
     batch = config.batch_size
     while True:
+        last = config.memory_limit is None or batch <= MIN_PASS
         try:
             conf = budget.settings(args, dtype, dataclasses.replace(config, batch_size=batch), quantized(ckpt),
-                                   weights_floor(ckpt, args, config.memory_limit, batch))
+                                   weights_floor(ckpt, args, config.memory_limit, batch), state_minimum=last)
             return conf, batch
         except InputError:
-            if config.memory_limit is None or batch <= MIN_PASS:
+            if last:
                 raise
             batch = max(MIN_PASS, batch // 2)
 
