@@ -83,6 +83,8 @@ class _Levels:
         yield GaugeMetricFamily("colibri_generated_tokens_per_second",
                                 "Tokens generated per second, all requests, over the last 10 s", value=tokens_s)
         yield GaugeMetricFamily("colibri_queue_depth", "Requests waiting for a sequence slot", value=snap["queued"])
+        yield GaugeMetricFamily("colibri_requests_in_flight", "Requests accepted and not yet answered (running,"
+                                " queued or being admitted), read live", value=w.in_flight())
         cap = snap["kv_pool_capacity_bytes"]
         if cap:
             yield GaugeMetricFamily("colibri_kv_pool_capacity_bytes",

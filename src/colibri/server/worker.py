@@ -132,6 +132,12 @@ class Worker:
             self._inbox.extend(jobs)
             self._cond.notify()
 
+    def in_flight(self) -> int:
+        """Requests accepted and not yet answered: running, queued, or taken in but not yet admitted (read live,
+        unlike the snapshot, which lags by up to one engine step)."""
+        with self._cond:
+            return self._outstanding
+
     def abort(self, job: Job) -> None:
         """Stop a job (its client went away); the engine thread drops it before its next step."""
         with self._cond:
