@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from colibri import cli, kernels
+from colibri.kernels import build
 
 PING = """#include <torch/library.h>
 static int64_t ping(int64_t x) { return x + 1; }
@@ -74,7 +75,7 @@ def test_a_build_is_cached_and_reused_without_the_compiler(built, monkeypatch, c
     assert lib.parent.name.startswith(f"torch{torch.__version__}-portable-")
     assert not list(lib.parent.glob("tmp-*"))  # the build's temporary directory is gone
     mtime = lib.stat().st_mtime_ns
-    monkeypatch.setattr(kernels, "_compile", lambda *a: pytest.fail("rebuilt a cached library"))
+    monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("rebuilt a cached library"))
     monkeypatch.setenv("CXX", NO_CXX)
     assert kernels.load(t, root) == lib
     assert lib.stat().st_mtime_ns == mtime and capfd.readouterr().err == ""
@@ -102,7 +103,7 @@ def test_a_truncated_library_is_removed_and_rebuilt_once(built, tmp_path, capfd)
     lib = kernels.library_path(t, root)
     lib.parent.mkdir(parents=True)
     lib.write_bytes(good.read_bytes()[:30000])  # dlopen of this would crash the process (SIGBUS)
-    shutil.copy(kernels._checksum_path(good), kernels._checksum_path(lib))
+    shutil.copy(build._checksum_path(good), build._checksum_path(lib))
     assert kernels.load(t, root) == lib
     assert ping(t) == 42 and kernels.is_built(t, root)
     lines = notices(capfd.readouterr().err)
@@ -326,7 +327,7 @@ def test_demo_runs_with_a_truncated_library(demo, tmp_path):
     lib = kernels.library_path(best, tmp_path / "cache" / "kernels")
     lib.parent.mkdir(parents=True)
     lib.write_bytes(source.read_bytes()[:100000])
-    kernels._checksum_path(lib).write_text(kernels._sha256(source) + "\n")
+    build._checksum_path(lib).write_text(build._sha256(source) + "\n")
     p = run_demo(demo, tmp_path, tmp_path / "cache")
     lines = notices(p.stderr)
     assert len(lines) == 2, p.stderr
