@@ -5,6 +5,7 @@ measured runtime baseline stays within the limit (1 % for allocator noise)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from colibri.convert import pipeline as conv
 from colibri.core.errors import InputError
 
 MIB = 1 << 20
-STEP = 32 << 10  # limit sweep resolution
+STEP = 32 << 10  # the dense check's step above the boundary
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,19 @@ def accepted(path, limit: int, **kw) -> bool | str:
         return str(e)
 
 
+def auto_ctx(path, limit: int, **kw) -> int:
+    """The context `plan` gives an accepted limit (the automatic one where none is asked for)."""
+    return colibri.runtime.model.plan(path, limit, **kw)[1].ctx
+
+
+def first_true(pred, lo: int, hi: int) -> int:
+    """The smallest x in (lo, hi] with pred(x), for pred(lo) false and pred(hi) true (bisection)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pred(mid) else (mid, hi)
+    return hi
+
+
 def stated_minimum(message: str) -> int:
     m = re.search(r"minimum working set of ([0-9.]+) (MiB|GiB)", message)
     assert m, message
@@ -61,23 +75,33 @@ def stated_minimum(message: str) -> int:
                                 dict(ctx_length=256, kv_ram=64 << 10), dict(ctx_length=200, batch_size=16)])
 @pytest.mark.parametrize("model", ["tiny", "long_context"])
 def test_accepted_limits_are_upward_closed_and_the_stated_minimum_is_accepted(request, model, kw):
+    """The boundary is found by bisection to the byte; upward closure is then checked where it could break:
+    every STEP for 2 MiB above the boundary, where each automatic context first applies (the context steps
+    down as the limit shrinks: acceptance used to come and go there), and at 64 limits spread over the range
+    (a fixed seed), with 32 below the boundary refused."""
     tiny = request.getfixturevalue(model)
     if model == "long_context" and kw.get("ctx_length"):
         pytest.skip("the context is given: the same as for the tiny model")
     weights = sum(p["nbytes"] for p in json.loads((tiny / "manifest.json").read_text())["pages"])
     first_guess = colibri.runtime.model.plan(tiny, None, **kw)[0].minimum
     top = 2 * (first_guess + weights)
-    results = [(limit, accepted(tiny, limit, **kw)) for limit in range(STEP, top, STEP)]
-    ok = [limit for limit, r in results if r is True]
-    assert ok, "no limit accepted"
-    first = ok[0]
-    assert all(r is True for limit, r in results if limit >= first), "a larger limit was refused"
-    refusal = next(r for limit, r in reversed(results) if limit < first)
-    least = stated_minimum(refusal)
+    assert accepted(tiny, top, **kw) is True and accepted(tiny, 1, **kw) is not True
+    first = first_true(lambda limit: accepted(tiny, limit, **kw) is True, 1, top)
+    rng = random.Random(0)
+    above = [first + i * STEP for i in range(64)] + [rng.randrange(first, top) for _ in range(64)]
+    if "ctx_length" not in kw:  # each context of the automatic ladder: the least limit that gets it, or more
+        ladder = sorted({auto_ctx(tiny, limit, **kw) for limit in above})
+        for ctx in ladder[1:]:
+            switch = first_true(lambda limit: auto_ctx(tiny, limit, **kw) >= ctx, first, top)
+            above += [switch - 1, switch, switch + 1]
+    refused = [accepted(tiny, limit, **kw) for limit in [first - 1] + [rng.randrange(1, first) for _ in range(32)]]
+    assert all(accepted(tiny, limit, **kw) is True for limit in above), "a larger limit was refused"
+    assert all(r is not True for r in refused), "a smaller limit was accepted"
+    least = stated_minimum(refused[0])
     # the message rounds to 0.1 MiB: the stated minimum is the real one within that rounding
     assert accepted(tiny, least + MIB // 10, **kw) is True
     assert accepted(tiny, least - MIB // 10, **kw) is not True
-    assert abs(least - first) <= STEP + MIB // 10
+    assert abs(least - first) <= MIB // 10
 
 
 SMOL_CHILD = r"""
