@@ -13,16 +13,13 @@ from pathlib import Path
 
 import httpx
 
+from clirun import colibri_cmd
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def colibri_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "colibri"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]
 
 
 class Server:

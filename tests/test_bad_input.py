@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import clirun
 import colibri
 from colibri.core.errors import InputError, ModelLoadError, UnsupportedModelError
 
@@ -123,23 +122,18 @@ def test_empty_prompt_and_too_long_prompt(tiny_model_dir):
         m.generate([1, 2], top_p=0.0)
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colibri.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
-
-
 def test_cli_errors_are_one_line_without_traceback(tmp_path):
     work = tmp_path / "cwd"
     work.mkdir()
-    p = run_cli("run", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi", cwd=work)
+    p = clirun.run("run", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi", cwd=work)  # a process
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error:") and "missing.gguf" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert list(work.iterdir()) == []
-    p = run_cli("run", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi", "--debug", cwd=work)
+    p = clirun.run("run", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi", "--debug", cwd=work)
     assert "Traceback" in p.stderr
 
 
-def test_cli_empty_prompt(tiny_model_dir, tmp_path):
-    p = run_cli("run", "--model", str(tiny_model_dir("llama")), "--raw", "--prompt", "", cwd=tmp_path)
+def test_cli_empty_prompt(tiny_model_dir, capsys):
+    p = clirun.here(capsys, "run", "--model", str(tiny_model_dir("llama")), "--raw", "--prompt", "")
     assert p.returncode == 2 and "empty prompt" in p.stderr and "Traceback" not in p.stderr

