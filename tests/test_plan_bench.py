@@ -129,7 +129,7 @@ def test_dense_bytes_per_token_is_what_a_decode_step_reads(containers, monkeypat
 ])
 def test_pipeline_model(head_s, depth, slots, want):
     """4 layers of one 1 MiB page each (1 s at 1 MiB/s, no compute) and a head computing for head_s."""
-    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=head_s)]
+    scopes = [predict.PassStep([k], k + 1) for k in range(4)] + [predict.PassStep([], 4, compute_s=head_s)]
     got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, slots, depth)
     assert got["s_per_token"] == pytest.approx(want)
     assert got["io_wait_s"] == pytest.approx(want - head_s)
@@ -137,7 +137,7 @@ def test_pipeline_model(head_s, depth, slots, want):
 
 def test_pipeline_model_compute_slower_while_reading():
     """Compute twice as slow while the disk reads: the head does 2 s of its work in the 4 s of reads, then 8 s."""
-    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=10)]
+    scopes = [predict.PassStep([k], k + 1) for k in range(4)] + [predict.PassStep([], 4, compute_s=10)]
     got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, slowdown=2.0)
     assert got["s_per_token"] == pytest.approx(12) and got["io_wait_s"] == pytest.approx(0)
 
@@ -149,7 +149,7 @@ def test_pipeline_model_compute_slower_while_reading():
 ])
 def test_pipeline_model_disk_slower_while_computing(head_s, want):
     """The disk reads at half its rate while compute runs (reads slow under a matmul on this VM)."""
-    scopes = [predict.Scope([k], k + 1) for k in range(4)] + [predict.Scope([], 4, compute_s=head_s)]
+    scopes = [predict.PassStep([k], k + 1) for k in range(4)] + [predict.PassStep([], 4, compute_s=head_s)]
     got = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, busy_bandwidth=1 << 19)
     assert got["s_per_token"] == pytest.approx(want) and got["io_wait_s"] == pytest.approx(want - head_s)
 
@@ -252,7 +252,7 @@ def test_streaming_dense_runs_ask_openmp_workers_to_sleep(containers, monkeypatc
 def test_pipeline_model_wake_up_after_long_waits():
     """Compute after a wait of wake_gap_s or more first spends wake_s: no prefetch, four 1 s reads, each layer
     then computes 0.5 s (+0.25 s waking); with the gap above the waits, nothing is added."""
-    scopes = [predict.Scope([k], k + 1, compute_s=0.5) for k in range(4)]
+    scopes = [predict.PassStep([k], k + 1, compute_s=0.5) for k in range(4)]
     slow = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=0.5)
     fast = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=2.0)
     assert slow["s_per_token"] == pytest.approx(4 * 1.75) and fast["s_per_token"] == pytest.approx(4 * 1.5)

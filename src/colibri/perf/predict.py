@@ -23,16 +23,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colibri.runtime import budget
 from colibri.core.config import DEFAULT_BATCH
 from colibri.core.metrics import rss_bytes
 from colibri.runtime.budget import Reserve
 from colibri.formats.container import PageEntry, TensorEntry, read_manifest, records
 from colibri.weights.io import ALIGN, DEFAULT_REQUEST_SIZE, DEMAND, PREFETCH
 from colibri.models.base import ModelArgs
-from colibri.weights.placement import (EmbeddingScope, LayerScope, Placement, block_rows, main_part, row_bytes,
-                                       row_span_bytes, row_tensor, scopes_of)
-from colibri.weights.placement import Scope as PageScope
+from colibri.weights.placement import (EmbeddingScope, LayerScope, Placement, Scope, WeightTable, block_rows,
+                                       main_part, row_bytes, row_span_bytes, row_tensor)
 
 KINDS = ("embedding", "attention", "ffn", "expert", "shared_expert", "head")
 BASELINE_NOTE = ("the runtime baseline (Python, torch, tokenizer, manifest) is outside --memory-limit; the limit "
@@ -136,10 +134,9 @@ def token_bytes(placement: Placement, pages: list[PageEntry], tensors: dict[str,
     it (a tied embedding staged whole serves two: the lookup and the head), the head table's row blocks, one
     lookup row, and the expected expert misses."""
     head_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-    streamed = head = lookup = 0
-    for i in placement.streamed:
-        if pages[i].kind != "expert":
-            streamed += pages[i].nbytes * len(scopes_of(pages[i], args.num_layers, args.tie_word_embeddings))
+    head = lookup = 0
+    weights = WeightTable(pages, tensors, args.num_layers, args.tie_word_embeddings)
+    streamed = weights.pass_bytes(i for i in placement.streamed if pages[i].kind != "expert")
     for i in placement.by_rows:
         table = row_tensor(pages[i], tensors)
         if table == head_name:
@@ -181,8 +178,9 @@ def expert_bytes(placement: Placement, pages: list[PageEntry], args: ModelArgs) 
 
 
 @dataclass
-class Scope:
-    """One scope of a decode pass as the pipeline model sees it (see `pipeline`)."""
+class PassStep:
+    """One step of a decode pass as the pipeline model sees it (see `pipeline`): a store scope (its pages) or a
+    step outside any (the lookup's row, sampling)."""
     pages: list[int]  # indices into the prefetch order of the whole-read streamed pages it holds
     after: int | None  # prefetch continues from this index of the order (None: not a store scope, no prefetch)
     compute_s: float = 0.0  # compute once its pages are in (MoE: attention and router, before routed experts)
@@ -263,7 +261,7 @@ class _Disk:
         return read[1]
 
 
-def pipeline(scopes: list[Scope], sizes: list[int], bandwidth: float | None, slots: int, depth: int,
+def pipeline(scopes: list[PassStep], sizes: list[int], bandwidth: float | None, slots: int, depth: int,
              request: int = DEFAULT_REQUEST_SIZE, passes: int = 4, slowdown: float = 1.0,
              busy_bandwidth: float | None = None, wake_s: float = 0.0, wake_gap_s: float = WAKE_GAP_S) -> dict:
     """Seconds per decode pass when reads and compute overlap as the streaming store lets them: a scope waits
@@ -349,23 +347,24 @@ def bounds(bytes_per_token: float, bytes_per_s: float | None, compute_s: float) 
             "bound": None if best is None else "io" if best == io else "compute"}
 
 
-def pass_scopes(lay: Layout, compute: dict) -> tuple[list[Scope], list[int]]:
+def pass_scopes(lay: Layout, compute: dict) -> tuple[list[PassStep], list[int]]:
     """A decode pass as the streaming store runs it: (scopes in order, sizes of the prefetch order's pages);
     `compute`: the compute probe's report."""
     placement, pages, tensors, args = lay.placement, lay.pages, lay.tensors, lay.args
-    num_layers, tied = args.num_layers, args.tie_word_embeddings
+    num_layers = args.num_layers
+    table = WeightTable(pages, tensors, num_layers, args.tie_word_embeddings)
     order = sorted(i for i in placement.streamed if pages[i].kind != "expert")
     index = {pid: k for k, pid in enumerate(order)}
-    end: dict[PageScope, int] = {}
-    members: dict[PageScope, list[int]] = {}
+    end: dict[Scope, int] = {}
+    members: dict[Scope, list[int]] = {}
     for p in pages:
-        for key in scopes_of(p, num_layers, tied):
+        for key in table.scopes(p.id):
             end[key] = max(end.get(key, -1), p.id)
             if p.id in index:
                 members.setdefault(key, []).append(index[p.id])
 
-    def scope(key: PageScope, **kw) -> Scope:
-        return Scope(members.get(key, []), bisect.bisect_right(order, end.get(key, -1)), **kw)
+    def scope(key: Scope, **kw) -> PassStep:
+        return PassStep(members.get(key, []), bisect.bisect_right(order, end.get(key, -1)), **kw)
 
     per_token, by_rows = lay.per_token, set(placement.by_rows)
     scopes = []
@@ -373,7 +372,7 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[Scope], list[int]]:
     if embedding.id in index:  # staged whole for the lookup
         scopes.append(scope(EmbeddingScope()))
     elif embedding.id in by_rows:
-        scopes.append(Scope([], None, demand_bytes=per_token["lookup_row_bytes"]))
+        scopes.append(PassStep([], None, demand_bytes=per_token["lookup_row_bytes"]))
     experts = {x["layer"]: x["expected_bytes"] for x in (per_token["experts"] or {}).get("layers", [])}
     for i in range(num_layers):
         c = compute["layers"]["moe" if args.moe_layers[i] else "dense"]
@@ -382,7 +381,7 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[Scope], list[int]]:
                                 rest_s=c["s"] - c["attention_s"]))
         else:
             scopes.append(scope(LayerScope(i), compute_s=c["s"]))
-    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    head_name = "model.embed_tokens.weight" if table.tied else "lm_head.weight"
     head_page = tensors[head_name].page
     if head_page in by_rows:
         rows = tensors[head_name].shape[0]
@@ -390,7 +389,7 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[Scope], list[int]]:
         scopes.append(scope(LayerScope(num_layers), blocks=blocks))
     else:
         scopes.append(scope(LayerScope(num_layers), compute_s=compute["head_s"]))
-    scopes.append(Scope([], None, compute_s=compute["sample_s"]))  # after the head's scope closes
+    scopes.append(PassStep([], None, compute_s=compute["sample_s"]))  # after the head's scope closes
     return scopes, [pages[i].nbytes for i in order]
 
 

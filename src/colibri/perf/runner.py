@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from colibri.runtime import budget
 from colibri.core.config import DEFAULT_BATCH
 from colibri.formats.container import MANIFEST
 from colibri.core.errors import InputError

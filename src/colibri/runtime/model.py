@@ -49,8 +49,8 @@ def weights_floor(ckpt: Checkpoint, args, memory_limit, batch: int) -> int | Non
     nothing streams)."""
     if memory_limit is None or not isinstance(ckpt, ContainerCheckpoint):
         return None
-    from colibri.weights.placement import minimum_staging
-    return minimum_staging(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, batch)
+    from colibri.weights.placement import WeightTable, minimum_staging
+    return minimum_staging(WeightTable.of(ckpt, args), batch)
 
 
 MIN_PASS = 16  # the shortest pass (prefill chunk) a tight memory limit falls back to
@@ -351,7 +351,7 @@ class Model:
 def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
     """(Placement, Reserve, ModelArgs) that `load` with this config would use, without reading a weight.
     `plan(path, memory_limit, **options)` builds the config from keywords."""
-    from colibri.weights.placement import plan as place
+    from colibri.weights.placement import WeightTable, plan as place
     from colibri.weights.usage import USAGE_FILE, ExpertUsage
 
     if not isinstance(config, EngineConfig):
@@ -368,8 +368,7 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
-        return place(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings, limit,
-                     config.prefetch_depth, res.total, batch, usage, dt), res, args
+        return place(WeightTable.of(ckpt, args), limit, config.prefetch_depth, res.total, batch, usage, dt), res, args
     finally:
         ckpt.close()
 

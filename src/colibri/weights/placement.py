@@ -126,17 +126,36 @@ class EmbeddingScope:
 Scope = LayerScope | ExpertScope | EmbeddingScope  # where model code holds pages (the store opens one at a time)
 
 
-def scopes_of(page: PageEntry, num_layers: int, tied: bool) -> list[Scope]:
-    """The scopes that read a page. A tied embedding serves the lookup and the head."""
-    if page.kind == "expert":
-        return [ExpertScope(page.layer, page.expert)]
-    if page.kind == "embedding":
-        return [EmbeddingScope(), LayerScope(num_layers)] if tied else [EmbeddingScope()]
-    return [LayerScope(num_layers if page.kind == "head" else page.layer)]
+@dataclass(frozen=True, eq=False)
+class WeightTable:
+    """A container's pages and tensors, with the two facts of its model that say which steps of a pass read a
+    page: the number of layers (the head's scope is layer num_layers) and whether the embedding is also the
+    head (tied)."""
+    pages: list[PageEntry]
+    tensors: dict[str, TensorEntry]
+    num_layers: int
+    tied: bool
+
+    @classmethod
+    def of(cls, ckpt, args) -> WeightTable:
+        """The table of a container checkpoint for the model args (models.ModelArgs) read from it."""
+        return cls(ckpt.pages, ckpt.tensors, args.num_layers, args.tie_word_embeddings)
+
+    def scopes(self, pid: int) -> list[Scope]:
+        """The scopes that read page pid. A tied embedding serves the lookup and the head."""
+        page = self.pages[pid]
+        if page.kind == "expert":
+            return [ExpertScope(page.layer, page.expert)]
+        if page.kind == "embedding":
+            return [EmbeddingScope(), LayerScope(self.num_layers)] if self.tied else [EmbeddingScope()]
+        return [LayerScope(self.num_layers if page.kind == "head" else page.layer)]
+
+    def pass_bytes(self, pids: Iterable[int]) -> int:
+        """What a dense pass reads of these pages read whole (a staged tied table twice: lookup and head)."""
+        return sum(self.pages[pid].nbytes * len(self.scopes(pid)) for pid in pids)
 
 
-def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool,
-                  prefetch_depth: int) -> tuple[int, int]:
+def staging_slots(weights: WeightTable, streamed: Iterable[int], prefetch_depth: int) -> tuple[int, int]:
     """(slots, slot bytes) of the staging ring: equal slots the size of the largest streamed page (in whole huge
     pages: reads into 4 KiB pages are slower, io.AlignedBuffer), as many as the largest scope has streamed pages,
     plus `prefetch_depth` for reads ahead. Equal slots never fragment, so a demand read always finds room once
@@ -144,10 +163,9 @@ def staging_slots(pages: list[PageEntry], streamed: Iterable[int], num_layers: i
     count: dict[Scope, int] = {}
     size = 0
     for pid in streamed:
-        p = pages[pid]
-        for key in scopes_of(p, num_layers, tied):
+        for key in weights.scopes(pid):
             count[key] = count.get(key, 0) + 1
-        size = max(size, p.nbytes)
+        size = max(size, weights.pages[pid].nbytes)
     if not count:
         return 0, 0
     # An expert's scope opens inside its layer's: both are held at once.
@@ -195,16 +213,17 @@ class _Costs:
     """What a set of streamed pages needs besides itself: staging slots, and for by-rows tables their resident
     companions, head block buffers and lookup row buffers."""
 
-    def __init__(self, pages, tensors, num_layers, tied, batch):
-        self.pages, self.num_layers, self.tied = pages, num_layers, tied
+    def __init__(self, weights: WeightTable, batch: int):
+        self.weights = weights
+        tensors = weights.tensors
         self.parts: dict[int, tuple[int, int, int]] = {}  # by-rows page -> (side, block, lookup) bytes
-        for p in pages:
+        for p in weights.pages:
             table = row_tensor(p, tensors)
             if table is None:
                 continue
             t = tensors[table]
             side = sum(align_up(n) for *_, n in side_ranges(p, tensors, table))
-            block = HEAD_BUFFERS * block_buffer_bytes(t) if p.kind == "head" or tied else 0
+            block = HEAD_BUFFERS * block_buffer_bytes(t) if p.kind == "head" or self.weights.tied else 0
             lookup = 0
             if p.kind == "embedding":  # one aligned span per distinct token, never more than the table
                 main = t.parts[main_part(t)].nbytes
@@ -215,16 +234,14 @@ class _Costs:
 
     def need(self, streamed: Iterable[int], depth: int) -> int:
         streamed = list(streamed)
-        slots, size = staging_slots(self.pages, [i for i in streamed if i not in self.rows], self.num_layers,
-                                    self.tied, depth)
+        slots, size = staging_slots(self.weights, [i for i in streamed if i not in self.rows], depth)
         return slots * size + sum(self.rows[i] for i in streamed if i in self.rows)
 
 
-def minimum_staging(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: int, tied: bool,
-                    batch: int) -> int:
+def minimum_staging(weights: WeightTable, batch: int) -> int:
     """What the weights need under the smallest budget (every page streamed, nothing read ahead): a memory limit
     must hold this beside the reserve (budget.settings' `floor`)."""
-    return _Costs(pages, tensors, num_layers, tied, batch).need(range(len(pages)), 0)
+    return _Costs(weights, batch).need(range(len(weights.pages)), 0)
 
 
 def row_span_bytes(t: TensorEntry) -> int:
@@ -251,7 +268,7 @@ def block_buffer_bytes(t: TensorEntry) -> int:
     return huge_align(align_up(rows * row_bytes(t)) + (0 if aligned else ALIGN))  # whole huge pages (weights/io.py)
 
 
-def auto_depth(pages: list[PageEntry], streamed: Iterable[int], num_layers: int, tied: bool) -> int:
+def auto_depth(pages: list[PageEntry], streamed: Iterable[int]) -> int:
     """Pages to read ahead by default: the most streamed pages one layer has, plus one. Prefetch counts pages
     after the current scope, so with fewer than that, each layer's last page is read on demand, with compute
     waiting (figures: docs/performance.md, "Figures moved from source comments")."""
@@ -279,17 +296,17 @@ def resident_extra(page: PageEntry, tensors: dict[str, TensorEntry], dtype: torc
     return extra
 
 
-def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: int, tied: bool, memory_limit: int | None,
-         prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
+def plan(weights: WeightTable, memory_limit: int | None, prefetch_depth: int | None, reserve: int = 0, batch: int = 1,
          usage: dict[tuple[int, int], float] | None = None, dtype: torch.dtype | None = None) -> Placement:
     """Everything pinned when it fits; else pin greedily (see PIN_ORDER; experts only by learned usage) while
     the staging the remaining pages need still fits, and give what is left to the expert cache. A pinned page
     costs its bytes plus what its weights derive and keep (`resident_extra` for compute in `dtype`)."""
+    pages, tensors = weights.pages, weights.tensors
     ids = list(range(len(pages)))
     extra = {i: resident_extra(p, tensors, dtype) for i, p in enumerate(pages)}
     cost = {i: p.nbytes + extra[i] for i, p in enumerate(pages)}
     total = sum(p.nbytes for p in pages)
-    costs = _Costs(pages, tensors, num_layers, tied, batch)
+    costs = _Costs(weights, batch)
     minimum = reserve + costs.need(ids, 0)
     if memory_limit is None or memory_limit >= reserve + sum(cost.values()):
         return Placement(memory_limit, reserve, ids, [], [], 0, 0, 0, 0, 0, 0, total, 0, minimum)
@@ -302,7 +319,7 @@ def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: in
     streamed = set(ids)
     pinned_cost = 0  # pinned pages' bytes plus what their weights derive
     if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
-        prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows], num_layers, tied)
+        prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows])
     # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
     # depth 0 serializes reads and compute (docs/performance.md, "Figures moved from source comments")
     while prefetch_depth > 0 and costs.need(streamed, prefetch_depth) > room:
@@ -317,7 +334,7 @@ def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: in
             return True
         return False
 
-    untied_lookup = {i for i in costs.rows if pages[i].kind == "embedding" and not tied}
+    untied_lookup = {i for i in costs.rows if pages[i].kind == "embedding" and not weights.tied}
     dense = [i for i in ids if pages[i].kind != "expert" and i not in untied_lookup]  # rows are cheap to read
     for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i].kind, 9), pages[i].offset)):
         try_pin(pid, prefetch_depth)
@@ -341,13 +358,13 @@ def plan(pages: list[PageEntry], tensors: dict[str, TensorEntry], num_layers: in
             learned += 1
         need = costs.need(streamed, depth)
     normal = sorted((i for i in streamed if i not in costs.rows), key=lambda i: (pages[i].file, pages[i].offset))
-    slots, slot_bytes = staging_slots(pages, normal, num_layers, tied, depth)
+    slots, slot_bytes = staging_slots(weights, normal, depth)
     cache_slots = 0
     if any(pages[i].kind == "expert" for i in normal) and slot_bytes:
         cache_slots = max(0, (room - pinned_cost - need) // slot_bytes)
     by_rows = sorted(i for i in streamed if i in costs.rows)
     side, block, lookup = (sum(costs.parts[i][k] for i in by_rows) for k in range(3))
     pinned = sorted(set(ids) - streamed)
-    per_pass = sum(pages[i].nbytes * len(scopes_of(pages[i], num_layers, tied)) for i in normal)
     return Placement(memory_limit, reserve, pinned, normal, by_rows, side, slots + cache_slots, slot_bytes, cache_slots,
-                     block, lookup, sum(pages[i].nbytes for i in pinned), per_pass, minimum, learned, depth)
+                     block, lookup, sum(pages[i].nbytes for i in pinned), weights.pass_bytes(normal), minimum, learned,
+                     depth)

@@ -17,9 +17,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from colibri.formats.container import PageEntry, TensorEntry
+from colibri.formats.container import TensorEntry
 from colibri.weights.io import DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes
-from colibri.weights.placement import Scope, scopes_of
+from colibri.weights.placement import Scope, WeightTable
 from colibri.weights.streaming.checks import Checksums
 from colibri.weights.streaming.stats import PageState, StreamStats
 
@@ -33,14 +33,13 @@ class Slot:
 
 
 class Staging:
-    def __init__(self, pages: list[PageEntry], reader: Reader, checks: Checksums, stats: StreamStats,
-                 state: dict[int, PageState], streamed: Iterable[int], num_layers: int, tied: bool,
-                 slot_bytes: int, count: int, depth: int):
+    def __init__(self, weights: WeightTable, reader: Reader, checks: Checksums, stats: StreamStats,
+                 state: dict[int, PageState], streamed: Iterable[int], slot_bytes: int, count: int, depth: int):
         """`state`: the tier of every page, shared with the store (this ring moves streamed pages between
         ON_DISK, LOADING and RESIDENT); `streamed`: the placement's streamed pages in forward order; `count`
         slots of `slot_bytes`; `depth`: pages read ahead of a scope."""
-        self.pages, self.reader, self.checks, self.stats, self.state = pages, reader, checks, stats, state
-        self.num_layers, self.tied, self.depth = num_layers, tied, depth
+        self.weights, self.pages = weights, weights.pages
+        self.reader, self.checks, self.stats, self.state, self.depth = reader, checks, stats, state, depth
         self.slots: dict[int, Slot] = {}  # page id -> the slot its read went into
         self.free: list[AlignedBuffer] = [AlignedBuffer(slot_bytes) for _ in range(count)]
         self.held: set[int] = set()  # streamed pages of the open scope(s)
@@ -48,8 +47,8 @@ class Staging:
         self.streamed = set(self.order)
         self.scope_pages: dict[Scope, list[int]] = {}  # scope -> its streamed pages, in order
         self.scope_end: dict[Scope, int] = {}  # last page id of each scope (streamed or not)
-        for p in pages:
-            for key in scopes_of(p, num_layers, tied):
+        for p in self.pages:
+            for key in weights.scopes(p.id):
                 if p.id in self.streamed:
                     self.scope_pages.setdefault(key, []).append(p.id)
                 self.scope_end[key] = max(self.scope_end.get(key, -1), p.id)
@@ -60,20 +59,19 @@ class Staging:
         """Page `pid` stops streaming (an elastic pin)."""
         self.streamed.discard(pid)
         self.order.remove(pid)
-        for key in scopes_of(self.pages[pid], self.num_layers, self.tied):
+        for key in self.weights.scopes(pid):
             self.scope_pages[key].remove(pid)
 
     def add(self, pid: int) -> None:
         """Page `pid` streams again, in its place in forward order."""
         self.streamed.add(pid)
         bisect.insort(self.order, pid)
-        for key in scopes_of(self.pages[pid], self.num_layers, self.tied):
+        for key in self.weights.scopes(pid):
             bisect.insort(self.scope_pages.setdefault(key, []), pid)
 
     def streamed_bytes(self) -> int:
         """What a dense pass reads of the streamed pages (a tied table twice: lookup and head)."""
-        return sum(self.pages[pid].nbytes * len(scopes_of(self.pages[pid], self.num_layers, self.tied))
-                   for pid in self.streamed)
+        return self.weights.pass_bytes(self.streamed)
 
     def unread(self, pid: int) -> bool:
         """A streamed page with no read started (in no slot)."""

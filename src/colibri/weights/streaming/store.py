@@ -27,7 +27,7 @@ import torch
 
 from colibri.formats.container import ContainerCheckpoint, TensorEntry, tensor_from_bytes
 from colibri.weights.io import DEMAND, Reader
-from colibri.weights.placement import EmbeddingScope, ExpertScope, LayerScope, Scope, plan
+from colibri.weights.placement import EmbeddingScope, ExpertScope, LayerScope, Scope, WeightTable, plan
 from colibri.weights.streaming.checks import Checksums
 from colibri.weights.streaming.experts import ExpertCache
 from colibri.weights.streaming.lookahead import Lookahead, guessed_layers, reserved_slots
@@ -48,12 +48,12 @@ class StreamingStore:
         """`baseline`: the runtime baseline RSS (elastic pins count RSS above it as held; None: not measured)."""
         self.ckpt, self.dtype, self.args = ckpt, dtype, args
         self.num_layers = num_layers = args.num_layers
-        tied = args.tie_word_embeddings
-        self.pages, self.tensors = pages, tensors = ckpt.pages, ckpt.tensors
+        weights = WeightTable.of(ckpt, args)
+        self.pages, self.tensors = pages, tensors = weights.pages, weights.tensors
         counts = ExpertUsage(ckpt.path / USAGE_FILE if usage else None, num_layers, args.num_experts,
                              ExpertUsage.identity_of(ckpt)) if args.num_experts else None
-        self.placement = pl = plan(pages, tensors, num_layers, tied, memory_limit, prefetch_depth, reserve, batch,
-                                   counts.loaded if counts else None, dtype)
+        self.placement = pl = plan(weights, memory_limit, prefetch_depth, reserve, batch, counts.loaded if counts else None,
+                                   dtype)
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
         self.stats = StreamStats()
         self.state = {pid: PageState.ON_DISK for pid in range(len(pages))}
@@ -64,8 +64,8 @@ class StreamingStore:
         self._passes = 0
         self.timeline_passes = 0  # record a per-scope timeline for this many forward passes (--verbose)
         self.timeline: list[dict] = []
-        self.staging = Staging(pages, self.reader, self.checks, self.stats, self.state, pl.streamed, num_layers,
-                               tied, pl.slot_bytes, pl.slots, pl.prefetch_depth)
+        self.staging = Staging(weights, self.reader, self.checks, self.stats, self.state, pl.streamed, pl.slot_bytes,
+                               pl.slots, pl.prefetch_depth)
         layers = guessed_layers(pages, pl.streamed) if lookahead else set()
         reserved = reserved_slots(pages, pl.streamed, args.top_k, pl.cache_slots) if layers and counts else 0
         self.experts = ExpertCache(pages, self.staging, counts, pl.cache_slots - reserved)
@@ -79,7 +79,7 @@ class StreamingStore:
         self.tables = RowTables(ckpt, self.reader, self.stats, self.checks, dtype, self._as_compute)
         for pid in pl.pinned:
             self.pinned.pin(pid)
-        self.tables.load(pl.by_rows, tied, pl.block_bytes, self._pinned)
+        self.tables.load(pl.by_rows, weights.tied, pl.block_bytes, self._pinned)
         self.staging_huge_fraction = fault_in(self.staging.free + self.tables.blocks)
 
     # -- tensors ---------------------------------------------------------------------------------------------
