@@ -316,6 +316,9 @@ def test_metrics_export_speculation_and_lookahead_recall_per_layer():
         def rates(self):
             return 0.0, 0.0
 
+        def in_flight(self):
+            return 0
+
     metrics = ServerMetrics()
     metrics.attach(Worker())
     text = metrics.render().decode()
