@@ -98,16 +98,15 @@ class Workspace:
 
 
 class KVCache:
-    """One sequence's KV; see the module docstring. `pool`, `work` and `swap`: the block pool, the workspace and
-    the swap file it shares with other sequences (None: a pool and a workspace of its own, RAM only). Its block
-    table comes from `pool`; the cache keeps the positions and their token ids, its read buffers and the reads in
-    flight. `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's
+    """One sequence's KV; see the module docstring. `pool` and `work`: the block pool (with its swap slots, if
+    any) and the workspace it shares with other sequences (None: a pool and a workspace of its own, RAM only).
+    Its block table comes from `pool`; the cache keeps the positions and their token ids, its read buffers and
+    the reads in flight. `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's
     cursor)."""
 
     def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
                  layer_windows: list[int | None] | None = None, pool: BlockPool | None = None,
-                 work: Workspace | None = None, swap: SwapSlots | None = None,
-                 on_truncate: Callable[[KVCache, int], None] | None = None):
+                 work: Workspace | None = None, on_truncate: Callable[[KVCache, int], None] | None = None):
         self.layout = layout
         B = layout.block
         self.max_length = max_length
@@ -118,7 +117,6 @@ class KVCache:
                              f"({2 * B} tokens)")
         self.pool = pool if pool is not None else BlockPool(layout)
         self.work = work if work is not None else Workspace(layout, max_length)
-        self.swap = swap
         self._on_truncate = on_truncate
         self.layer_windows = layer_windows or [None] * layout.num_layers
         self.length = 0  # positions committed (visible to the next pass)
@@ -128,6 +126,11 @@ class KVCache:
         self._pending: dict[int, tuple[list[int], list, int]] = {}  # layer -> (blocks, futures, buffer)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
+
+    @property
+    def swap(self) -> SwapSlots | None:
+        """The swap slots of its pool (None: RAM only)."""
+        return self.pool.swap
 
     @property
     def offloads(self) -> bool:

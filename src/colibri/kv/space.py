@@ -65,8 +65,7 @@ class KVSpace:
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        cache = KVCache(self.layout, self.ctx, self.window, self.layer_windows, self.pool, self.work, self.slots,
-                        self.trie.rewind)
+        cache = KVCache(self.layout, self.ctx, self.window, self.layer_windows, self.pool, self.work, self.trie.rewind)
         self._caches.add(cache)
         return cache
 
