@@ -20,11 +20,11 @@ from colibri import cli, server  # not torch: `colibri serve` sets OMP_WAIT_POLI
 FAULT_MESSAGE = "injected test fault"
 
 
-class FailingArch:
+class FailingDecoder:
     """The family math, raising in a pass while a running request's prompt contains `marker`."""
 
-    def __init__(self, arch, engine, tokenizer, marker: str):
-        self._arch, self._engine, self._tokenizer, self._marker = arch, engine, tokenizer, marker
+    def __init__(self, decoder, engine, tokenizer, marker: str):
+        self._decoder, self._engine, self._tokenizer, self._marker = decoder, engine, tokenizer, marker
         self._marked: dict[int, bool] = {}  # request id -> its prompt contains the marker
 
     def _is_marked(self, req) -> bool:
@@ -35,10 +35,10 @@ class FailingArch:
     def forward(self, store, batch):
         if any(self._is_marked(r) for r in self._engine.running):
             raise RuntimeError(f"{FAULT_MESSAGE} ({self._marker!r} in a prompt)")
-        return self._arch.forward(store, batch)
+        return self._decoder.forward(store, batch)
 
     def __getattr__(self, name):
-        return getattr(self._arch, name)
+        return getattr(self._decoder, name)
 
 
 def load(config, load_delay_s: float = 0.0, fault_text: str | None = None):
@@ -47,7 +47,7 @@ def load(config, load_delay_s: float = 0.0, fault_text: str | None = None):
     model = load_model(config)
     if fault_text:
         engine = model.engine
-        engine.arch = FailingArch(engine.arch, engine, model.tokenizer, fault_text)
+        engine.decoder = FailingDecoder(engine.decoder, engine, model.tokenizer, fault_text)
     return model
 
 

@@ -291,13 +291,13 @@ def test_a_limit_too_tight_for_a_full_pass_prefills_in_shorter_chunks(containers
     assert 16 <= m.pass_tokens < 512 and m.reserve.batch == m.pass_tokens
     p = tiny_models.token_ids(m.context_length - 20, 384, seed=5)
     ref = load(path, batch_size=512, dtype=None).generate(p, max_tokens=6, ignore_eos=True).token_ids
-    passes, forward = [], m.arch.forward
+    passes, forward = [], m.decoder.forward
 
     def counting(store, batch):
         passes.append(len(batch.tokens))
         return forward(store, batch)
 
-    m.engine.arch = type("Counting", (), {"forward": staticmethod(counting)})()
+    m.engine.decoder = type("Counting", (), {"forward": staticmethod(counting)})()
     assert m.generate(p, max_tokens=6, ignore_eos=True).token_ids == ref
     assert max(passes) <= m.pass_tokens and sum(n > 1 for n in passes) >= len(p) // m.pass_tokens
     assert m.store.placement.minimum <= limit < full  # the reserve for the passes run, and the weights' floor

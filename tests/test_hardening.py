@@ -398,8 +398,8 @@ def test_a_resumed_conversion_rewrites_a_journaled_page_damaged_on_disk(tiny_mod
     assert partial is not None
     journal = json.loads((partial / "progress.json").read_text())
     opts = conv.ConvertOptions(quant="q4", group_size=32, page_size_mb=1)
-    _, args, arch = colibri.models.open_model(src)
-    _, pages, _ = container.plan_layout(arch.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
+    _, args, decoder = colibri.models.open_model(src)
+    _, pages, _ = container.plan_layout(decoder.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
     victim = pages[int(sorted(journal["pages"], key=int)[1])]
     flip_byte(partial / "data-00000.bin", victim.offset + 10)
     report = conv.convert(src, out, opts)  # used to fail verification on every rerun

@@ -156,9 +156,9 @@ def test_every_reader_offers_the_protocol(tiny_model_dir, container):
 
 
 def test_manifest_records_read_back_as_the_written_dataclasses(tiny_model_dir, container):
-    ckpt, args, arch = open_model(container)
+    ckpt, args, decoder = open_model(container)
     try:
-        tensors, pages, _ = plan_layout(arch.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
+        tensors, pages, _ = plan_layout(decoder.weight_shapes(), args.tie_word_embeddings, "q4", 32, 1 << 20)
         assert all(type(t) is TensorEntry for t in ckpt.tensors.values())
         assert all(type(p) is PageEntry for p in ckpt.pages)
         # equal to what the writer planned, once the checksums it filled in while writing are set aside

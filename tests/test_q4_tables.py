@@ -27,8 +27,8 @@ def tight(path, dtype, batch_size=1) -> int:
 
 def untied_storage(src, dst, opts) -> None:
     """The same tied model written the old way: the table stored twice, as the embedding and as lm_head."""
-    ckpt, args, arch = open_model(src)
-    shapes = dict(arch.weight_shapes(), **{"lm_head.weight": arch.weight_shapes()[EMBED]})
+    ckpt, args, decoder = open_model(src)
+    shapes = dict(decoder.weight_shapes(), **{"lm_head.weight": decoder.weight_shapes()[EMBED]})
     kinds = {EMBED: ("q4", 32), "lm_head.weight": ("q4", 32)}
 
     def encode(entry):

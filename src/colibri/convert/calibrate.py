@@ -183,12 +183,12 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).square().sum() / ref.square().sum().clamp_min(1e-30))
 
 
-def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]], sens_tokens: int = SENS_TOKENS,
+def calibrate(ckpt, args, decoder, ids: list[int], plan: dict[str, tuple[str, int]], sens_tokens: int = SENS_TOKENS,
               progress: Callable[[str, int, int], None] | None = None, measure: bool = True) -> Calibration:
     """Importance of every linear weight and (`measure`) sensitivity of each weight in `plan` (name -> the q4
     kind and group size it would get). `progress(stage, done, total)` is called after each layer."""
-    lm_head = arch.lm_head_name()
-    linears = {n for n, s in arch.weight_shapes().items() if len(s) == 2 and n != EMBED} | {lm_head}
+    lm_head = decoder.lm_head_name()
+    linears = {n for n, s in decoder.weight_shapes().items() if len(s) == 2 and n != EMBED} | {lm_head}
     store = _LayerStore(ckpt, linears)
     cal = Calibration(tokens=len(ids))
     tokens = torch.tensor(ids)
@@ -209,12 +209,12 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
         if args.embed_scale is not None:
             x = x * torch.tensor(args.embed_scale, dtype=x.dtype)
         positions = torch.arange(len(ids))
-        rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in arch.inv_freq.items()}
+        rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in decoder.inv_freq.items()}
         rope_s = {t: (c[:s], n[:s]) for t, (c, n) in rope.items()}
         whole, head = _one_sequence(ids), _one_sequence(ids[:s])
         for i in range(args.num_layers):
             store.recording = True
-            y = arch.block(store, i, x, whole, rope[args.layer_types[i]])
+            y = decoder.block(store, i, x, whole, rope[args.layer_types[i]])
             store.recording = False
             mine = [n for n in store.loaded if n in store.linears]
             for n in mine:
@@ -223,7 +223,7 @@ def calibrate(ckpt, args, arch, ids: list[int], plan: dict[str, tuple[str, int]]
                 if not measure or n not in plan or ".experts." in n:  # experts: too many to re-run one by one
                     continue
                 store.override = {n: q4(n, store.loaded[n], cal.importance[n])}
-                ys = arch.block(store, i, x[:s], head, rope_s[args.layer_types[i]])
+                ys = decoder.block(store, i, x[:s], head, rope_s[args.layer_types[i]])
                 cal.sensitivity[n] = _relative(ys, y[:s])
             store.release()
             x = y

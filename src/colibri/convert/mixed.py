@@ -88,7 +88,7 @@ def q4_group(shape, group_size: int) -> int | None:
     return None
 
 
-def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: bool, opts, source_types: dict,
+def calibrated_plan(ckpt, args, decoder, shapes: dict[str, tuple[int, ...]], tied: bool, opts, source_types: dict,
                     work, progress=None) -> tuple[dict[str, tuple[str, int]], object, dict]:
     """(kinds, calibrate.Calibration, policy record) for a calibrated q4 conversion. The calibration is kept in `work`
     (the conversion's partial directory) so that a resumed conversion does not measure again."""
@@ -120,7 +120,7 @@ def calibrated_plan(ckpt, args, arch, shapes: dict[str, tuple[int, ...]], tied: 
             from tqdm import tqdm
             bar = tqdm(total=args.num_layers + 1, desc="calibrating", unit="layer", file=sys.stderr)
         try:
-            cal = calibrate.calibrate(ckpt, args, arch, ids, {n: q4 for n, (_, q4) in candidates.items()},
+            cal = calibrate.calibrate(ckpt, args, decoder, ids, {n: q4 for n, (_, q4) in candidates.items()},
                                       progress=(lambda stage, done, total: bar.update(1)) if bar else None,
                                       measure=opts.mix == "measured")
         finally:

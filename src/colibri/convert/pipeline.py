@@ -172,12 +172,12 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
-    ckpt, args, arch = open_model(src)
+    ckpt, args, decoder = open_model(src)
     if isinstance(ckpt, ContainerCheckpoint):
         ckpt.close()
         raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
                          "made from")
-    shapes = arch.weight_shapes()
+    shapes = decoder.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = ckpt.format == "gguf"
     tie = args.tie_word_embeddings
@@ -185,7 +185,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
         ckpt, tie = tied.TiedTable(ckpt, table), True  # one matrix stored twice: store it once
         del shapes[tied.HEAD]
         args = family(ckpt.config["model_type"]).args(ckpt.config)
-        arch = family(ckpt.config["model_type"]).Model(args)
+        decoder = family(ckpt.config["model_type"]).Model(args)
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
     fingerprint = source_fingerprint(src, opts)
@@ -199,7 +199,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
             work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
             _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
             fresh = False
-            kinds, cal, record = mixed.calibrated_plan(ckpt, args, arch, shapes, tie, opts, source_types, work,
+            kinds, cal, record = mixed.calibrated_plan(ckpt, args, decoder, shapes, tie, opts, source_types, work,
                                                         progress is not None)
             policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tie, opts,

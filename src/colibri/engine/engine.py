@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    """Continuous batching over one model's math (`arch`), weight store and KV space.
+    """Continuous batching over one model's math (`decoder`), weight store and KV space.
 
     tokenizer: the model's (or None); eos_ids: tokens that end a reply; context: positions a sequence may hold;
     pass_tokens: tokens per pass; max_sequences: sequences running at once; pool_bytes: the KV pool's RAM budget
@@ -50,11 +50,11 @@ class Engine:
     memory limit only; config: the speculation settings (None: the speculator's defaults). The engine never
     calls back into whatever built it."""
 
-    def __init__(self, arch, store: WeightStore, space: KVSpace, *, tokenizer: Tokenizer | None,
+    def __init__(self, decoder, store: WeightStore, space: KVSpace, *, tokenizer: Tokenizer | None,
                  eos_ids: Iterable[int], context: int, pass_tokens: int, max_sequences: int,
                  pool_bytes: int | None = None, pass_bytes: Callable[[int, int, int], int] | None = None,
                  config: EngineConfig | None = None):
-        self.arch, self.store, self.space = arch, store, space
+        self.decoder, self.store, self.space = decoder, store, space
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
         self.context = context
         self.batch_tokens = pass_tokens
@@ -181,7 +181,7 @@ class Engine:
         if not served:
             return None
         try:
-            logits = self.arch.forward(self.store, Batch.pack(parts)).float()  # [R, V]
+            logits = self.decoder.forward(self.store, Batch.pack(parts)).float()  # [R, V]
         except Exception as e:  # noqa: BLE001 - a failed pass fails its requests; each caller sees it
             for s in served:
                 self._fail(s.req, e)
@@ -431,7 +431,7 @@ class Engine:
                     self.memory.make_room(cache.grow_bytes(len(part)),
                                           PassShape(len(part), cache.length + len(part), 1))
                     cache.reserve(len(part))
-                    logits = self.arch.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
+                    logits = self.decoder.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
                     cache.advance(len(part), part)
                 yield logits.float()
         finally:

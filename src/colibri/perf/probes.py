@@ -91,16 +91,16 @@ def random_weight(entry: TensorEntry | None, shape, dtype: torch.dtype):
 class _ProbeStore(RamStore):
     """One layer's weights; the experts a pass routes to are served by `top_k` built experts."""
 
-    def __init__(self, tensors, dtype, arch, experts: list[list]):
+    def __init__(self, tensors, dtype, decoder, experts: list[list]):
         super().__init__(tensors, dtype)
-        self.arch, self.experts, self.alias = arch, experts, {}
+        self.decoder, self.experts, self.alias = decoder, experts, {}
 
     def get(self, name: str):
         return self.tensors.get(name) if name in self.tensors else self.alias[name]
 
     def route(self, i, uses, names):
         self.alias = {n: w for j, e in enumerate(sorted(uses))
-                      for n, w in zip(self.arch.expert_names(i, e), self.experts[j % len(self.experts)])}
+                      for n, w in zip(self.decoder.expert_names(i, e), self.experts[j % len(self.experts)])}
         return super().route(i, uses, names)
 
 
@@ -138,11 +138,11 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     file until `stop` is set), everything is timed again while it runs: `slowdown` is how much slower compute is
     while the disk streams (the reads' CPU time and memory traffic); `stop` is set when that timing ends, so the
     reads' own rate is their rate under compute."""
-    ckpt, args, arch = open_model(Path(path))
+    ckpt, args, decoder = open_model(Path(path))
     try:
         dt = resolve_dtype(dtype) or ckpt.default_dtype()
         entries = ckpt.tensors if isinstance(ckpt, ContainerCheckpoint) else {}
-        shapes = arch.weight_shapes()
+        shapes = decoder.weight_shapes()
     finally:
         ckpt.close()
     weight = (lambda n, shape=None: random_weight(entries.get(n), shape or shapes[n], dt))
@@ -155,14 +155,14 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     timers: dict[str, tuple] = {}  # component -> (function, count per token)
     for moe, idx in shapes_of.items():
         i = idx[0]
-        prefix = arch.layer_prefix(i)
-        expert_names = {n for e in range(args.num_experts) for n in arch.expert_names(i, e)} if moe else set()
+        prefix = decoder.layer_prefix(i)
+        expert_names = {n for e in range(args.num_experts) for n in decoder.expert_names(i, e)} if moe else set()
         names = [n for n in shapes if n.startswith(prefix) and n not in expert_names]
-        nbytes = sum(map(stored, names)) + (args.top_k * sum(map(stored, arch.expert_names(i, 0))) if moe else 0)
+        nbytes = sum(map(stored, names)) + (args.top_k * sum(map(stored, decoder.expert_names(i, 0))) if moe else 0)
         stores = []
         for _ in range(max(1, min(64, math.ceil(COLD_BYTES / max(1, nbytes))))):
-            experts = [[weight(n) for n in arch.expert_names(i, e)] for e in range(args.top_k)] if moe else []
-            stores.append(_ProbeStore({n: weight(n) for n in names}, dt, arch, experts))
+            experts = [[weight(n) for n in decoder.expert_names(i, e)] for e in range(args.top_k)] if moe else []
+            stores.append(_ProbeStore({n: weight(n) for n in names}, dt, decoder, experts))
         cache = KVCache(budget.kv_layout(args, dt), ctx)
         cache.update(i, *(torch.zeros(args.num_kv_heads, position, args.head_dim, dtype=dt),) * 2)
         cache.advance(position)  # decode attends to a short prompt's worth of positions
@@ -174,18 +174,18 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
             if cache.length + 1 >= ctx:
                 cache.truncate(position)
             pos = torch.arange(cache.length, cache.length + 1)
-            rope = rope_cos_sin(arch.inv_freq[args.layer_types[i]], pos, dt)
+            rope = rope_cos_sin(decoder.inv_freq[args.layer_types[i]], pos, dt)
             one = Batch(torch.zeros(1, dtype=torch.long), pos, [(0, 1)], [cache], torch.zeros(1, dtype=torch.long))
             if attention_only:  # the part before a MoE layer's router (its experts are read after it)
-                arch.attention(store, i, arch.norm(x, store, prefix + "input_layernorm.weight"), one, rope)
+                decoder.attention(store, i, decoder.norm(x, store, prefix + "input_layernorm.weight"), one, rope)
             else:
-                arch.block(store, i, x, one, rope)
+                decoder.block(store, i, x, one, rope)
                 cache.advance(1)
 
         kind = "moe" if moe else "dense"
         timers[kind] = (step, len(idx))
         timers[kind + "_attention"] = (functools.partial(step, True), 0)
-    head_name = arch.lm_head_name()
+    head_name = decoder.lm_head_name()
     vocab, hidden = shapes[head_name]
     entry = entries.get(head_name)
     per_row = row_bytes(entry) if entry else hidden * dt.itemsize

@@ -93,8 +93,8 @@ def policy_entry(key: str, value) -> str:
 def describe(path: str | Path) -> dict[str, str]:
     """What `colibri info` prints: architecture, size, storage types, tokenizer, context length."""
     path = Path(path)
-    ckpt, args, arch = open_model(path)
-    shapes = arch.weight_shapes()
+    ckpt, args, decoder = open_model(path)
+    shapes = decoder.weight_shapes()
     params = sum(math.prod(s) for s in shapes.values())
     kinds = Counter(ckpt.tensor_dtype(n) for n in shapes)
     tok = ckpt.tokenizer
@@ -165,10 +165,10 @@ class Model:
         if config.lossy_int8_activations:
             kernels.set_int8_activations(True)
         self.path = config.model_path()
-        self.checkpoint, self.args, self.arch = open_model(self.path)
+        self.checkpoint, self.args, self.decoder = open_model(self.path)
         ckpt = self.checkpoint
         self.dtype = resolve_dtype(config.dtype) or ckpt.default_dtype()
-        shapes = self.arch.weight_shapes()
+        shapes = self.decoder.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
         if kernels.int8_activations():  # requested and the tier has them (where not, kernels said why)
             why = int8_shortfall(ckpt, shapes)
@@ -195,7 +195,7 @@ class Model:
         # activations) is inside it.
         # (the miniature forward pass pages in the code the passes run: under a limit only, where the baseline
         # bounds the budget)
-        warm = warmup.warm_up(self.dtype, self.arch if conf.memory_limit is not None else None)
+        warm = warmup.warm_up(self.dtype, self.decoder if conf.memory_limit is not None else None)
         if warm is not None:
             warm_sampler(*warm)
         heap.trim_heap()
@@ -216,7 +216,7 @@ class Model:
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
-        self.engine = Engine(self.arch, self.store, self.kv, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+        self.engine = Engine(self.decoder, self.store, self.kv, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                              context=self.context_length, pass_tokens=self.pass_tokens,
                              max_sequences=self.max_sequences, pool_bytes=self.kv_pool_bytes,
                              pass_bytes=self.pass_bytes, config=config)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 
-def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | None":
+def warm_up(dtype: torch.dtype, decoder=None) -> "tuple[torch.Tensor, list[int]] | None":
     """Run each kind of kernel once on tiny inputs, so the one-time state torch creates on first use (thread
     pools, kernel caches, the pages of library code each kernel lives in) is part of the measured baseline
-    rather than charged to the budget. `arch` given (the model's math): one prefill and one two-sequence decode
+    rather than charged to the budget. `decoder` given (the model's math): one prefill and one two-sequence decode
     pass of a miniature of it (a layer of each kind, 64 wide, random weights), which pages in the code the real
     passes run (libtorch code that the kernels below alone leave out; its size is in docs/performance.md,
     section "Streaming under `--memory-limit`"); returns that pass's
@@ -23,11 +23,11 @@ def warm_up(dtype: torch.dtype, arch=None) -> "tuple[torch.Tensor, list[int]] | 
     q = torch.ones(2, 2, 16, dtype=dtype)
     attend(q, q, q, torch.arange(2), None, 0.25, None)
     torch.softmax(x.float(), dim=-1)
-    if arch is not None:
+    if decoder is not None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the same kernels' code, without waiting on the wake-ups of worker threads,
         try:  # which a busy machine delays (docs/performance.md, "Streaming under `--memory-limit`")
-            return _warm_forward(arch, dtype)
+            return _warm_forward(decoder, dtype)
         finally:
             torch.set_num_threads(threads)
     return None
@@ -51,12 +51,12 @@ def miniature(args):
 
 
 @torch.inference_mode()
-def _warm_forward(arch, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+def _warm_forward(decoder, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
     from colibri.kv.cache import KVCache, KVLayout
     from colibri.models.base import SLIDING, Batch
     from colibri.weights.store import RamStore
 
-    mini = type(arch)(miniature(arch.args))
+    mini = type(decoder)(miniature(decoder.args))
     a, g = mini.args, torch.Generator().manual_seed(0)
     store = RamStore({name: (torch.randn(shape, generator=g) * 0.02 + (1.0 if len(shape) == 1 else 0.0)).to(dtype)
                       for name, shape in mini.weight_shapes().items()}, dtype)
