@@ -10,6 +10,7 @@ import shutil
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import colibri
 import colibri.runtime.model
 import colibri.models
 from colibri import cli
@@ -59,3 +60,34 @@ def test_a_short_run_saves_expert_usage(moe_container, tmp_path, command, monkey
     assert cli.main(argv) == 0, capsys.readouterr().err
     usage = json.loads((path / "usage.json").read_text())  # written when the command closed the model
     assert sum(map(sum, usage["counts"])) > 0
+
+
+def test_the_usual_habits_positional_prompt_short_options_version_and_bare_help(moe_container, capsys):
+    """Issue 26 item 4 (in part): `colibri run -m M -n 3 "prompt"` is `run --model M --max-tokens 3 --prompt
+    "prompt"` token for token; --version; bare `colibri` prints the help, not an error; two prompts or none are a
+    one-line error; `--help` shows the options in sections."""
+    path = str(moe_container)
+    long = ["run", "--raw", "--json", "--model", path, "--max-tokens", "3", "--threads", "1", "--ctx-length", "64"]
+    assert cli.main([*long, "--prompt", "w5 w6 w7 w8"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert cli.main(["run", "--raw", "--json", "-m", path, "-n", "3", "-t", "1", "-c", "64", "w5 w6 w7 w8"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == expected["token_ids"] and len(got["token_ids"]) == 3
+    assert cli.main(["run", "--raw", "--json", "-m", path, "-n", "3", "-p", "w5 w6 w7 w8"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected["token_ids"]
+    for argv, says in ((["run", "-m", path, "-p", "w5", "w6"], "give the prompt once"),
+                       (["run", "-m", path], "no prompt: colibri run")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"colibri {colibri.__version__}"
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: colibri") and "run" in out and "serve" in out
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    sections = [ln for ln in capsys.readouterr().out.splitlines() if ln.endswith(":") and not ln.startswith(" ")]
+    assert sections == ["positional arguments:", "options:", "model, threads and memory:",
+                        "engine: sequences, speculation, lookahead:", "KV cache:", "sampling:"]

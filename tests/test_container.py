@@ -320,3 +320,14 @@ def test_convert_cli_and_info(tiny_model_dir, tmp_path, capsys):
         assert needle in info
     assert cli.main(["convert", "--input", str(tiny_model_dir("olmoe")), "--output", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+def test_verify_takes_the_model_option_like_every_command(tmp_path, tiny_model_dir, capsys):
+    """Issue 26 item 4 (in part): `verify --model DIR` (and -m) as `verify DIR`."""
+    from colibri import cli
+
+    out = tmp_path / "c"
+    convert(tiny_model_dir("llama"), out, quant="q8")
+    for argv in (["verify", str(out)], ["verify", "--model", str(out)], ["verify", "-m", str(out)]):
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith("ok: ")

@@ -48,3 +48,17 @@ def test_two_processes_convert_once(tiny_model_dir, tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert sum(o[0].count("CONVERTED") for o in outs) == 1
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] and not list(tmp_path.glob("*.partial-*"))
+
+
+def test_first_use_progress_into_a_file_is_whole_lines(capsys):
+    """Progress to a log file or a pipe: a line every 10 %, no carriage returns (a terminal gets one line updated
+    in place)."""
+    from colibri.convert.pipeline import _progress_line
+
+    progress = _progress_line()  # capsys: stderr is not a terminal
+    for done in range(0, 1001, 7):
+        progress(done, 1000)
+    progress(1000, 1000)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert err.splitlines() == [f"colibri: converting the default model: {p:3d} %" for p in range(0, 101, 10)]

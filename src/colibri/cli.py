@@ -73,7 +73,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                          " activations (every native tier), faster prefill and batches at a small"
                                          " quality cost (docs/performance.md; COLIBRI_LOSSY_INT8=1 does the same)"),
                                None),
-    "prompt": (dict(required=True, help="prompt text"), None),
+    "prompt": (dict(help="prompt text (or give it as the command's last argument)"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=config.DEFAULT_MAX_TOKENS,
                         help=f"maximum tokens to generate (default {config.DEFAULT_MAX_TOKENS})"), None),
@@ -167,8 +167,23 @@ JSON_REPORT = dict(help="print one JSON object with every number instead of the 
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
 
 
+# The one-letter forms of the options every llama.cpp / ollama / mlx-lm user types.
+SHORT = {"model": "-m", "prompt": "-p", "max_tokens": "-n", "ctx_length": "-c", "threads": "-t"}
+
+
+# --help's sections: the shared option lists, each under its title (a command's own options come first)
+GROUPS = (("model, threads and memory", COMMON), ("engine: sequences, speculation, lookahead", ENGINE),
+          ("KV cache", KV), ("sampling", SAMPLING))
+
+
 def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any]) -> None:
-    """Add the named options; `changes` (option name -> argparse kwargs) adjusts one for this subcommand."""
+    """Add the named options; `changes` (option name -> argparse kwargs) adjusts one for this subcommand. Options
+    of a shared list go into its --help section when the command takes the whole list."""
+    sections = {}
+    for title, group in GROUPS:
+        if set(group) <= set(names):
+            section = parser.add_argument_group(title)
+            sections.update((n, section) for n in group)
     for name in names:
         kwargs, env = OPTIONS[name]
         kwargs = {**kwargs, **changes.get(name, {})}
@@ -176,13 +191,18 @@ def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any])
             kwargs["default"] = os.environ[env]  # a string default goes through `type` like an argument
             kwargs["required"] = False
             kwargs["help"] += f" [env {env}]"
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+        flags = [SHORT[name]] if name in SHORT else []
+        sections.get(name, parser).add_argument(*flags, "--" + name.replace("_", "-"), dest=name, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from colibri.core import __version__
+
     p = argparse.ArgumentParser(prog="colibri", description="LLM inference that streams weights from an SSD.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"colibri {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")  # none: the help (main)
     run = sub.add_parser("run", help="generate a reply to one prompt")
+    run.add_argument("text", nargs="?", metavar="PROMPT", help="prompt text (the same as --prompt)")
     add(run, *COMMON, *ENGINE, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
@@ -202,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
         "bits_per_weight", "mix", "requantize", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
-    ver.add_argument("dir", help="container directory")
-    add(ver, "debug")
+    ver.add_argument("dir", nargs="?", metavar="DIR", help="container directory (as --model; DIR wins over it)")
+    add(ver, "model", "debug", model=dict(help="container directory (default: the embedded model's container)"))
     pl = sub.add_parser("plan", help="placement, bytes read per token and predicted decode speed, without loading")
     add(pl, *COMMON, "probe_seconds", "json", json=JSON_REPORT)
     be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
@@ -444,6 +464,8 @@ def cmd_convert(args) -> int:
 
 def cmd_verify(args) -> int:
     from colibri.formats.container import ContainerCheckpoint
+    args.model = args.dir or args.model  # DIR, else --model (or COLIBRI_MODEL), else the default's container
+    args.dir = model_path(args)
     ckpt = ContainerCheckpoint(args.dir)
     bad = list(ckpt.verify())
     for where, what in bad:
@@ -525,8 +547,21 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def prompt_of(args) -> None:
+    """`colibri run`'s prompt: the positional text or --prompt, exactly one of them (InputError otherwise)."""
+    if args.text is not None and args.prompt is not None:
+        raise InputError("give the prompt once: as the last argument or with --prompt, not both")
+    if args.text is None and args.prompt is None:
+        raise InputError('no prompt: colibri run "your prompt" (or --prompt TEXT)')
+    args.prompt = args.prompt if args.text is None else args.text
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `colibri`: what it can do, not an error
+        parser.print_help()
+        return 0
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
@@ -536,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         check_bounds(args)
+        if args.command == "run":
+            prompt_of(args)
         check_kernel_env()
         return handler(args)
     except Terminated:

@@ -401,15 +401,21 @@ def _intact(path: Path) -> bool:
 
 
 def _progress_line():
-    """A one-line progress report on stderr (percent of bytes written), updated in place."""
+    """Progress on stderr (percent of bytes written): one line updated in place on a terminal; elsewhere (a log
+    file, a pipe) a line of its own every 10 %, with no carriage returns in the file."""
     shown = [-1]
+    tty = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
         pct = 100 * done // max(total, 1)
-        if pct != shown[0]:
-            shown[0] = pct
-            end = "\n" if done >= total else ""
-            print(f"\rcolibri: converting the default model: {pct:3d} %", end=end, file=sys.stderr, flush=True)
+        step = pct if tty else pct - pct % 10
+        if step != shown[0]:
+            shown[0] = step
+            line = f"colibri: converting the default model: {step:3d} %"
+            if tty:
+                print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
+            else:
+                print(line, file=sys.stderr, flush=True)
 
     return progress
 
