@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from colibri.server.schema import APIError, ChatRequest, CompletionRequest
 from colibri.server.worker import Event, Job, Worker
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413 before it is read whole
+# names the body's parameters this server does not know and ignored (schema.ignored), comma-separated
+IGNORED_HEADER = "X-Colibri-Ignored-Parameters"
 KEEPALIVE_S = 5.0  # an SSE comment goes out after this long without a token (long prefills, a full queue)
 
 
@@ -116,6 +119,10 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
     async def parse(request: Request, kind: type):
         authorize(request)
         req = schema.parse(kind, await read_body(request, settings.max_body_bytes))
+        request.state.ignored = schema.ignored(req)
+        if request.state.ignored:
+            print(f"colibri serve: {request.url.path}: ignored parameters this server does not know:"
+                  f" {', '.join(request.state.ignored)}", file=sys.stderr, flush=True)
         schema.refuse_unsupported(req)
         check_model(req.model)
         worker.check_ready()
@@ -128,9 +135,13 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
             async for item in events:
                 if item is not None:
                     reply.add(*item)
-            return JSONResponse(reply.whole())
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        return await _sse(events, reply, usage)
+            response: Response = JSONResponse(reply.whole())
+        else:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            response = await _sse(events, reply, usage)
+        if request.state.ignored:
+            response.headers[IGNORED_HEADER] = ", ".join(request.state.ignored)
+        return response
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest, components))
     async def chat(request: Request) -> Response:

@@ -1,9 +1,13 @@
 """The OpenAI API's request bodies as strict pydantic models, their validation, and the error shape.
 
-Bodies are parsed strictly: a string where a number belongs, a negative `max_tokens` or an unknown parameter is
-a 400 naming the parameter (`APIError`), never coerced or ignored. Parameters OpenAI defines that Colibri does not
-implement (`n > 1`, `logprobs`, penalties, `response_format` other than text) are refused the same way, so a
-client never gets an answer that silently ignored what it asked for.
+The parameters Colibri knows are parsed strictly: a string where a number belongs or a negative `max_tokens` is a
+400 naming the parameter (`APIError`), never coerced. A parameter it does not know is accepted and ignored, as
+vLLM and llama-server do (clients such as Open WebUI, LiteLLM and LangChain send their own): `ignored` lists them,
+and the server names them in a response header and its log. Parameters OpenAI defines that change the answer in
+a way Colibri does not implement (`n > 1`, `logprobs`, penalties, `response_format` other than text) are refused
+with a 400, so a client never gets an answer that silently ignored what it asked for. Known ones that change
+nothing here are taken: an assistant message's `refusal`, llama.cpp's `cache_prompt` (the prefix cache is always
+on) and `repeat_penalty` (repetition_penalty's llama.cpp name).
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class APIError(Exception):
 
 
 class Strict(BaseModel):
+    # extra="allow": an unknown field is kept aside (model_extra) for `ignored` to name, not refused
     # allow_inf_nan: `1e999` parses as inf, and a temperature or penalty of inf or NaN is no setting at all
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class Function(Strict):
@@ -92,6 +97,7 @@ class Message(Strict):
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    refusal: StrictStr | None = None  # an assistant's refusal text (the official client's model_dump()): unused
 
 
 class StreamOptions(Strict):
@@ -114,6 +120,8 @@ class Sampling(Strict):
     top_k: StrictInt | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = None
+    repeat_penalty: Number | None = None  # llama.cpp's name of repetition_penalty
+    cache_prompt: StrictBool | None = None  # llama.cpp's: the prefix cache is always on here
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt | None = None
@@ -181,6 +189,25 @@ def _depth(body: bytes) -> int:
     return max(itertools.accumulate(1 if b in b"[{" else -1 for b in brackets), default=0)
 
 
+def ignored(req: Strict) -> list[str]:
+    """The parameters of a parsed body that Colibri does not know, by path (`frobnicate`, `messages.0.x`); null
+    ones are not named (they ask for nothing: the official client's model_dump() of an assistant message carries
+    `audio`, `annotations` and `function_call` as null)."""
+    out: list[str] = []
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, BaseModel):
+            out.extend(f"{path}{k}" for k, v in (obj.model_extra or {}).items() if v is not None)
+            for name in type(obj).model_fields:
+                walk(getattr(obj, name), f"{path}{name}.")
+        elif isinstance(obj, list):
+            for i, x in enumerate(obj):
+                walk(x, f"{path}{i}.")
+
+    walk(req, "")
+    return out
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
@@ -231,6 +258,11 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> Sampling
                        param=param, code="context_length_exceeded")
     kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos")
           if getattr(req, k) is not None}
+    if req.repeat_penalty is not None:
+        if req.repetition_penalty is not None and req.repetition_penalty != req.repeat_penalty:
+            raise APIError(400, "repeat_penalty and repetition_penalty disagree; send one of them",
+                           param="repeat_penalty", code="invalid_value")
+        kw["repetition_penalty"] = req.repeat_penalty
     kw["temperature"] = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and len(stop) > 16:
