@@ -15,6 +15,7 @@ import colibri.runtime.model
 from colibri import cli
 from colibri.weights import placement
 from colibri.perf import predict
+from clirun import here
 from test_streaming import containers  # noqa: F401 - the fixture: family -> tiny q4 container, 1 MB pages
 
 PROBE = ["--probe-seconds", "0.05"]
@@ -26,10 +27,9 @@ def minimum(path, batch_size: int = 512) -> int:
     return placement.minimum
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    p = here(capsys, *argv)  # in this process through cli.main (tests/clirun.py)
+    return p.returncode, p.stdout, p.stderr
 
 
 def plan_json(capsys, *argv) -> dict:

@@ -281,8 +281,8 @@ def test_client_disconnect_aborts_its_sequence(server):
     assert "colibri_time_to_first_token_seconds_count" in server.metrics()
     m = server.metrics()
     assert m["colibri_disk_read_bytes_total"] > 0 and m["colibri_store_bytes_read"] > 0  # weights stream
-    for name in ("colibri_queue_depth", "colibri_requests_in_flight", "colibri_generated_tokens_per_second", "colibri_disk_read_gb_per_second",
-                 "colibri_expert_hit_rate", "colibri_engine_preempted_sequences", "colibri_engine_kv_pool_used_bytes",
+    for name in ("colibri_queue_depth", "colibri_requests_in_flight", "colibri_generated_tokens_per_second",
+                 "colibri_disk_read_gb_per_second", "colibri_expert_hit_rate", "colibri_engine_preempted_sequences", "colibri_engine_kv_pool_used_bytes",
                  "colibri_kv_pool_capacity_bytes", "colibri_generated_tokens_total",
                  # speculation (issue 15's stats): drafted, accepted, their rate, tokens per pass, bytes per token
                  "colibri_engine_spec_drafted_tokens", "colibri_engine_spec_accepted_tokens",

@@ -61,12 +61,6 @@ def commands(p: argparse.ArgumentParser, prefix: str) -> list[tuple[str, str, ar
     return out
 
 
-# cli.py's option groups, in the order the shared sections are written, with their section titles. A command
-# that takes a whole group gets a link to its section; rows that the command changes stay in its own table.
-GROUPS = [("COMMON", "Model, threads and memory"), ("ENGINE", "Engine: sequences, speculation, lookahead"),
-          ("KV", "KV cache"), ("SAMPLING", "Sampling")]
-
-
 def option_name(a: argparse.Action) -> str:
     return ", ".join(a.option_strings) if a.option_strings else (a.metavar or a.dest.upper())
 
@@ -152,10 +146,11 @@ def anchor(title: str) -> str:
 def render() -> str:
     p = parser()
     cmds = commands(p, "")
-    # a group's rows as the first command that takes all of it defines them
+    # the shared sections are cli.GROUPS (--help's), in its order: a command that takes a whole group links to its
+    # section, rows the command changes stay in its own table; a group's rows as the first command taking it has them
     groups = []
-    for attr, title in GROUPS:
-        dests = getattr(cli, attr)
+    for title, dests in cli.GROUPS:
+        title = title[:1].upper() + title[1:]
         users = [(name, {a.dest: a for a in options(sub)}) for name, _, sub in cmds]
         users = [(name, acts) for name, acts in users if all(d in acts for d in dests)]
         if users:

@@ -465,13 +465,13 @@ def cmd_convert(args) -> int:
 def cmd_verify(args) -> int:
     from colibri.formats.container import ContainerCheckpoint
     args.model = args.dir or args.model  # DIR, else --model (or COLIBRI_MODEL), else the default's container
-    args.dir = model_path(args)
-    ckpt = ContainerCheckpoint(args.dir)
+    path = model_path(args)
+    ckpt = ContainerCheckpoint(path)
     bad = list(ckpt.verify())
     for where, what in bad:
         print(f"checksum mismatch: {where}: {what}", file=sys.stderr)
     if bad:
-        print(f"error: {args.dir}: {len(bad)} damaged page(s); reconvert the model", file=sys.stderr)
+        print(f"error: {path}: {len(bad)} damaged page(s); reconvert the model", file=sys.stderr)
         return 1
     print(f"ok: {len(ckpt.pages)} pages, {len(ckpt.tensors)} tensors verified")
     return 0

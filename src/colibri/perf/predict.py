@@ -352,13 +352,13 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[PassStep], list[int]]:
     `compute`: the compute probe's report."""
     placement, pages, tensors, args = lay.placement, lay.pages, lay.tensors, lay.args
     num_layers = args.num_layers
-    table = WeightTable(pages, tensors, num_layers, args.tie_word_embeddings)
+    weights = WeightTable(pages, tensors, num_layers, args.tie_word_embeddings)
     order = sorted(i for i in placement.streamed if pages[i].kind != "expert")
     index = {pid: k for k, pid in enumerate(order)}
     end: dict[Scope, int] = {}
     members: dict[Scope, list[int]] = {}
     for p in pages:
-        for key in table.scopes(p.id):
+        for key in weights.scopes(p.id):
             end[key] = max(end.get(key, -1), p.id)
             if p.id in index:
                 members.setdefault(key, []).append(index[p.id])
@@ -381,7 +381,7 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[PassStep], list[int]]:
                                 rest_s=c["s"] - c["attention_s"]))
         else:
             scopes.append(scope(LayerScope(i), compute_s=c["s"]))
-    head_name = "model.embed_tokens.weight" if table.tied else "lm_head.weight"
+    head_name = "model.embed_tokens.weight" if weights.tied else "lm_head.weight"
     head_page = tensors[head_name].page
     if head_page in by_rows:
         rows = tensors[head_name].shape[0]

@@ -218,8 +218,8 @@ def settings(args, dtype: torch.dtype, config: EngineConfig, quantized: bool = F
             raise BelowMinimum(f"memory limit {_fmt(limit)} is below this model's minimum working set")
         least = minimum_limit(o, limit)
         raise BelowMinimum(f"memory limit {_fmt(limit)} is below this model's minimum working set of {_fmt(least)} "
-                         f"(with the KV cache and activations for a {_resolve(least, o).ctx}-token context);"
-                         " raise --memory-limit or lower --ctx-length / --batch-size")
+                           f"(with the KV cache and activations for a {_resolve(least, o).ctx}-token context);"
+                           " raise --memory-limit or lower --ctx-length / --batch-size")
     return conf
 
 

@@ -172,8 +172,6 @@ def parse(model: type[Strict], body: bytes) -> Any:
         err = next((x for x in errors if x["type"] == "finite_number"), errors[0])
         loc = ".".join(str(x) for x in err["loc"]
                        if isinstance(x, int) or (_PARAM_PART.fullmatch(str(x)) and x not in _TYPE_TAGS))
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"unsupported parameter: {loc}", param=loc, code="unsupported_parameter")
         if err["type"] == "missing":
             raise APIError(400, f"missing required parameter: {loc}", param=loc, code="missing_parameter")
         raise APIError(400, f"invalid value for {loc}: {err['msg']}", param=loc, code="invalid_value")

@@ -223,7 +223,7 @@ class _Costs:
                 continue
             t = tensors[table]
             side = sum(align_up(n) for *_, n in side_ranges(p, tensors, table))
-            block = HEAD_BUFFERS * block_buffer_bytes(t) if p.kind == "head" or self.weights.tied else 0
+            block = HEAD_BUFFERS * block_buffer_bytes(t) if p.kind == "head" or weights.tied else 0
             lookup = 0
             if p.kind == "embedding":  # one aligned span per distinct token, never more than the table
                 main = t.parts[main_part(t)].nbytes

@@ -52,8 +52,8 @@ class StreamingStore:
         self.pages, self.tensors = pages, tensors = weights.pages, weights.tensors
         counts = ExpertUsage(ckpt.path / USAGE_FILE if usage else None, num_layers, args.num_experts,
                              ExpertUsage.identity_of(ckpt)) if args.num_experts else None
-        self.placement = pl = plan(weights, memory_limit, prefetch_depth, reserve, batch, counts.loaded if counts else None,
-                                   dtype)
+        self.placement = pl = plan(weights, memory_limit, prefetch_depth, reserve, batch,
+                                   counts.loaded if counts else None, dtype)
         self.reader = Reader(ckpt.files, io_threads=io_threads, direct=direct)
         self.stats = StreamStats()
         self.state = {pid: PageState.ON_DISK for pid in range(len(pages))}
