@@ -2,6 +2,10 @@
 
     python benchmarks/convert_bench.py --input PATH [--quant q4] [--group-size 64]
     python benchmarks/convert_bench.py --synthetic-hf llama-2-7b --workdir /nvme/bench [--quant q4]
+    python benchmarks/convert_bench.py --synthetic-gguf llama-2-7b --workdir /nvme/bench
+
+--synthetic-gguf writes a Q4_K_M-like GGUF of that shape (tests/synthetic_gguf.py: Q4_K / Q6_K blocks kept exactly,
+one F16 and one Q5_0 matrix re-quantized) and converts it.
 
 --synthetic-hf first writes a bf16 HF checkpoint of that architecture shape (random weights, 2 GB shards with
 an index, as real 7B checkpoints ship) and then converts it: the test of "streams tensor by tensor, peak RSS
@@ -25,6 +29,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synth import SHAPES  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import synthetic_gguf  # noqa: E402
 
 from colibri.models import family  # noqa: E402
 
@@ -65,6 +72,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input")
     ap.add_argument("--synthetic-hf", choices=sorted(SHAPES))
+    ap.add_argument("--synthetic-gguf", choices=sorted(synthetic_gguf.SHAPES))
+    ap.add_argument("--layers", type=int, default=32, help="--synthetic-gguf: its layer count")
     ap.add_argument("--workdir", default="/tmp/colibri-convert-bench")
     ap.add_argument("--quant", default="q4")
     ap.add_argument("--group-size", type=int, default=64)
@@ -83,8 +92,14 @@ def main() -> None:
             # Start afresh: a child's ru_maxrss includes the parent's pages at fork, and writing the checkpoint
             # left this process large. The re-run finds the checkpoint and goes straight to the conversion.
             os.execv(sys.executable, [sys.executable, *sys.argv])
+    if a.synthetic_gguf:
+        src = work / f"{a.synthetic_gguf}-{a.layers}-q4km.gguf"
+        if not src.exists():
+            synthetic_gguf.write(src, a.synthetic_gguf, a.layers)
+            print(f"wrote synthetic GGUF {src} ({dir_size(src) / 2**30:.2f} GiB)", flush=True)
+            os.execv(sys.executable, [sys.executable, *sys.argv])  # as above
     if src is None:
-        sys.exit("error: give --input or --synthetic-hf")
+        sys.exit("error: give --input, --synthetic-hf or --synthetic-gguf")
     out = work / "converted"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

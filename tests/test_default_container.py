@@ -51,14 +51,19 @@ def test_two_processes_convert_once(tiny_model_dir, tmp_path):
 
 
 def test_first_use_progress_into_a_file_is_whole_lines(capsys):
-    """Progress to a log file or a pipe: a line every 10 %, no carriage returns (a terminal gets one line updated
-    in place)."""
-    from colibri.convert.pipeline import _progress_line
+    """Progress to a log file or a pipe: a line per phase and every 10 % of a counted one, no carriage returns (a
+    terminal gets one line per phase, updated in place)."""
+    from colibri.convert.pipeline import progress_lines
 
-    progress = _progress_line()  # capsys: stderr is not a terminal
+    progress = progress_lines("the default model")  # capsys: stderr is not a terminal
+    progress("reading", 0, 0)
     for done in range(0, 1001, 7):
-        progress(done, 1000)
-    progress(1000, 1000)
+        progress("converting", done, 1000)
+    progress("converting", 1000, 1000)
+    progress("verifying", 500, 1000)
+    progress("publishing", 0, 0)
     err = capsys.readouterr().err
     assert "\r" not in err
-    assert err.splitlines() == [f"colibri: converting the default model: {p:3d} %" for p in range(0, 101, 10)]
+    assert err.splitlines() == (["colibri: the default model: reading"]
+                                + [f"colibri: the default model: converting {p:3d} %" for p in range(0, 101, 10)]
+                                + ["colibri: the default model: verifying  50 %", "colibri: the default model: publishing"])

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -20,6 +19,7 @@ from colibri import kernels
 from colibri.weights import placement
 from colibri.formats.container import ContainerCheckpoint
 from colibri.quant.kinds import from_gguf
+from synthetic_gguf import llama_writer
 
 BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210}
 
@@ -107,15 +107,7 @@ def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
     `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
     the file stores one Q4_K table (no output.weight: tied)."""
     d, f, v, heads, kv = 256, 512, 2048, 4, 2
-    w = GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_context_length(256)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(f)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w = llama_writer(path, 1, d, f, heads, kv)
     out = k_blocks(QT.Q6_K, v, d, seed=10, scale=2e-3)
     table = np.ascontiguousarray(gguf_dequantize(out, QT.Q6_K), dtype=np.float32).reshape(v, d)
     if one_q4k_table:

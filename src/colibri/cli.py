@@ -445,17 +445,31 @@ def cmd_info(args) -> int:
 def cmd_convert(args) -> int:
     from tqdm import tqdm
 
-    from colibri.convert.pipeline import ConvertOptions, convert
+    from colibri.convert.pipeline import ConvertOptions, convert, progress_lines
     opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
                           calibration=args.calibration, bits_per_weight=args.bits_per_weight,
                           calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
-    with tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", file=sys.stderr,
-              disable=None) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
+    if not sys.stderr.isatty():  # a log file or a pipe: whole lines
+        report = convert(args.input, args.output, opts, force=args.force, progress=progress_lines(args.input))
+    else:
+        bars: dict[str, tqdm] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in bars:
+                for b in bars.values():
+                    b.close()
+                bars[phase] = tqdm(total=total or None, desc=phase, file=sys.stderr,
+                                   **({"unit": "layer"} if phase == "calibrating" else
+                                      {"unit": "B", "unit_scale": True, "unit_divisor": 1024} if total else {}))
+            bar = bars[phase]
+            bar.total = total or None
             bar.update(done - bar.n)
 
-        report = convert(args.input, args.output, opts, force=args.force, progress=progress)
+        try:
+            report = convert(args.input, args.output, opts, force=args.force, progress=progress)
+        finally:
+            for b in bars.values():
+                b.close()
     resumed = f", resumed {report.resumed_pages} pages" if report.resumed_pages else ""
     print(f"wrote {report.output} ({report.total_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s{resumed}",
           file=sys.stderr)

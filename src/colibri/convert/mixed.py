@@ -12,6 +12,7 @@ is never larger than an equivalent Q4_K_M file.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from colibri.formats.container import part_layout
 from colibri.core.errors import InputError
@@ -89,7 +90,7 @@ def q4_group(shape, group_size: int) -> int | None:
 
 
 def calibrated_plan(ckpt, args, decoder, shapes: dict[str, tuple[int, ...]], tied: bool, opts, source_types: dict,
-                    work, progress=None) -> tuple[dict[str, tuple[str, int]], object, dict]:
+                    work, progress: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, tuple[str, int]], object, dict]:
     """(kinds, calibrate.Calibration, policy record) for a calibrated q4 conversion. The calibration is kept in `work`
     (the conversion's partial directory) so that a resumed conversion does not measure again."""
     from colibri.convert import calibrate
@@ -114,18 +115,8 @@ def calibrated_plan(ckpt, args, decoder, shapes: dict[str, tuple[int, ...]], tie
     if cal is None:
         ids = calibrate.calibration_ids(getattr(ckpt, "tokenizer", None), args.vocab_size, opts.calibration_file,
                                         opts.calibration_tokens)
-        bar = None
-        if progress:
-            import sys
-            from tqdm import tqdm
-            bar = tqdm(total=args.num_layers + 1, desc="calibrating", unit="layer", file=sys.stderr)
-        try:
-            cal = calibrate.calibrate(ckpt, args, decoder, ids, {n: q4 for n, (_, q4) in candidates.items()},
-                                      progress=(lambda stage, done, total: bar.update(1)) if bar else None,
-                                      measure=opts.mix == "measured")
-        finally:
-            if bar:
-                bar.close()
+        cal = calibrate.calibrate(ckpt, args, decoder, ids, {n: q4 for n, (_, q4) in candidates.items()},
+                                  progress=progress, measure=opts.mix == "measured")
         cal.save(path)
     params = sum(_numel(s) for s in shapes.values())
     budget = (int(opts.bits_per_weight * params / 8) if opts.bits_per_weight

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,8 @@ from colibri.models import family, open_model
 QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"
+# the phases a conversion reports, in order; the byte-counted ones give (done, total) in bytes, calibrating in layers
+PHASES = ("reading", "calibrating", "checking", "converting", "verifying", "publishing")
 MIXES = ("measured", "fixed")  # q4 precision mix: by measured sensitivity under the budget, or the fixed names
 SPACE_MARGIN = 64 << 20
 
@@ -115,30 +118,61 @@ def _pwrite(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def tensor_bytes(entry: container.TensorEntry, value) -> bytearray:
-    """The extent of one tensor: its parts at their offsets, zero padding between."""
-    out = bytearray(entry.nbytes)
+def _parts(entry: container.TensorEntry, value) -> list[tuple[int, memoryview]]:
+    """The stored bytes of one tensor's parts, (offset in its extent, bytes) in offset order, as views (no
+    copies: a quantized weight's buffers are contiguous already)."""
     if entry.kind in container.FLOAT_KINDS:
         buffers = {"data": value.to(container.FLOAT_KINDS[entry.kind]).contiguous()}
     else:
         buffers = value.buffers()
+    out = []
     for pname, part in entry.parts.items():
-        b = buffers[pname].contiguous()
-        raw = b.reshape(-1).view(torch.uint8).numpy()
+        raw = memoryview(buffers[pname].contiguous().reshape(-1).view(torch.uint8).numpy())
         if raw.nbytes != part.nbytes:
             raise ColibriError(f"internal: {entry.name}.{pname} is {raw.nbytes} bytes, layout says {part.nbytes}")
-        out[part.offset:part.offset + part.nbytes] = raw.tobytes()
-    return out
+        out.append((part.offset, raw))
+    return sorted(out, key=lambda p: p[0])
+
+
+def write_tensor(fd: int, entry: container.TensorEntry, value) -> str:
+    """Write one tensor's extent (its parts at their offsets, zeros between and after) at entry.offset, straight
+    from the value's buffers; return its checksum (crc32 over the extent, computed as it is written)."""
+    crc, pos = 0, 0
+    for off, raw in _parts(entry, value):
+        if off > pos:
+            gap = bytes(off - pos)
+            crc = crc32(gap, crc)
+            _pwrite(fd, gap, entry.offset + pos)
+        crc = crc32(raw, crc)
+        _pwrite(fd, raw, entry.offset + off)
+        pos = off + raw.nbytes
+    if pos < entry.nbytes:
+        tail = bytes(entry.nbytes - pos)
+        crc = crc32(tail, crc)
+        _pwrite(fd, tail, entry.offset + pos)
+    return checksum_str(crc)
+
+
+def _file_crc(fd: int, offset: int, nbytes: int, step: int = 16 << 20) -> str:
+    """crc32 of nbytes of the file from offset, read a step at a time (a page may be gigabytes)."""
+    crc = 0
+    for o in range(offset, offset + nbytes, step):
+        crc = crc32(os.pread(fd, min(step, offset + nbytes - o), o), crc)
+    return checksum_str(crc)
 
 
 def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
     """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
     of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
     if entry.kind in container.QUANT_KINDS and ckpt.format == "gguf":
-        qtype, raw, shape = ckpt.raw_tensor(entry.name)
-        exact = {**quant.GGUF_EXACT, **quant.GGUF_K_EXACT}.get(qtype.name)
-        if exact is not None and exact.name == entry.kind:
-            return quant.from_gguf(raw, qtype, tuple(shape))
+        qtype, raw, shape = ckpt.raw_tensor(entry.name, copy=False)  # converted from the map a block at a time
+        try:
+            exact = {**quant.GGUF_EXACT, **quant.GGUF_K_EXACT}.get(qtype.name)
+            if exact is not None and exact.name == entry.kind:
+                return quant.from_gguf(raw, qtype, tuple(shape))
+        finally:
+            del raw
+            ckpt.release(entry.name)
     if cal is not None and entry.kind == "q4":
         q = cal.quantized.pop(entry.name, None)
         if q is not None and q.group_size == entry.group_size:
@@ -146,7 +180,7 @@ def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
     w = ckpt.load(entry.name)
     if entry.kind in container.QUANT_KINDS:
         importance = cal.importance.get(entry.name) if cal is not None and entry.kind == "q4" else None
-        return quant.quantize(w.float(), entry.kind, entry.group_size, importance=importance)
+        return quant.quantize(w, entry.kind, entry.group_size, importance=importance)  # f32 a few rows at a time
     return w
 
 
@@ -164,14 +198,20 @@ def tokenizer_files(ckpt, out: Path) -> dict:
     return entry
 
 
+Progress = Callable[[str, int, int], None]  # (phase, done, total): see PHASES
+
+
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool = False,
-            progress: Callable[[int, int], None] | None = None,
+            progress: Progress | None = None,
             kinds: dict[str, tuple[str, int]] | None = None) -> ConvertReport:
-    """Convert `src` into the container directory `dst`. `progress(done_bytes, total_bytes)` is called as it goes.
-    `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it names."""
+    """Convert `src` into the container directory `dst`. `progress(phase, done, total)` is called as it goes, from
+    the start (PHASES). `kinds` (name -> (kind, group size)) overrides the quantization policy for the tensors it
+    names."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise InputError(f"{dst} already exists; pass --force to overwrite it")
+    if progress:
+        progress("reading", 0, 0)
     ckpt, args, decoder = open_model(src)
     if isinstance(ckpt, ContainerCheckpoint):
         ckpt.close()
@@ -200,7 +240,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
             _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
             fresh = False
             kinds, cal, record = mixed.calibrated_plan(ckpt, args, decoder, shapes, tie, opts, source_types, work,
-                                                        progress is not None)
+                                                        progress)
             policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tie, opts,
                                lambda entry: encode(entry, ckpt, cal), fingerprint, source,
@@ -213,7 +253,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
 def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]], tied: bool, opts: ConvertOptions,
                     encode_fn: Callable[[container.TensorEntry], object], fingerprint: str, source: dict,
                     tokenizer_fn: Callable[[Path], dict], source_types: dict[str, str] | None = None,
-                    progress: Callable[[int, int], None] | None = None,
+                    progress: Progress | None = None,
                     kinds: dict[str, tuple[str, int]] | None = None, policy: dict | None = None,
                     fresh: bool = False) -> ConvertReport:
     """Lay out, write, journal, verify and atomically publish a container whose tensors `encode_fn` produces.
@@ -222,6 +262,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     tensors, pages, sizes = plan_layout(shapes, tied, opts.quant, opts.group_size, opts.page_size_mb << 20,
                                         source_types, kinds=kinds, requantize=opts.requantize)
     total = sum(sizes)
+    _notice_requantized(tensors, source_types or {}, opts)
     work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
     fds: list[int] = []
     try:
@@ -237,11 +278,18 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         raise ColibriError(f"cannot write the container at {work}: {e.strerror}; check that the --output "
                            "directory is writable") from None
     by_name = {t.name: t for t in tensors}
+    ahead = None
     try:
         for i, size in enumerate(sizes):
             os.ftruncate(fds[i], size)
-        done = _intact_pages(journal, pages, fds)
+        done = _intact_pages(journal, pages, fds, progress)
         written = sum(p.nbytes for p in pages if p.id in done)
+        # The next tensor is encoded on a second thread while this one is written and checksummed (numpy, torch,
+        # zlib and pwrite let go of the GIL): two tensors in memory at most.
+        todo = iter([by_name[n] for page in pages if page.id not in done for n in page.tensors])
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="colibri-encode")
+        nxt = next(todo, None)
+        pending = ahead.submit(encode_fn, nxt) if nxt is not None else None
         for page in pages:
             if page.id in done:
                 page.checksum = done[page.id]["checksum"]
@@ -250,14 +298,16 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                 continue
             for n in page.tensors:
                 t = by_name[n]
-                data = tensor_bytes(t, encode_fn(t))
-                t.checksum = checksum_str(crc32(data))
-                _pwrite(fds[t.file], data, t.offset)
+                value = pending.result()
+                nxt = next(todo, None)
+                pending = ahead.submit(encode_fn, nxt) if nxt is not None else None
+                t.checksum = write_tensor(fds[t.file], t, value)
+                del value
                 written += t.nbytes
                 if progress:
-                    progress(written, total)
+                    progress("converting", written, total)
             os.fdatasync(fds[page.file])
-            page.checksum = checksum_str(crc32(os.pread(fds[page.file], page.nbytes, page.offset)))
+            page.checksum = _file_crc(fds[page.file], page.offset, page.nbytes)
             journal["pages"][str(page.id)] = {"checksum": page.checksum,
                                               "tensors": {n: by_name[n].checksum for n in page.tensors}}
             write_json(work / JOURNAL, journal)
@@ -271,6 +321,8 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
         raise ColibriError(f"writing {work} failed: {e.strerror or e}; check the disk and run the command again "
                            "(finished pages are kept and resumed)") from None
     finally:
+        if ahead is not None:
+            ahead.shutdown(cancel_futures=True)
         for fd in fds:
             os.close(fd)
 
@@ -290,10 +342,13 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     manifest = json.loads(json.dumps(manifest))  # as a reader will parse it (tuples become lists)
     manifest["checksum"] = container.manifest_checksum(manifest)
     write_json(work / MANIFEST, manifest)
-    bad = next(container.ContainerCheckpoint(work).verify(), None)
+    bad = next(container.ContainerCheckpoint(work).verify(
+        (lambda done, of: progress("verifying", done, of)) if progress else None), None)
     if bad:
         raise ColibriError(f"verification failed after writing {work}: {bad[0]}: {bad[1]}; check the disk and "
                            "rerun with --force")
+    if progress:
+        progress("publishing", 0, 0)
     (work / JOURNAL).unlink()
     fsync_dir(work)
     if dst.exists():
@@ -308,20 +363,41 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
     return ConvertReport(dst, written, total, len(done), time.perf_counter() - t0)
 
 
-def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int]) -> dict[int, dict]:
+def _notice_requantized(tensors: list[container.TensorEntry], source_types: dict[str, str],
+                        opts: ConvertOptions) -> None:
+    """One line on stderr per GGUF block type that is re-quantized (lossy) because Colibri has no exact kind for it
+    (the K-quants when --requantize asks for it are not news)."""
+    lost: dict[str, list[int]] = {}
+    for t in tensors:
+        src = source_types.get(t.name)
+        if src is None or src in ("F32", "F16", "BF16") or t.kind not in container.QUANT_KINDS:
+            continue
+        exact = {**quant.GGUF_EXACT, **quant.GGUF_K_EXACT}.get(src)
+        if (exact is None or exact.name != t.kind) and not (opts.requantize and src in quant.GGUF_K_EXACT):
+            lost.setdefault(src, []).append(t.nbytes)
+    for src, sizes in sorted(lost.items()):
+        print(f"colibri: notice: {len(sizes)} {src} tensors have no exact kind in Colibri yet: re-quantized to "
+              f"{opts.quant} by the fixed policy (lossy, a few % perplexity: docs/quality.md)", file=sys.stderr,
+              flush=True)
+
+
+def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int],
+                  progress: Progress | None = None) -> dict[int, dict]:
     """The journaled pages whose bytes on disk still match their journaled checksum (crc over one read of each):
     a page damaged after it was journaled is dropped from the journal and written again, so a resumed run can
     never keep a bad page forever."""
     done = {}
-    for page in pages:
-        entry = journal["pages"].get(str(page.id))
-        if entry is None:
-            continue
-        data = os.pread(fds[page.file], page.nbytes, page.offset)
-        if len(data) == page.nbytes and checksum_str(crc32(data)) == entry.get("checksum"):
+    journaled = [p for p in pages if str(p.id) in journal["pages"]]
+    checked, of = 0, sum(p.nbytes for p in journaled)
+    for page in journaled:
+        entry = journal["pages"][str(page.id)]
+        if _file_crc(fds[page.file], page.offset, page.nbytes) == entry.get("checksum"):
             done[page.id] = entry
         else:
             del journal["pages"][str(page.id)]
+        checked += page.nbytes
+        if progress:
+            progress("checking", checked, of)
     return done
 
 
@@ -383,7 +459,7 @@ def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
             return dst
         if announce:
             announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
-        convert(src, dst, opts, force=True, progress=_progress_line())
+        convert(src, dst, opts, force=True, progress=progress_lines("the default model"))
     return dst
 
 
@@ -400,22 +476,26 @@ def _intact(path: Path) -> bool:
         ckpt.close()
 
 
-def _progress_line():
-    """Progress on stderr (percent of bytes written): one line updated in place on a terminal; elsewhere (a log
-    file, a pipe) a line of its own every 10 %, with no carriage returns in the file."""
-    shown = [-1]
+def progress_lines(label: str) -> Progress:
+    """Progress of a conversion on stderr, a line per phase (PHASES) and, in the phases counted in bytes or
+    layers, its percent: updated in place on a terminal; elsewhere (a log file, a pipe) a whole line every 10 %, no
+    carriage returns in the file."""
+    shown: list = [None, -1]  # phase, step
     tty = sys.stderr.isatty()
 
-    def progress(done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        step = pct if tty else pct - pct % 10
-        if step != shown[0]:
-            shown[0] = step
-            line = f"colibri: converting the default model: {step:3d} %"
-            if tty:
-                print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
-            else:
-                print(line, file=sys.stderr, flush=True)
+    def progress(phase: str, done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1) if total else None
+        step = pct if tty or pct is None else pct - pct % 10
+        if [phase, step] == shown:
+            return
+        if tty and shown[0] is not None and shown[1] is not None and phase != shown[0]:
+            print(file=sys.stderr)  # end the finished phase's line
+        shown[:] = [phase, step]
+        line = f"colibri: {label}: {phase}" + (f" {step:3d} %" if step is not None else "")
+        if tty and step is not None:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     return progress
 

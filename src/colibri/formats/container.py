@@ -14,7 +14,7 @@ import re
 import zlib
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -515,15 +515,28 @@ class ContainerCheckpoint:
                                  "verify` and reconvert")
         return tensor_from_bytes(t, data)
 
-    def verify(self) -> Iterator[tuple[str, str]]:
-        """Yield (what, error) for every checksum mismatch: pages first, then the tensors inside a bad page."""
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> Iterator[tuple[str, str]]:
+        """Yield (what, error) for every checksum mismatch: pages first, then the tensors inside a bad page.
+        `progress(done, total)`: bytes checked so far, after each page."""
+        done, total = 0, sum(p.nbytes for p in self.pages)
         for page in self.pages:
-            if checksum_str(crc32(self.read_extent(page.file, page.offset, page.nbytes).numpy())) == page.checksum:
+            ok = self._crc(page.file, page.offset, page.nbytes) == page.checksum
+            done += page.nbytes
+            if progress:
+                progress(done, total)
+            if ok:
                 continue
             bad = [n for n in page.tensors if (t := self.tensors[n]).checksum != checksum_str(crc32(
                 self.read_extent(t.file, t.offset, t.nbytes).numpy()))]
             where = f"page {page.id} ({page.kind}, {self.files[page.file].name} @ {page.offset})"
             yield where, f"tensor {bad[0]!r}" if bad else "padding bytes"
+
+    def _crc(self, file: int, offset: int, nbytes: int, step: int = 16 << 20) -> str:
+        """crc32 of a range of a data file, read a step at a time (a page may be gigabytes)."""
+        crc = 0
+        for o in range(offset, offset + nbytes, step):
+            crc = crc32(self.read_extent(file, o, min(step, offset + nbytes - o)).numpy(), crc)
+        return checksum_str(crc)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -163,22 +163,49 @@ class GGUFCheckpoint:
             out -= 1.0
         return out
 
-    def raw_tensor(self, name: str) -> tuple[QT, np.ndarray, tuple[int, ...]]:
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes the file stores for tensor `name` (one expert's share of a fused expert tensor)."""
+        src = self._source(name)
+        t = self._tensors[src.gguf_name]
+        return int(t.n_bytes) // (int(t.data.shape[0]) if src.expert is not None else 1)
+
+    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` as float32, dequantizing only those (the whole tensor is read for
+        the tensors whose rows the file keeps in another order: rope-permuted projections, Gemma norms)."""
+        src = self._source(name)
+        if src.heads is not None or src.minus_one:
+            return self.load(name)[start:stop]
+        t = self._tensors[src.gguf_name]
+        data = t.data if src.expert is None else t.data[src.expert]
+        rows = _dequantize_rows(data[start:stop], t.tensor_type)
+        return torch.from_numpy(rows.reshape(-1, *self.tensor_shape(name)[1:]))
+
+    def raw_tensor(self, name: str, copy: bool = True) -> tuple[QT, np.ndarray, tuple[int, ...]]:
         """`(ggml type, stored data, HF shape)` without dequantizing, for lossless re-export.
 
         Block types come back as uint8 `[rows, bytes_per_row]` (`[out, bytes]` for one expert), rows
         already in HF order (permuting whole rows of blocks is lossless). A tensor whose values must
-        change (Gemma norms) comes back as its float32 `load` result, typed F32.
+        change (Gemma norms) comes back as its float32 `load` result, typed F32. `copy=False`: where the rows are
+        stored in order, a view of the file's map (read as it is used; `release(name)` afterwards lets its pages
+        go), so a large tensor is never held twice.
         """
         src = self._source(name)
         if src.minus_one:
             return QT.F32, self.load(name).numpy(), self.tensor_shape(name)
         t = self._tensors[src.gguf_name]
-        data = np.array(t.data if src.expert is None else t.data[src.expert])  # a copy: the map's pages are dropped
+        data = t.data if src.expert is None else t.data[src.expert]
         if src.heads is not None:
             data = _unpermute_rows(data, src.heads)
+        elif copy:
+            data = np.array(data)
+        else:
+            return QT(t.tensor_type), data, self.tensor_shape(name)
         self._drop_pages(t)
         return QT(t.tensor_type), data, self.tensor_shape(name)
+
+    def release(self, name: str) -> None:
+        """Let the map's pages of tensor `name` go (after reading a view of it)."""
+        self._drop_pages(self._tensors[self._source(name).gguf_name])
 
     def _drop_pages(self, t) -> None:
         """Unmap the pages of a tensor just read, so converting a large file keeps RSS at about one tensor (the

@@ -527,6 +527,9 @@ def _gguf_type_name(gguf_type) -> str:
     return GGMLQuantizationType(int(gguf_type)).name
 
 
+GGUF_CHUNK_BYTES = 4 << 20  # stored bytes converted per step by from_gguf (its temporaries are a few times it)
+
+
 def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | Q8Weight:
     """Re-express GGUF Q4_0 / Q4_1 (-> q4, group 32) or Q8_0 (-> q8, group 32) blocks without loss; Q4_K and
     Q6_K become the two-level kinds q4k / q8k (section "GGUF K-quants" below).
@@ -537,6 +540,27 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
     """
     name = _gguf_type_name(gguf_type)
     n, k = (int(s) for s in shape)
+    rows = max(_TILE, GGUF_CHUNK_BYTES // max(1, raw[0].nbytes) // _TILE * _TILE)
+    if n <= rows:
+        return _from_gguf(raw, name, n, k)
+    # Row blocks of whole tiles, each converted on its own and copied into the full buffers along their row axis
+    # (the one whose length is the rows'): the temporaries stay at a block's, whatever the tensor's size.
+    out: dict[str, torch.Tensor] = {}
+    first = None
+    for r0 in range(0, n, rows):
+        part = _from_gguf(raw[r0:r0 + rows], name, min(rows, n - r0), k)
+        if first is None:
+            first = part
+            layout = buffer_layout(part.kind, (n, k))
+            out = {b: torch.empty(layout[b][1], dtype=t.dtype) for b, t in part.buffers().items()}
+            axes = {b: next(i for i, (c, f) in enumerate(zip(t.shape, out[b].shape)) if c != f)
+                    for b, t in part.buffers().items()}
+        for b, t in part.buffers().items():
+            out[b].narrow(axes[b], r0, t.shape[axes[b]]).copy_(t)
+    return type(first)(first.kind, (n, k), out)
+
+
+def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
     if name in ("Q4_K", "Q6_K"):
         return _k_from_gguf(raw, name, n, k)
     bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
