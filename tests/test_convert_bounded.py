@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -20,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from limited import MemCG, own_memcg  # noqa: E402
 
 LIMIT = 512 << 20  # the whole process tree: Python, torch, the conversion and its share of the page cache
+PEAK = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
 
 
 def test_gguf_three_times_the_memory_limit_converts_inside_it(tmp_path):
@@ -31,22 +32,18 @@ def test_gguf_three_times_the_memory_limit_converts_inside_it(tmp_path):
         cg = None  # no cgroup here (not root, no v1 memory controller): the peak RSS below is still checked
     out = tmp_path / "big"
     try:
-        with open(tmp_path / "stderr", "w") as err:
-            p = subprocess.Popen([*colibri_cmd(), "convert", "--input", str(src), "--output", str(out)],
-                                 stdout=subprocess.DEVNULL, stderr=err, preexec_fn=cg.entering() if cg else None)
-            timer = threading.Timer(600, p.kill)
-            timer.start()
-            _, status, rusage = os.wait4(p.pid, 0)  # the child's own peak RSS
-            timer.cancel()
-            p.returncode = os.waitstatus_to_exitcode(status)
+        # Through a small launcher that reports its child's peak RSS: a child forked from this (large) pytest
+        # process would report this process's RSS at the fork as its own peak.
+        p = subprocess.run([sys.executable, "-c", PEAK, *colibri_cmd(), "convert", "--input", str(src), "--output",
+                            str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600,
+                           preexec_fn=cg.entering() if cg else None)
         oom = cg.oom_kills() if cg else 0
     finally:
         if cg:
             cg.remove()
-    stderr = (tmp_path / "stderr").read_text()
-    assert p.returncode == 0 and oom <= 0, stderr[-2000:]
-    assert rusage.ru_maxrss * 1024 < LIMIT
-    lines = stderr.splitlines()
+    assert p.returncode == 0 and oom <= 0, p.stderr[-2000:]
+    *lines, peak = p.stderr.splitlines()
+    assert int(peak) * 1024 < LIMIT
     assert lines[0].endswith(": reading")  # before the file is parsed
     assert any("converting" in ln for ln in lines) and any("verifying" in ln for ln in lines)
     assert [ln for ln in lines if "notice" in ln] == [
@@ -63,7 +60,7 @@ def test_gguf_three_times_the_memory_limit_converts_inside_it(tmp_path):
     assert kinds["model.layers.0.self_attn.o_proj.weight"] == "q4"  # F16 quantized by the policy
     for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.47.mlp.down_proj.weight",
                  "model.layers.47.mlp.up_proj.weight"):
-        assert kinds[name] in ("q4k", "q8k")
+        assert kinds[name] in ("q4k", "q6k")
         assert torch.equal(c.load(name).dequantize(), g.load(name)), name
     c.close()
     g.close()

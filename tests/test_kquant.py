@@ -1,4 +1,5 @@
-"""GGUF K-quants kept exactly (colibri.quant.kinds): Q4_K -> q4k, Q6_K -> q8k, bit for bit; their kernels; a K-quant
+"""GGUF K-quants kept exactly (colibri.quant.kinds): Q4_K -> q4k, Q6_K -> q6k (and q8k, its codes widened, which
+older containers hold), bit for bit; their kernels; a K-quant
 GGUF converted by default into a container with one tied table."""
 
 from __future__ import annotations
@@ -40,18 +41,23 @@ def reference(raw: np.ndarray, qtype, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q8k")])
+def _k_weight(raw, qtype, kind: str, n: int, k: int):
+    w = from_gguf(raw, qtype, (n, k))
+    return w.as_q8k() if kind == "q8k" else w
+
+
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k")])
 def test_k_quants_dequantize_bit_exactly(qtype, kind):
     n, k = 80, 512  # 80 rows: a full 64-row tile and a 16-row tail tile for q4k
     raw = k_blocks(qtype, n, k, seed=1)
-    w = from_gguf(raw, qtype, (n, k))
+    w = _k_weight(raw, qtype, kind, n, k)
     assert w.kind.name == kind
     ref = reference(raw, qtype, n, k)
     assert torch.equal(w.dequantize(), ref)
     ids = torch.tensor([0, 63, 64, 79, 5, 0])  # tile edges, the tail tile, a repeat
     assert torch.equal(w.rows(ids), ref[ids])
     # bytes: the codes plus one byte per scale (and min) code, f16 super-scales
-    per_super = {QT.Q4_K: 128 + 16 + 4, QT.Q6_K: 256 + 16 + 2}[qtype]
+    per_super = {"q4k": 128 + 16 + 4, "q6k": 210, "q8k": 256 + 16 + 2}[kind]  # q6k: Q6_K's own bytes
     assert w.nbytes == n * k // 256 * per_super
     # a reader's views over the stored buffers give the same weight
     again = type(w).from_buffers(w.shape, w.group_size, w.buffers())
@@ -67,11 +73,11 @@ def mode(request):
     kernels.use(None)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode):
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k")])
+def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, kind, mode):
     n, k = 80, 512
     raw = k_blocks(qtype, n, k, seed=2)
-    w = from_gguf(raw, qtype, (n, k))
+    w = _k_weight(raw, qtype, kind, n, k)
     ref_w = reference(raw, qtype, n, k).double()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -84,14 +90,17 @@ def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, mode):
         assert torch.equal(w.linear(xd[5:8]), y16[5:8])
 
 
-def test_q8k_decode_rows_match_the_buffered_path(mode):
-    """Up to 6 rows dequantize in registers, more through a buffer: the same values either way. K = 2304 walks
-    the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
+@pytest.mark.parametrize("kind", ["q6k", "q8k"])
+def test_q6_k_decode_rows_match_the_buffered_path(kind, mode):
+    """Up to 6 rows dequantize in registers, more through a buffer: the same values either way, and q6k's equal
+    q8k's. K = 2304 walks the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
     n, k = 37, 2304
-    w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=4), QT.Q6_K, (n, k))
+    raw = k_blocks(QT.Q6_K, n, k, seed=4)
+    w, q8 = _k_weight(raw, QT.Q6_K, kind, n, k), _k_weight(raw, QT.Q6_K, "q8k", n, k)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     for dtype in (torch.float32, torch.bfloat16):
         y16 = w.linear(x.to(dtype))
+        assert torch.equal(y16, q8.linear(x.to(dtype)))
         for lo, hi in ((0, 1), (2, 4), (3, 9), (10, 16), (4, 10)):
             assert torch.equal(w.linear(x[lo:hi].to(dtype)), y16[lo:hi])
 
@@ -148,12 +157,12 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
     m = json.loads((out / "manifest.json").read_text())
     assert m["version"] == 3  # required checksums; kinds a version-1 reader does not know
     kinds = {t["name"]: t["kind"] for t in m["tensors"]}
-    assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q8k"  # output.weight's Q6_K
-    assert kinds["model.layers.0.mlp.down_proj.weight"] == "q8k"
+    assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q6k"  # output.weight's Q6_K
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "q6k"
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4k"
     c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
     for name, kind in kinds.items():
-        if kind in ("q4k", "q8k"):
+        if kind in ("q4k", "q6k"):
             source = "lm_head.weight" if name == "model.embed_tokens.weight" else name
             assert torch.equal(c.load(name).dequantize(), g.load(source)), name
     container_bytes = sum(f["size"] for f in m["files"])

@@ -37,10 +37,12 @@ def _linear_cases(n: int, k: int):
     h = quantize(w, "q8", 32)._buffers  # f16 scales, as GGUF Q8_0 imports keep them (the short bf16 rounding)
     cases.append(("q8g32h", both, lambda o, x: o.q8_linear(x, h["qweight"], h["scales"].half(), 32)))
     if k % 256 == 0:
-        for qtype, op in ((QT.Q4_K, "q4k_linear"), (QT.Q6_K, "q8k_linear")):
-            b = from_gguf(k_blocks(qtype, n, k, seed=n), qtype, (n, k))._buffers
-            cases.append((op[:3], both, lambda o, x, b=b, op=op: getattr(o, op)(x, b["qweight"], b["scales"],
-                                                                               b["supers"])))
+        b = from_gguf(k_blocks(QT.Q4_K, n, k, seed=n), QT.Q4_K, (n, k))._buffers
+        cases.append(("q4k", both, lambda o, x: o.q4k_linear(x, b["qweight"], b["scales"], b["supers"])))
+        q6 = from_gguf(k_blocks(QT.Q6_K, n, k, seed=n), QT.Q6_K, (n, k))
+        q8 = q6.as_q8k()._buffers
+        cases.append(("q8k", both, lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"])))
+        cases.append(("q6k", both, lambda o, x: o.q6k_linear(x, q6._buffers["qweight"])))
     return cases
 
 
@@ -55,6 +57,20 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
                 for t in ROWS:
                     y = fn(o, x[:t])
                     assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
+
+
+@pytest.mark.parametrize("shape", [(200, 256), (37, 2304)])
+def test_q6k_gives_q8k_bits_on_every_tier(tier_ops, shape):
+    """Q6_K's blocks read as stored give the bits of its codes widened to bytes (q8k), every pass size."""
+    n, k = shape
+    q6 = from_gguf(k_blocks(QT.Q6_K, n, k, seed=7), QT.Q6_K, (n, k))
+    q8 = q6.as_q8k()._buffers
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(max(ROWS), k, seed=8).to(dtype)
+        for tier, o in tier_ops.items():
+            for t in ROWS:
+                assert torch.equal(o.q6k_linear(x[:t], q6._buffers["qweight"]),
+                                   o.q8k_linear(x[:t], q8["qweight"], q8["scales"], q8["supers"])), (tier, dtype, t)
 
 
 def test_veltkamp_split_is_bf16_round_to_nearest_even():

@@ -59,6 +59,14 @@ inline void check_q8k(const at::Tensor& x, const at::Tensor& qweight, const at::
               supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
 }
 
+inline void check_q6k(const at::Tensor& x, const at::Tensor& blocks) {
+  check_x(x, "q6k_linear");
+  TORCH_CHECK(blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "q6k_linear: uint8 blocks [N, K / 256 * 210]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % 256 == 0 && blocks.size(1) == k / 256 * 210, "q6k_linear: shapes do not match the stored layout");
+}
+
 // ---- attention -------------------------------------------------------------------------------------------------
 
 struct View {  // a [heads, rows, Dh] tensor with a contiguous last dimension

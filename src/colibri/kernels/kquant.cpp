@@ -10,8 +10,11 @@
 //   dot form. Up to kRows x rows (one register block: each weight is used by one pass) dequantize in registers
 //   as dot_bf16 / dot_f32 load them; more rows dequantize a block of weight rows into a buffer that every row
 //   block reads. Both give the same weight values to the same instruction sequence: rows are bit-identical.
+// q6k (Q6_K as stored, 210-byte blocks [N, K/256 * 210]): q8k's values and steps, its codes decoded from the
+//   blocks (generic/q6k.h) where q8k loads them, so y equals q8k_linear's bit for bit.
 
 #include "tiles.h"
+#include "generic/q6k.h"
 
 namespace {
 
@@ -92,6 +95,36 @@ struct Q8kRows {
   }
 };
 
+// The decode form of the int8-valued two-level kinds (q8k, q6k; at most kRows x rows): blocks of 16 weight rows,
+// each row's d * sc per 16 values in f32 (supers(row, g) = d of its 256-value block g, codes(row, g) = that block's
+// 16 scale codes), then the dot form over source(n0, s), which dequantizes each weight once, in registers.
+template <class D, class Sc, class Source>
+at::Tensor kquant_decode(const at::Tensor& x, int64_t n, D&& supers, Sc&& codes, Source&& source) {
+  const int64_t t = x.size(0), k = x.size(1);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = bf ? nullptr : x.data_ptr<float>();
+  at::Tensor y = at::empty({t, n}, x.options());
+  constexpr int64_t rb = 16;
+  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * rb), s(rb * (k / 16));
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+      for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of the dequantized rows
+        for (int64_t g = 0; g < k / 256; ++g) {
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(n0 + j, g)));
+          const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+          _mm512_storeu_ps(s.data() + j * (k / 16) + g * 16, _mm512_mul_ps(_mm512_set1_ps(supers(n0 + j, g)), sc));
+        }
+      const auto src = source(n0, s.data());
+      if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
+      else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
+      store_rows(acc.data(), rb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   check_q8k(x, qweight, scales, supers);
@@ -103,35 +136,83 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
       q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, buf);
     });
-  // decode: one register block of x rows, each weight dequantized once in registers
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  const float* xf = bf ? nullptr : x.data_ptr<float>();
-  at::Tensor y = at::empty({t, n}, x.options());
-  constexpr int64_t rb = 16;
-  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * rb), s(rb * (k / 16));
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
-      for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of q8k_dequant_rows
-        for (int64_t g = 0; g < k / 256; ++g) {
-          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (n0 + j) * (k / 16) + g * 16));
-          const float d = static_cast<float>(sup[(n0 + j) * (k / 256) + g]);
-          _mm512_storeu_ps(s.data() + j * (k / 16) + g * 16,
-                           _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
-        }
-      const Q8kRows src{qw + n0 * k, s.data(), k};
-      if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
-      else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
-      store_rows(acc.data(), rb, t, cols, y, n0);
+  return kquant_decode(
+      x, n, [&](int64_t r, int64_t g) { return static_cast<float>(sup[r * (k / 256) + g]); },
+      [&](int64_t r, int64_t g) { return sc + r * (k / 16) + g * 16; },
+      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
+}
+
+// Rows [n0, n0 + cols) of a q6k weight as f32 (exact) or bf16 (RNE) rows of K: q8k_dequant_rows's values.
+void q6k_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
+  const int64_t esz = bf ? 2 : 4, nb = k / 256;
+  alignas(64) int8_t q[256];
+  for (int64_t j = 0; j < cols; ++j) {
+    void* dst = static_cast<char*>(out) + j * k * esz;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = blocks + ((n0 + j) * nb + b) * q6k::kBlockBytes;
+      q6k::codes128(blk, 0, q);
+      q6k::codes128(blk, 1, q + 128);
+      const float d = _cvtsh_ss(q6k::d_bits(blk));
+      void* dst_b = static_cast<char*>(dst) + b * 256 * esz;
+      for (int64_t i = 0; i < 16; ++i)
+        q8_store16(q, _mm512_set1_ps(d * static_cast<float>(q6k::scales(blk)[i])), 0xffff, bf, dst_b, i * 16);
     }
-  });
-  return y;
+  }
+}
+
+// Weight rows of a q6k weight dequantized in registers: Q8kRows over codes decoded a half block (128 values) at a
+// time into a small buffer per row of the register block (the dot form walks a block's rows side by side, k
+// ascending, from a multiple of 128: kDotChunk is one).
+struct Q6kRows {
+  static constexpr bool kStream = true;
+  const uint8_t* blocks;  // row n0's first block
+  const float* s;         // d * sc per 16 values, [cols][K/16]
+  int64_t k;
+  mutable int8_t cache[kDotCols][128];
+  const int8_t* codes(int64_t j, int64_t k0) const {
+    int8_t* c = cache[j & (kDotCols - 1)];  // j >= 0; kDotCols a power of two
+    if ((k0 & 127) == 0) q6k::codes128(blocks + (j * (k / 256) + k0 / 256) * q6k::kBlockBytes, k0 % 256 / 128, c);
+    return c + (k0 & 127);
+  }
+  __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes(j, k0)));
+    const float* sj = s + j * (k / 16) + k0 / 16;
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
+                                    _mm512_set1_ps(sj[0]));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
+                                    _mm512_set1_ps(sj[1]));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's 210 bytes (its
+  // low bits, high bits, scales: four cache lines)
+  const void* at(int64_t j, int64_t k0) const {
+    return blocks + (j * (k / 256) + k0 / 256) * q6k::kBlockBytes + (k0 % 256) * q6k::kBlockBytes / 256;
+  }
+  __m512 f32(int64_t j, int64_t k0, __mmask16) const {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 16) + k0 / 16]));
+  }
+};
+
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  check_q6k(x, blocks);
+  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256;
+  const uint8_t* bw = blocks.data_ptr<uint8_t>();
+  if (t > kRows)
+    return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
+      q6k_dequant_rows(bw, k, n0, cols, bf, buf);
+    });
+  auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * q6k::kBlockBytes; };
+  return kquant_decode(
+      x, n, [&](int64_t r, int64_t g) { return _cvtsh_ss(q6k::d_bits(block(r, g))); },
+      [&](int64_t r, int64_t g) { return q6k::scales(block(r, g)); },
+      [&](int64_t n0, const float* s) { return Q6kRows{block(n0, 0), s, k}; });
 }
 
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
+  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
   m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
 }

@@ -19,7 +19,8 @@ q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0
   elsewhere (`from_buffers` keeps both then).
 q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
-q4k / q8k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout).
+q4k / q6k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout,
+q6k the file's own blocks; q8k, Q6_K with its codes in bytes, is what older containers hold).
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -44,7 +45,7 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
-K_KINDS = ("q4k", "q8k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
+K_KINDS = ("q4k", "q8k", "q6k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
 QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
 TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
@@ -388,18 +389,21 @@ class Q8Weight(_QuantWeight):
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
         n, k = self.shape
-        qw = self._buffers["qweight"]
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
         step = max(1, _CHUNK_BYTES // (k * 4))
         for r in range(0, n, step):
             c = min(step, n - r)
-            w = _scratch(torch.float32, c, k).copy_(qw[r:r + c])
+            w = _scratch(torch.float32, c, k).copy_(self._codes(slice(r, r + c)))
             s = self._scales_f32(slice(r, r + c))
             w.view(c, s.shape[1], -1).mul_(s.unsqueeze(-1))
             if x.dtype != torch.float32:
                 w = _scratch(x.dtype, c, k).copy_(w)
             y[:, r:r + c] = x @ w.T
         return y
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """The int8 codes of `rows` (a slice, or row ids), [rows, K]."""
+        return self._buffers["qweight"][rows]
 
     def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """Scales of `rows` (a slice, or row ids) as f32 [rows, groups] (one group per channel: [rows, 1])."""
@@ -409,13 +413,13 @@ class Q8Weight(_QuantWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         s = self._scales_f32(slice(0, n))
-        return (self._buffers["qweight"].float().view(n, s.shape[1], -1) * s.unsqueeze(-1)).view(n, k).to(dtype)
+        return (self._codes(slice(0, n)).float().view(n, s.shape[1], -1) * s.unsqueeze(-1)).view(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """f32 [len(ids), K]: rows of a lookup table (token embedding)."""
         k = self.shape[1]
         s = self._scales_f32(ids)
-        return (self._buffers["qweight"][ids].float().view(len(ids), s.shape[1], -1) * s.unsqueeze(-1)).view(len(ids), k)
+        return (self._codes(ids).float().view(len(ids), s.shape[1], -1) * s.unsqueeze(-1)).view(len(ids), k)
 
 
 # ---- quantize -------------------------------------------------------------------------------------------------
@@ -602,7 +606,7 @@ GGUF_EXACT = {
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
-GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q8k", 16, torch.float16)}
+GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -617,7 +621,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
-    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight}[kind]
+    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -637,7 +641,12 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #   supers   f16   [K/256, Np, 2]  (d, dmin) per 256 values and row
 #   w = (d * sc) * q - dmin * m, in f32: d * sc and dmin * m are exact (11 + 6 bits), so is their product by q;
 #   one rounding, in the subtraction, as gguf's dequantize.
-# q8k: 8.5625 bits per weight (Q6_K: 6.5625)
+# q6k: 6.5625 bits per weight, Q6_K's own blocks as the file stores them
+#   qweight  uint8 [N, K/256 * 210]  per 256 values: ql[128] (low 4 bits), qh[64] (high 2 bits), sc[16] (int8 per 16
+#                                    values), d (f16); the order of the codes: kernels/generic/q6k.h
+#   w = (d * sc) * (q - 32), exact in f32: the values of q8k.
+# q8k: 8.5625 bits per weight, Q6_K with its codes widened to bytes (what containers made before q6k hold; read,
+# no longer written)
 #   qweight  int8 [N, K]       q - 32, q in [0, 63]
 #   scales   int8 [N, K/16]    sc per 16 values
 #   supers   f16  [N, K/256]   d per 256 values
@@ -646,8 +655,10 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 # few MiB at a time (exactly `dequantize()`), as q4 / q8 do.
 
 SUPER = 256  # values per K-quant super-block
-Q4K, Q8K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
-_K_KIND = {"q4k": Q4K, "q8k": Q8K}
+Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
+Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
+Q8K = QuantKind("q8k", 16, torch.float16)
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K}
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -655,6 +666,8 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
+    if kind.name == "q6k":
+        return {"qweight": (torch.uint8, (n, k // SUPER * Q6K_BLOCK))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
 
@@ -715,6 +728,65 @@ class Q8KWeight(Q8Weight):
         return sup * self._buffers["scales"][rows].float()
 
 
+class Q6KWeight(Q8Weight):
+    """Q6_K kept exactly at its own size: the file's blocks as they are; the values of q8k (see the top of the
+    file). The native kernels read the blocks in place; the LOSSY int8 mode and the torch fallback decode a few
+    MiB of rows at a time into q8k's codes."""
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(Q6K, shape, buffers)
+
+    def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._buffers["qweight"][rows]
+        return b.view(b.shape[0], self.shape[1] // SUPER, Q6K_BLOCK)
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        shift = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        lo = (b[..., :128].reshape(r, nb, 2, 1, 64) >> shift) & 0x0F  # [half, nibble, byte]: value 32 j + l
+        hshift = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+        hi = (b[..., 128:192].reshape(r, nb, 2, 1, 32) >> hshift) & 3
+        return ((lo.reshape(r, nb, 2, 4, 32) | (hi << 4)).view(torch.int8) - 32).reshape(r, -1)
+
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """d * sc of `rows`, f32 [rows, K/16] (exact)."""
+        b = self._blocks(rows)
+        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(b.shape[0], -1).float()
+        d = b[..., 208:210].contiguous().view(torch.float16).float()  # [rows, K/256, 1]
+        return (d.expand(-1, -1, 16).reshape(b.shape[0], -1)) * sc
+
+    def _q8k_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
+        """The q8k kind's buffers of `rows` (codes widened to bytes)."""
+        b = self._blocks(rows)
+        return {"qweight": self._codes(rows).contiguous(),
+                "scales": b[..., 192:208].contiguous().view(torch.int8).reshape(b.shape[0], -1),
+                "supers": b[..., 208:210].contiguous().view(torch.float16).reshape(b.shape[0], -1)}
+
+    def as_q8k(self) -> Q8KWeight:
+        """The same weight in the q8k kind (what containers made before q6k hold)."""
+        return Q8KWeight(Q8K, self.shape, self._q8k_buffers(slice(0, self.shape[0])))
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy, q8k's int8 kernel
+                return self._by_row_blocks(x, kernels.library().q8k_linear_i8)
+            return kernels.library().q6k_linear(x, self._buffers["qweight"])
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
+    def _by_row_blocks(self, x: torch.Tensor, op) -> torch.Tensor:
+        """op(x, codes, scales, supers) of q8k over a few MiB of weight rows at a time (each output element's
+        arithmetic is its own row's: the blocks change no bit)."""
+        n, k = self.shape
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        step = max(1, _CHUNK_BYTES // k)
+        for r in range(0, n, step):
+            q = self._q8k_buffers(slice(r, r + step))
+            y[:, r:r + q["qweight"].shape[0]] = op(x, q["qweight"], q["scales"], q["supers"])
+        return y
+
+
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
     """GGUF Q4_K / Q6_K blocks (uint8 [N, K / 256 * block bytes], rows in HF order) re-expressed without loss."""
     if k % SUPER:
@@ -737,15 +809,6 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
-    if name == "Q6_K":
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, 210)
-        ql = blocks[..., :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-        qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-        lo = (ql & 0x0F).reshape(n, nb, 2, 4, 32)  # [half, quarter, i]: 128 h + 32 j + i
-        hi = (qh & 0x03).reshape(n, nb, 2, 4, 32)
-        q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
-        sc = blocks[..., 192:208].copy().view(np.int8).reshape(n, k // 16)
-        d = blocks[..., 208:210].copy().view(np.float16).reshape(n, nb)
-        return Q8KWeight(Q8K, (n, k), {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(sc),
-                                       "supers": torch.from_numpy(d)})
+    if name == "Q6_K":  # the blocks as they are
+        return Q6KWeight(Q6K, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")

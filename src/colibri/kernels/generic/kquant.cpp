@@ -1,7 +1,8 @@
-// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k): the same ops, arguments and bits as
-// the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
+// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k, q6k): the same ops, arguments and bits
+// as the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
 
 #include "tiles.h"
+#include "q6k.h"
 
 namespace {
 
@@ -77,9 +78,53 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
 }
 
+// q6k: q8k's values and steps over the codes decoded from the stored blocks (q6k.h), so the same bits as q8k.
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  check_q6k(x, blocks);
+  const int64_t k = x.size(1), n = blocks.size(0), nb = k / 256;
+  const uint8_t* bw = blocks.data_ptr<uint8_t>();
+  auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * q6k::kBlockBytes; };
+  auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* bp = block(j, b);
+      const float d = simd::f16_to_f32(q6k::d_bits(bp));
+      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(q6k::scales(bp)[i]);
+    }
+  };
+  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
+    std::vector<float> s(k / 16);
+    alignas(32) int8_t q[256];
+    for (int64_t j = 0; j < cols; ++j) {
+      row_scales(n0 + j, s.data());
+      for (int64_t b = 0; b < nb; ++b) {
+        q6k::codes128(block(n0 + j, b), 0, q);
+        q6k::codes128(block(n0 + j, b), 1, q + 128);
+        for (int64_t i = 0; i < 16; ++i)
+          q8_values(q + 16 * i, 16, s[16 * b + i], bf, out + j * k + 256 * b + 16 * i, true);
+      }
+    }
+  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
+    // the row's scratch: its d * sc [K/16], then the codes of the half block k0 is in, decoded at its start
+    int8_t* c = reinterpret_cast<int8_t*>(s + k / 16);
+    if (k0 == 0) row_scales(j, s);
+    if (k0 % 128 == 0) {
+      const uint8_t* bp = block(j, k0 / 256);
+      prefetch_ahead(bp);
+      q6k::codes128(bp, k0 % 256 / 128, c);
+    }
+    const int8_t* q = c + k0 % 128;
+    for (int h = 0; h < 2; ++h) {
+      const Pair v = simd::code_pairs(q + 16 * h);
+      const f8 sv = simd::set1(s[k0 / 16 + h]);
+      (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
+    }
+  });
+}
+
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
+  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
   m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
 }
