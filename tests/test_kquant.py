@@ -105,13 +105,37 @@ def test_q6_k_decode_rows_match_the_buffered_path(kind, mode):
             assert torch.equal(w.linear(x[lo:hi].to(dtype)), y16[lo:hi])
 
 
+def test_q5_0_is_kept_exactly_with_q8_bits(mode):
+    """Q5_0 blocks as stored: dequantize equals gguf's, rows too, at the source's bytes; linear gives the bits of its
+    codes widened to q8 (group 32, f16 scales), batch-invariant, also in the LOSSY int8 mode."""
+    n, k = 45, 896
+    raw = gguf_quantize(np.random.default_rng(6).standard_normal((n, k), dtype=np.float32), QT.Q5_0)
+    w = from_gguf(raw, QT.Q5_0, (n, k))
+    ref = reference(raw, QT.Q5_0, n, k)
+    assert w.kind.name == "q5_0" and w.nbytes == raw.nbytes
+    assert torch.equal(w.dequantize(), ref) and torch.equal(w.rows(torch.tensor([44, 0, 7])), ref[[44, 0, 7]])
+    q8 = w.as_q8()
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(8))
+    for int8 in (False, True):
+        kernels.set_int8_activations(int8 and mode == "native")
+        try:
+            for dtype in (torch.float32, torch.bfloat16):
+                y16 = w.linear(x.to(dtype))
+                assert torch.equal(y16, q8.linear(x.to(dtype)))
+                for lo, hi in ((0, 1), (2, 5), (3, 16)):
+                    assert torch.equal(w.linear(x[lo:hi].to(dtype)), y16[lo:hi])
+        finally:
+            kernels.set_int8_activations(None)
+
+
 def test_other_k_quants_are_not_imported():
     with pytest.raises(ValueError, match="not supported"):
         from_gguf(np.zeros((4, 176), np.uint8), QT.Q5_K, (4, 256))
 
 
 def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
-    """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K matrices as llama.cpp's Q4_K_M
+    """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K
+    matrices (and a Q5_0 attn_k, as Qwen2.5's K = 896 matrices are) as llama.cpp's Q4_K_M
     writes them, and a tied table stored twice: output.weight Q6_K, token_embd the same matrix as Q4_0 (or, with
     `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
     the file stores one Q4_K table (no output.weight: tied)."""
@@ -128,11 +152,13 @@ def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
     if not one_q4k_table:
         w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-    mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q4_K), "attn_v": (d // heads * kv, d, QT.Q6_K),
+    mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q5_0), "attn_v": (d // heads * kv, d, QT.Q6_K),
             "attn_output": (d, d, QT.Q4_K), "ffn_gate": (f, d, QT.Q4_K), "ffn_up": (f, d, QT.Q4_K),
             "ffn_down": (d, f, QT.Q6_K)}
     for i, (name, (n, k, qtype)) in enumerate(mats.items()):
-        w.add_tensor(f"blk.0.{name}.weight", k_blocks(qtype, n, k, seed=20 + i, scale=1e-3), raw_dtype=qtype)
+        data = (gguf_quantize(np.random.default_rng(20 + i).standard_normal((n, k), dtype=np.float32) * 0.03, qtype)
+                if qtype == QT.Q5_0 else k_blocks(qtype, n, k, seed=20 + i, scale=1e-3))
+        w.add_tensor(f"blk.0.{name}.weight", data, raw_dtype=qtype)
     for name in ("attn_norm", "ffn_norm"):
         w.add_tensor(f"blk.0.{name}.weight", np.ones(d, np.float32))
     w.write_header_to_file()
@@ -160,9 +186,10 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
     assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q6k"  # output.weight's Q6_K
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "q6k"
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4k"
+    assert kinds["model.layers.0.self_attn.k_proj.weight"] == "q5_0"
     c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
     for name, kind in kinds.items():
-        if kind in ("q4k", "q6k"):
+        if kind in ("q4k", "q6k", "q5_0"):
             source = "lm_head.weight" if name == "model.embed_tokens.weight" else name
             assert torch.equal(c.load(name).dequantize(), g.load(source)), name
     container_bytes = sum(f["size"] for f in m["files"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize as gguf_quantize
 
 from colibri import kernels
 from colibri.quant.kinds import from_gguf, quantize
@@ -43,6 +44,9 @@ def _linear_cases(n: int, k: int):
         q8 = q6.as_q8k()._buffers
         cases.append(("q8k", both, lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"])))
         cases.append(("q6k", both, lambda o, x: o.q6k_linear(x, q6._buffers["qweight"])))
+    if k % 32 == 0:
+        q5 = from_gguf(gguf_quantize(w.numpy(), QT.Q5_0), QT.Q5_0, (n, k))
+        cases.append(("q5_0", both, lambda o, x: o.q5_0_linear(x, q5._buffers["qweight"])))
     return cases
 
 
@@ -59,18 +63,30 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
                     assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
 
 
-@pytest.mark.parametrize("shape", [(200, 256), (37, 2304)])
-def test_q6k_gives_q8k_bits_on_every_tier(tier_ops, shape):
-    """Q6_K's blocks read as stored give the bits of its codes widened to bytes (q8k), every pass size."""
-    n, k = shape
-    q6 = from_gguf(k_blocks(QT.Q6_K, n, k, seed=7), QT.Q6_K, (n, k))
-    q8 = q6.as_q8k()._buffers
+def _blocks_and_widened(kind: str, n: int, k: int):
+    """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k (-> q8k) and q5_0
+    (-> q8 with group 32 and f16 scales)."""
+    if kind == "q6k":
+        w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=7), QT.Q6_K, (n, k))
+        q8 = w.as_q8k()._buffers
+        return (lambda o, x: o.q6k_linear(x, w._buffers["qweight"]),
+                lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"]))
+    w = from_gguf(gguf_quantize(_randn(n, k, seed=9).numpy(), QT.Q5_0), QT.Q5_0, (n, k))
+    q8 = w.as_q8()._buffers
+    return (lambda o, x: o.q5_0_linear(x, w._buffers["qweight"]),
+            lambda o, x: o.q8_linear(x, q8["qweight"], q8["scales"], 32))
+
+
+@pytest.mark.parametrize("kind,shape", [("q6k", (200, 256)), ("q6k", (37, 2304)), ("q5_0", (200, 896)),
+                                        ("q5_0", (37, 2304))])
+def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, kind, shape):
+    """GGUF blocks read as stored (q6k, q5_0) give the bits of their codes widened to bytes, every pass size."""
+    blocks, widened = _blocks_and_widened(kind, *shape)
     for dtype in (torch.float32, torch.bfloat16):
-        x = _randn(max(ROWS), k, seed=8).to(dtype)
+        x = _randn(max(ROWS), shape[1], seed=8).to(dtype)
         for tier, o in tier_ops.items():
             for t in ROWS:
-                assert torch.equal(o.q6k_linear(x[:t], q6._buffers["qweight"]),
-                                   o.q8k_linear(x[:t], q8["qweight"], q8["scales"], q8["supers"])), (tier, dtype, t)
+                assert torch.equal(blocks(o, x[:t]), widened(o, x[:t])), (kind, tier, dtype, t)
 
 
 def test_veltkamp_split_is_bf16_round_to_nearest_even():

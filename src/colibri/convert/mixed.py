@@ -102,7 +102,7 @@ def calibrated_plan(ckpt, args, decoder, shapes: dict[str, tuple[int, ...]], tie
     candidates, fixed, policy_kinds = {}, 0, {}
     for t in tensors:
         policy_kinds[t.name] = (t.kind, t.group_size)
-        exact = source_types.get(t.name) in quant.GGUF_EXACT or t.kind in quant.K_KINDS
+        exact = source_types.get(t.name) in quant.GGUF_EXACT or t.kind in quant.GGUF_KEPT_KINDS
         g = q4_group(t.shape, opts.group_size) if len(t.shape) == 2 else None
         if t.kind in container.QUANT_KINDS and not exact and t.role != "router" and g is not None:
             candidates[t.name] = (tuple(t.shape), ("q4", g))

@@ -59,12 +59,13 @@ inline void check_q8k(const at::Tensor& x, const at::Tensor& qweight, const at::
               supers.size(0) == n && supers.size(1) == k / 256, "q8k_linear: shapes do not match the stored layout");
 }
 
-inline void check_q6k(const at::Tensor& x, const at::Tensor& blocks) {
-  check_x(x, "q6k_linear");
-  TORCH_CHECK(blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
-              "q6k_linear: uint8 blocks [N, K / 256 * 210]");
+// GGUF blocks as stored (q6k: 210 bytes per 256 values; q5_0: 22 per 32): uint8 [N, K / values * bytes].
+inline void check_blocks(const at::Tensor& x, const at::Tensor& blocks, const char* op, int64_t values, int64_t bytes) {
+  check_x(x, op);
+  TORCH_CHECK(blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.dim() == 2, op,
+              ": uint8 blocks [N, K / ", values, " * ", bytes, "]");
   const int64_t k = x.size(1);
-  TORCH_CHECK(k % 256 == 0 && blocks.size(1) == k / 256 * 210, "q6k_linear: shapes do not match the stored layout");
+  TORCH_CHECK(k % values == 0 && blocks.size(1) == k / values * bytes, op, ": shapes do not match the stored layout");
 }
 
 // ---- attention -------------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@
 //   as dot_bf16 / dot_f32 load them; more rows dequantize a block of weight rows into a buffer that every row
 //   block reads. Both give the same weight values to the same instruction sequence: rows are bit-identical.
 // q6k (Q6_K as stored, 210-byte blocks [N, K/256 * 210]): q8k's values and steps, its codes decoded from the
-//   blocks (generic/q6k.h) where q8k loads them, so y equals q8k_linear's bit for bit.
+//   blocks (generic/gguf_blocks.h) where q8k loads them, so y equals q8k_linear's bit for bit.
 
 #include "tiles.h"
-#include "generic/q6k.h"
+#include "generic/gguf_blocks.h"
 
 namespace {
 
@@ -95,34 +95,10 @@ struct Q8kRows {
   }
 };
 
-// The decode form of the int8-valued two-level kinds (q8k, q6k; at most kRows x rows): blocks of 16 weight rows,
-// each row's d * sc per 16 values in f32 (supers(row, g) = d of its 256-value block g, codes(row, g) = that block's
-// 16 scale codes), then the dot form over source(n0, s), which dequantizes each weight once, in registers.
-template <class D, class Sc, class Source>
-at::Tensor kquant_decode(const at::Tensor& x, int64_t n, D&& supers, Sc&& codes, Source&& source) {
-  const int64_t t = x.size(0), k = x.size(1);
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  const float* xf = bf ? nullptr : x.data_ptr<float>();
-  at::Tensor y = at::empty({t, n}, x.options());
-  constexpr int64_t rb = 16;
-  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * rb), s(rb * (k / 16));
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
-      for (int64_t j = 0; j < cols; ++j)  // d * sc per 16 columns, the f32 products of the dequantized rows
-        for (int64_t g = 0; g < k / 256; ++g) {
-          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(n0 + j, g)));
-          const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-          _mm512_storeu_ps(s.data() + j * (k / 16) + g * 16, _mm512_mul_ps(_mm512_set1_ps(supers(n0 + j, g)), sc));
-        }
-      const auto src = source(n0, s.data());
-      if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
-      else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
-      store_rows(acc.data(), rb, t, cols, y, n0);
-    }
-  });
-  return y;
+// d * sc for the 16 scale codes of a 256-value block: the f32 products of the dequantized rows.
+inline void kquant_scales(const int8_t* codes, float d, float* s) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
 }
 
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -136,10 +112,13 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
       q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, buf);
     });
-  return kquant_decode(
-      x, n, [&](int64_t r, int64_t g) { return static_cast<float>(sup[r * (k / 256) + g]); },
-      [&](int64_t r, int64_t g) { return sc + r * (k / 16) + g * 16; },
-      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
+  return decode_rows(x, n, k / 16,
+                     [&](int64_t r, float* s) {
+                       for (int64_t g = 0; g < k / 256; ++g)
+                         kquant_scales(sc + r * (k / 16) + g * 16, static_cast<float>(sup[r * (k / 256) + g]),
+                                       s + g * 16);
+                     },
+                     [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
 }
 
 // Rows [n0, n0 + cols) of a q6k weight as f32 (exact) or bf16 (RNE) rows of K: q8k_dequant_rows's values.
@@ -195,7 +174,7 @@ struct Q6kRows {
 };
 
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_q6k(x, blocks);
+  check_blocks(x, blocks, "q6k_linear", 256, q6k::kBlockBytes);
   const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
   if (t > kRows)
@@ -203,10 +182,12 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
       q6k_dequant_rows(bw, k, n0, cols, bf, buf);
     });
   auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * q6k::kBlockBytes; };
-  return kquant_decode(
-      x, n, [&](int64_t r, int64_t g) { return _cvtsh_ss(q6k::d_bits(block(r, g))); },
-      [&](int64_t r, int64_t g) { return q6k::scales(block(r, g)); },
-      [&](int64_t n0, const float* s) { return Q6kRows{block(n0, 0), s, k}; });
+  return decode_rows(x, n, k / 16,
+                     [&](int64_t r, float* s) {
+                       for (int64_t g = 0; g < nb; ++g)
+                         kquant_scales(q6k::scales(block(r, g)), _cvtsh_ss(q6k::d_bits(block(r, g))), s + g * 16);
+                     },
+                     [&](int64_t n0, const float* s) { return Q6kRows{block(n0, 0), s, k}; });
 }
 
 }  // namespace

@@ -461,6 +461,32 @@ void dot_block_stored(const E* x, int64_t t, const W* w, int64_t k, int64_t cols
   dot_block_src(x, t, StoredRows<W, true>{w, k}, k, cols, y, ldy);
 }
 
+// The decode form of the row-major kinds with group scales (grouped q8, q8k, q6k, q5_0; at most kRows x rows):
+// blocks of 16 weight rows, each row's f32 scales per group written by scales(row, s_row) into s [16][groups],
+// then the dot form over source(n0, s), which dequantizes each weight once, in registers, as the dot product
+// loads it.
+template <class Scales, class Source>
+at::Tensor decode_rows(const at::Tensor& x, int64_t n, int64_t groups, Scales&& scales, Source&& source) {
+  const int64_t t = x.size(0), k = x.size(1);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = bf ? nullptr : x.data_ptr<float>();
+  at::Tensor y = at::empty({t, n}, x.options());
+  constexpr int64_t rb = 16;
+  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * rb), s(rb * groups);
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
+      for (int64_t j = 0; j < cols; ++j) scales(n0 + j, s.data() + j * groups);
+      const auto src = source(n0, s.data());
+      if (bf) dot_block_src(xb, t, src, k, cols, acc.data(), rb);
+      else dot_block_src(xf, t, src, k, cols, acc.data(), rb);
+      store_rows(acc.data(), rb, t, cols, y, n0);
+    }
+  });
+  return y;
+}
+
 // Weight rows per parallel block: they stay in L2 (about 512 KiB) while every x row passes over them.
 int64_t block_rows(int64_t k, int64_t esz) {
   int64_t rows = (512 << 10) / std::max<int64_t>(1, k * esz);

@@ -46,7 +46,8 @@ from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 K_KINDS = ("q4k", "q8k", "q6k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
-QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0",)
+GGUF_KEPT_KINDS = K_KINDS + ("q5_0",)  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
@@ -121,6 +122,8 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
     n, k = _check_shape(kind, shape)
     if kind.name in K_KINDS:
         return _k_buffer_layout(kind, n, k)
+    if kind.name == "q5_0":
+        return {"qweight": (torch.uint8, (n, k // 32 * Q50_BLOCK))}
     if kind.name == "q4":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)),
@@ -567,6 +570,10 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
 def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
     if name in ("Q4_K", "Q6_K"):
         return _k_from_gguf(raw, name, n, k)
+    if name == "Q5_0":  # the blocks as they are
+        if k % 32:
+            raise ValueError(f"from_gguf: K = {k} is not a multiple of the 32-value block")
+        return Q50Weight(Q50, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
     if bytes_per_block is None:
         raise ValueError(f"from_gguf: {name} blocks are not supported (only Q4_0, Q4_1, Q8_0)")
@@ -606,7 +613,8 @@ GGUF_EXACT = {
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
-GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16)}
+GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16),
+                "Q5_0": QuantKind("q5_0", 32, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -621,7 +629,8 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
-    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight}[kind]
+    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight,
+           "q5_0": Q50Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -643,7 +652,7 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #   one rounding, in the subtraction, as gguf's dequantize.
 # q6k: 6.5625 bits per weight, Q6_K's own blocks as the file stores them
 #   qweight  uint8 [N, K/256 * 210]  per 256 values: ql[128] (low 4 bits), qh[64] (high 2 bits), sc[16] (int8 per 16
-#                                    values), d (f16); the order of the codes: kernels/generic/q6k.h
+#                                    values), d (f16); the order of the codes: kernels/generic/gguf_blocks.h
 #   w = (d * sc) * (q - 32), exact in f32: the values of q8k.
 # q8k: 8.5625 bits per weight, Q6_K with its codes widened to bytes (what containers made before q6k hold; read,
 # no longer written)
@@ -658,7 +667,9 @@ SUPER = 256  # values per K-quant super-block
 Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
 Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
-_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K}
+Q50 = GGUF_K_EXACT["Q5_0"]
+Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50}
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -785,6 +796,56 @@ class Q6KWeight(Q8Weight):
             q = self._q8k_buffers(slice(r, r + step))
             y[:, r:r + q["qweight"].shape[0]] = op(x, q["qweight"], q["scales"], q["supers"])
         return y
+
+
+class Q50Weight(Q8Weight):
+    """GGUF Q5_0 kept exactly at its own size (5.5 bits a weight): the file's 22-byte blocks as they are,
+    w = d * (q - 16) per 32 values; the values of q8 with group 32 and f16 scales d. The native kernels read the
+    blocks in place (kernels/generic/gguf_blocks.h); the LOSSY int8 mode and the torch fallback decode a few MiB of rows
+    into those q8 codes."""
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(Q50, shape, buffers)
+
+    def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._buffers["qweight"][rows]
+        return b.view(b.shape[0], self.shape[1] // 32, Q50_BLOCK)
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        qs = b[..., 6:22]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, K/32, 32]: value j < 16 low nibbles, then high
+        qh = b[..., 2:6].contiguous().view(torch.int32)  # [rows, K/32, 1], bit j: value j's fifth bit
+        high = (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+        return ((q | high).view(torch.int8) - 16).reshape(b.shape[0], -1)
+
+    def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """d per 32 values of `rows`, f32 [rows, K/32]."""
+        b = self._blocks(rows)
+        return b[..., 0:2].contiguous().view(torch.float16).float().reshape(b.shape[0], -1)
+
+    def _q8_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
+        b = self._blocks(rows)
+        return {"qweight": self._codes(rows).contiguous(),
+                "scales": b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)}
+
+    def as_q8(self) -> Q8Weight:
+        """The same weight as q8 with group 32 and f16 scales (its codes widened to bytes)."""
+        return Q8Weight(QuantKind("q8", 32, torch.float16), self.shape, self._q8_buffers(slice(0, self.shape[0])))
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy, q8's int8 kernel
+                n, k = self.shape
+                y = torch.empty(x.shape[0], n, dtype=x.dtype)
+                step = max(1, _CHUNK_BYTES // k)
+                for r in range(0, n, step):
+                    q = self._q8_buffers(slice(r, r + step))
+                    y[:, r:r + q["qweight"].shape[0]] = kernels.library().q8_linear_i8(x, q["qweight"], q["scales"], 32)
+                return y
+            return kernels.library().q5_0_linear(x, self._buffers["qweight"])
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
 
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:

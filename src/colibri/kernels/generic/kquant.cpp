@@ -2,7 +2,7 @@
 // as the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
 
 #include "tiles.h"
-#include "q6k.h"
+#include "gguf_blocks.h"
 
 namespace {
 
@@ -78,9 +78,9 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
 }
 
-// q6k: q8k's values and steps over the codes decoded from the stored blocks (q6k.h), so the same bits as q8k.
+// q6k: q8k's values and steps over the codes decoded from the stored blocks (gguf_blocks.h), so the same bits as q8k.
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_q6k(x, blocks);
+  check_blocks(x, blocks, "q6k_linear", 256, q6k::kBlockBytes);
   const int64_t k = x.size(1), n = blocks.size(0), nb = k / 256;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
   auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * q6k::kBlockBytes; };

@@ -1,0 +1,117 @@
+// GGUF blocks kept as the file stores them (colibri/quant/kinds.py: q6k, q5_0): the decoders every tier's kernels
+// share, so each kind's codes are decoded by one source. Plain C++ (GCC/Clang vector extensions) or, where the tier
+// has it, AVX2, whose instructions every x86 tier here has.
+//
+// q6k: Q6_K, 210 bytes for 256 values: ql[128] (the low 4 bits), qh[64] (the high 2), sc[16] (int8 scale per 16
+// values), d (f16); value 128 h + 32 j + l (h < 2, j < 4, l < 32) has its low bits in ql[64 h + 32 (j & 1) + l] (the
+// high nibble when j >= 2), its high bits in qh[32 h + l] >> 2 j, code q - 32, and w = (d * sc[v / 16]) * (q - 32):
+// q8k's values, so the kernels give q8k's bits for the same weight.
+// q5_0: Q5_0, 22 bytes for 32 values: d (f16), qh (32 high bits, little-endian), qs[16]; value j < 16 is the low
+// nibble of qs[j] with bit j of qh above it, value j + 16 the high nibble with bit j + 16, code q - 16, and
+// w = d * (q - 16) (exact in f32): the values of q8 with group 32 and those d as f16 scales, so the kernels give
+// q8_linear's bits for the codes widened to bytes. (Both crossed on every tier: tests/test_tiers.py.)
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace q6k {
+
+constexpr int64_t kBlockBytes = 210;
+constexpr int64_t kBlockValues = 256;
+
+typedef uint8_t u8x32 __attribute__((vector_size(32), aligned(1)));
+typedef int8_t s8x32 __attribute__((vector_size(32), aligned(1)));
+
+// The codes q - 32 of half h of a block (values [128 h, 128 h + 128)) into out[128]: the half's 64 low-bit bytes
+// hold values 0-63 in their low nibbles and 64-127 in their high ones, its 32 high-bit bytes four values each, in
+// 32-byte vectors (the kernels read a row's codes a half block at a time, 16 or 32 of them per load: stores of
+// the same width forward to those loads).
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+#if defined(__AVX2__)
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  // the high bits moved to bits 4-5 (16-bit shifts: the mask drops what crosses from the neighbouring byte)
+  const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(q, 4), m2), h1 = _mm256_and_si256(_mm256_slli_epi16(q, 2), m2);
+  const __m256i h2 = _mm256_and_si256(q, m2), h3 = _mm256_and_si256(_mm256_srli_epi16(q, 2), m2);
+  const __m256i v[4] = {_mm256_or_si256(_mm256_and_si256(a, m4), h0), _mm256_or_si256(_mm256_and_si256(b, m4), h1),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), h2),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), h3)};
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i), _mm256_sub_epi8(v[i], off));
+#else
+  u8x32 a, b, q;
+  std::memcpy(&a, block + 64 * h, 32);
+  std::memcpy(&b, block + 64 * h + 32, 32);
+  std::memcpy(&q, block + 128 + 32 * h, 32);
+  const s8x32 v[4] = {reinterpret_cast<s8x32>((a & 15) | ((q & 3) << 4)) - 32,
+                      reinterpret_cast<s8x32>((b & 15) | (((q >> 2) & 3) << 4)) - 32,
+                      reinterpret_cast<s8x32>((a >> 4) | (((q >> 4) & 3) << 4)) - 32,
+                      reinterpret_cast<s8x32>((b >> 4) | ((q >> 6) << 4)) - 32};
+  for (int i = 0; i < 4; ++i) std::memcpy(out + 32 * i, &v[i], 32);
+#endif
+}
+
+// The block's 16 scale codes and its d as f16 bits.
+inline const int8_t* scales(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + 192); }
+inline uint16_t d_bits(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block + 208, 2);
+  return h;
+}
+
+}  // namespace q6k
+
+namespace q5_0 {
+
+constexpr int64_t kBlockBytes = 22;
+constexpr int64_t kBlockValues = 32;
+
+#if defined(__AVX2__)
+// The 32 codes q - 16 of a block as bytes in a register (AVX2: what the avx2 and avx512 tiers use).
+inline __m256i codes32v(const uint8_t* block) {
+  uint32_t qh;
+  std::memcpy(&qh, block + 2, 4);
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6));
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+  // byte i of rep: byte i / 8 of qh; its bit i % 8 is value i's fifth bit
+  const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                             0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), sixteen);
+  return _mm256_sub_epi8(_mm256_or_si256(q, high), sixteen);
+}
+
+// The 32 codes q - 16 of a block into out[32].
+inline void codes32(const uint8_t* block, int8_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes32v(block));
+}
+#else
+inline void codes32(const uint8_t* block, int8_t* out) {
+  uint32_t qh;
+  std::memcpy(&qh, block + 2, 4);
+  for (int j = 0; j < 16; ++j) {
+    const uint8_t b = block[6 + j];
+    out[j] = static_cast<int8_t>(((b & 15) | (((qh >> j) & 1) << 4)) - 16);
+    out[j + 16] = static_cast<int8_t>(((b >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+#endif
+
+// The block's d as f16 bits.
+inline uint16_t d_bits(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, 2);
+  return h;
+}
+
+}  // namespace q5_0
