@@ -31,7 +31,10 @@ def check_placements(path):
         assert p.pinned_bytes < weights / 2, p  # most weights are streamed
         r = m.generate(prompt, max_tokens=48, ignore_eos=True)
         assert r.token_ids == ref, (io_threads, depth)
-        assert r.stats["disk_bytes_read"] > 40 * (weights - p.pinned_bytes) / 2
+        # the weights streamed token after token: the placement's streamed pages less the elastic pins, which take
+        # what the KV pool leaves (SmolLM2's q4_1 container: about a third of those pages read a token, 16 passes'
+        # worth in 48 tokens; before, with its 14 % larger q4 container, over half)
+        assert r.stats["disk_bytes_read"] > 5 * (weights - p.pinned_bytes)
         m.close()
 
 

@@ -64,13 +64,20 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
 
 
 def _blocks_and_widened(kind: str, n: int, k: int):
-    """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k (-> q8k) and q5_0
-    (-> q8 with group 32 and f16 scales)."""
+    """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k (-> q8k), q5_0 (-> q8
+    with group 32 and f16 scales) and q4_1 (-> q4 with f32 (d, m + 8 d))."""
     if kind == "q6k":
         w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=7), QT.Q6_K, (n, k))
         q8 = w.as_q8k()._buffers
         return (lambda o, x: o.q6k_linear(x, w._buffers["qweight"]),
                 lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"]))
+    if kind == "q4_1":  # f16 (d, m) as stored against q4 with f32 (d, m + 8 d)
+        w = from_gguf(gguf_quantize(_randn(n, k, seed=9).numpy(), QT.Q4_1), QT.Q4_1, (n, k))
+        b = w._buffers
+        s, z = w._scales_zeros_f32(0, b["qweight"].shape[0])
+        sz = torch.stack([s, z], dim=-1).contiguous()
+        return (lambda o, x: o.q4_1_linear(x, b["qweight"], b["scales_mins"]),
+                lambda o, x: o.q4_linear(x, b["qweight"], sz, 32))
     w = from_gguf(gguf_quantize(_randn(n, k, seed=9).numpy(), QT.Q5_0), QT.Q5_0, (n, k))
     q8 = w.as_q8()._buffers
     return (lambda o, x: o.q5_0_linear(x, w._buffers["qweight"]),
@@ -78,9 +85,10 @@ def _blocks_and_widened(kind: str, n: int, k: int):
 
 
 @pytest.mark.parametrize("kind,shape", [("q6k", (200, 256)), ("q6k", (37, 2304)), ("q5_0", (200, 896)),
-                                        ("q5_0", (37, 2304))])
+                                        ("q5_0", (37, 2304)), ("q4_1", (200, 576)), ("q4_1", (37, 2304))])
 def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, kind, shape):
-    """GGUF blocks read as stored (q6k, q5_0) give the bits of their codes widened to bytes, every pass size."""
+    """GGUF blocks read as stored (q6k, q5_0; q4_1's f16 (d, m)) give the bits of their codes widened to bytes (of
+    q4 with f32 (d, m + 8 d)), every pass size."""
     blocks, widened = _blocks_and_widened(kind, *shape)
     for dtype in (torch.float32, torch.bfloat16):
         x = _randn(max(ROWS), shape[1], seed=8).to(dtype)

@@ -31,6 +31,20 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
+// q4_1 (Q4_1 kept as stored: f16 (d, m) per group of 32, w = d q + m): the q4 tile kernel with scale d and zero
+// m + 8 d, computed in f32 from the stored pair (exact: the converter checks it), as q4 with f32 (d, m + 8 d).
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
+  check_q4(x, qweight, scales_mins, 32);
+  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear: f16 (d, m)");
+  const int64_t k = x.size(1), np = qweight.size(0);
+  Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, 2, np, k, 32};
+  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+    q4_group_params(w, gi, n0, s, z);
+    for (int c = 0; c < 4; ++c) z[c] = _mm512_add_ps(z[c], _mm512_mul_ps(_mm512_set1_ps(8.f), s[c]));
+  };
+  return q4_tiles_linear(x, w, params, params, -8);
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_dense(x, w);
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0);
@@ -203,6 +217,7 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 
 COLIBRI_LIBRARY(m) {
   m.def("q5_0_linear(Tensor x, Tensor blocks) -> Tensor", &q5_0_linear);
+  m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales_mins) -> Tensor", &q4_1_linear);
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
   m.def("dense_linear(Tensor x, Tensor w) -> Tensor", &dense_linear);

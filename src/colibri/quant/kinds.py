@@ -46,9 +46,9 @@ from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 K_KINDS = ("q4k", "q8k", "q6k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
-QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0",)
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q4_1")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0",)  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
-TILED_KINDS = ("q4", "q4k")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
+TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step, small enough to stay in the L3 (docs/performance.md)
@@ -124,6 +124,9 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
         return _k_buffer_layout(kind, n, k)
     if kind.name == "q5_0":
         return {"qweight": (torch.uint8, (n, k // 32 * Q50_BLOCK))}
+    if kind.name == "q4_1":
+        np_ = _round16(n)
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales_mins": (torch.float16, (k // 32, np_, 2))}
     if kind.name == "q4":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)),
@@ -375,6 +378,34 @@ class Q4Weight(_QuantWeight):
         return out
 
 
+class Q41Weight(Q4Weight):
+    """GGUF Q4_1 kept exactly: the q4 tiles with f16 (d, m) per group of 32 as the file stores them, w = d q + m,
+    computed as q4 with scale d and zero m + 8 d (exact in f32: from_gguf checks it)."""
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(GGUF_EXACT["Q4_1"], shape, buffers)
+
+    def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sm = self._buffers["scales_mins"][:, r0:r1].float()
+        return sm[..., 0], sm[..., 1] + 8 * sm[..., 0]
+
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (_, k), g = self.shape, self.group_size
+        s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
+        p = torch.stack([s, z]).view(2, k // g, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
+        return p[0], p[1]
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy: q4's int8 kernel
+                s, z = self._scales_zeros_f32(0, b["qweight"].shape[0])
+                return kernels.library().q4_linear_i8(x, b["qweight"], torch.stack([s, z], dim=-1), 32)
+            return kernels.library().q4_1_linear(x, b["qweight"], b["scales_mins"])
+        return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
+
+
 class Q8Weight(_QuantWeight):
     """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
 
@@ -592,16 +623,15 @@ def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weigh
     if name == "Q4_0":
         sz = torch.zeros(k // 32, np_, 2, dtype=torch.float16)
         sz[:, :n, 0] = torch.from_numpy(d.T.copy())
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        zero64 = m.astype(np.float64) + 8 * d.astype(np.float64)
-        zero = zero64.astype(np.float32)
-        if not np.array_equal(zero.astype(np.float64), zero64):
-            raise ValueError("from_gguf: a Q4_1 block's m + 8 d is not exact in float32; keep this tensor as float")
-        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float32)
-        sz[:, :n, 0] = torch.from_numpy(d.T.astype(np.float32))
-        sz[:, :n, 1] = torch.from_numpy(zero.T.copy())
-    return Q4Weight(QuantKind("q4", 32, sz.dtype), (n, k), {"qweight": _pack_q4(q), "scales_zeros": sz})
+        return Q4Weight(QuantKind("q4", 32, sz.dtype), (n, k), {"qweight": _pack_q4(q), "scales_zeros": sz})
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    zero64 = m.astype(np.float64) + 8 * d.astype(np.float64)
+    if not np.array_equal(zero64.astype(np.float32).astype(np.float64), zero64):  # the kernels' zero, m + 8 d in f32
+        raise ValueError("from_gguf: a Q4_1 block's m + 8 d is not exact in float32; keep this tensor as float")
+    sm = torch.zeros(k // 32, np_, 2, dtype=torch.float16)
+    sm[:, :n, 0] = torch.from_numpy(d.T.copy())
+    sm[:, :n, 1] = torch.from_numpy(m.T.copy())
+    return Q41Weight(GGUF_EXACT["Q4_1"], (n, k), {"qweight": _pack_q4(q), "scales_mins": sm})
 
 
 # ---- container helpers ----------------------------------------------------------------------------------------
@@ -609,7 +639,7 @@ def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weigh
 # GGUF block types re-expressed without loss, and the kind (group 32, scale dtype) each becomes.
 GGUF_EXACT = {
     "Q4_0": QuantKind("q4", 32, torch.float16),
-    "Q4_1": QuantKind("q4", 32, torch.float32),
+    "Q4_1": QuantKind("q4_1", 32, torch.float16),
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
@@ -630,7 +660,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
     cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight,
-           "q5_0": Q50Weight}[kind]
+           "q5_0": Q50Weight, "q4_1": Q41Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -669,7 +699,7 @@ Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
 Q50 = GGUF_K_EXACT["Q5_0"]
 Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
-_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50}
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"]}
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
