@@ -22,7 +22,7 @@ from colibri.formats.container import ContainerCheckpoint
 from colibri.quant.kinds import from_gguf
 from synthetic_gguf import llama_writer
 
-BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210}
+BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110}
 
 
 def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
@@ -33,7 +33,7 @@ def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarra
     if qtype == QT.Q4_K:
         raw[..., 0:4] = d.view(np.uint8)  # d, dmin
     else:
-        raw[..., 208:210] = d.view(np.uint8)
+        raw[..., BLOCK[qtype] - 2:] = d.view(np.uint8)  # d last
     return raw.reshape(n, -1)
 
 
@@ -46,7 +46,7 @@ def _k_weight(raw, qtype, kind: str, n: int, k: int):
     return w.as_q8k() if kind == "q8k" else w
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k")])
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k")])
 def test_k_quants_dequantize_bit_exactly(qtype, kind):
     n, k = 80, 512  # 80 rows: a full 64-row tile and a 16-row tail tile for q4k
     raw = k_blocks(qtype, n, k, seed=1)
@@ -57,7 +57,7 @@ def test_k_quants_dequantize_bit_exactly(qtype, kind):
     ids = torch.tensor([0, 63, 64, 79, 5, 0])  # tile edges, the tail tile, a repeat
     assert torch.equal(w.rows(ids), ref[ids])
     # bytes: the codes plus one byte per scale (and min) code, f16 super-scales
-    per_super = {"q4k": 128 + 16 + 4, "q6k": 210, "q8k": 256 + 16 + 2}[kind]  # q6k: Q6_K's own bytes
+    per_super = {"q4k": 128 + 16 + 4, "q6k": 210, "q8k": 256 + 16 + 2, "q3k": 110}[kind]  # q6k, q3k: the file's
     assert w.nbytes == n * k // 256 * per_super
     # a reader's views over the stored buffers give the same weight
     again = type(w).from_buffers(w.shape, w.group_size, w.buffers())
@@ -73,7 +73,7 @@ def mode(request):
     kernels.use(None)
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k")])
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k")])
 def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, kind, mode):
     n, k = 80, 512
     raw = k_blocks(qtype, n, k, seed=2)
@@ -90,13 +90,15 @@ def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, kind, mod
         assert torch.equal(w.linear(xd[5:8]), y16[5:8])
 
 
-@pytest.mark.parametrize("kind", ["q6k", "q8k"])
+@pytest.mark.parametrize("kind", ["q6k", "q8k", "q3k"])
 def test_q6_k_decode_rows_match_the_buffered_path(kind, mode):
-    """Up to 6 rows dequantize in registers, more through a buffer: the same values either way, and q6k's equal
-    q8k's. K = 2304 walks the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
+    """Up to 6 rows dequantize in registers, more through a buffer: the same values either way, and q6k's and
+    q3k's equal q8k's. K = 2304 walks the dot form's 1024-column chunks and a short last one; 37 rows end in a part block."""
     n, k = 37, 2304
-    raw = k_blocks(QT.Q6_K, n, k, seed=4)
-    w, q8 = _k_weight(raw, QT.Q6_K, kind, n, k), _k_weight(raw, QT.Q6_K, "q8k", n, k)
+    qtype = QT.Q3_K if kind == "q3k" else QT.Q6_K
+    raw = k_blocks(qtype, n, k, seed=4)
+    w = _k_weight(raw, qtype, kind, n, k)
+    q8 = w.as_q8k() if kind != "q8k" else w
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
     for dtype in (torch.float32, torch.bfloat16):
         y16 = w.linear(x.to(dtype))

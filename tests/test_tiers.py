@@ -64,12 +64,13 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
 
 
 def _blocks_and_widened(kind: str, n: int, k: int):
-    """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k (-> q8k), q5_0 (-> q8
+    """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k and q3k (-> q8k), q5_0 (-> q8
     with group 32 and f16 scales) and q4_1 (-> q4 with f32 (d, m + 8 d))."""
-    if kind == "q6k":
-        w = from_gguf(k_blocks(QT.Q6_K, n, k, seed=7), QT.Q6_K, (n, k))
+    if kind in ("q6k", "q3k"):
+        qtype = QT.Q6_K if kind == "q6k" else QT.Q3_K
+        w = from_gguf(k_blocks(qtype, n, k, seed=7), qtype, (n, k))
         q8 = w.as_q8k()._buffers
-        return (lambda o, x: o.q6k_linear(x, w._buffers["qweight"]),
+        return (lambda o, x: getattr(o, f"{kind}_linear")(x, w._buffers["qweight"]),
                 lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"]))
     if kind == "q4_1":  # f16 (d, m) as stored against q4 with f32 (d, m + 8 d)
         w = from_gguf(gguf_quantize(_randn(n, k, seed=9).numpy(), QT.Q4_1), QT.Q4_1, (n, k))
@@ -85,7 +86,8 @@ def _blocks_and_widened(kind: str, n: int, k: int):
 
 
 @pytest.mark.parametrize("kind,shape", [("q6k", (200, 256)), ("q6k", (37, 2304)), ("q5_0", (200, 896)),
-                                        ("q5_0", (37, 2304)), ("q4_1", (200, 576)), ("q4_1", (37, 2304))])
+                                        ("q5_0", (37, 2304)), ("q4_1", (200, 576)), ("q4_1", (37, 2304)),
+                                        ("q3k", (200, 256)), ("q3k", (37, 2304))])
 def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, kind, shape):
     """GGUF blocks read as stored (q6k, q5_0; q4_1's f16 (d, m)) give the bits of their codes widened to bytes (of
     q4 with f32 (d, m + 8 d)), every pass size."""

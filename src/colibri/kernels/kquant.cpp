@@ -10,8 +10,9 @@
 //   dot form. Up to kRows x rows (one register block: each weight is used by one pass) dequantize in registers
 //   as dot_bf16 / dot_f32 load them; more rows dequantize a block of weight rows into a buffer that every row
 //   block reads. Both give the same weight values to the same instruction sequence: rows are bit-identical.
-// q6k (Q6_K as stored, 210-byte blocks [N, K/256 * 210]): q8k's values and steps, its codes decoded from the
-//   blocks (generic/gguf_blocks.h) where q8k loads them, so y equals q8k_linear's bit for bit.
+// q6k (Q6_K as stored, 210-byte blocks [N, K/256 * 210]) and q3k (Q3_K, 110-byte blocks): q8k's values and steps,
+//   codes and scales decoded from the blocks (generic/gguf_blocks.h) where q8k loads them, so y equals q8k_linear's
+//   bit for bit on the same codes and scales.
 
 #include "tiles.h"
 #include "generic/gguf_blocks.h"
@@ -121,28 +122,33 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
                      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
 }
 
-// Rows [n0, n0 + cols) of a q6k weight as f32 (exact) or bf16 (RNE) rows of K: q8k_dequant_rows's values.
-void q6k_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
+// Rows [n0, n0 + cols) of a q6k / q3k weight (B: the block kind) as f32 (exact) or bf16 (RNE) rows of K:
+// q8k_dequant_rows's values for the same codes and scales.
+template <class B>
+void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
   const int64_t esz = bf ? 2 : 4, nb = k / 256;
   alignas(64) int8_t q[256];
+  alignas(16) int8_t sc[16];
   for (int64_t j = 0; j < cols; ++j) {
     void* dst = static_cast<char*>(out) + j * k * esz;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = blocks + ((n0 + j) * nb + b) * q6k::kBlockBytes;
-      q6k::codes128(blk, 0, q);
-      q6k::codes128(blk, 1, q + 128);
-      const float d = _cvtsh_ss(q6k::d_bits(blk));
+      const uint8_t* blk = blocks + ((n0 + j) * nb + b) * B::kBlockBytes;
+      B::codes128(blk, 0, q);
+      B::codes128(blk, 1, q + 128);
+      B::scales16(blk, sc);
+      const float d = _cvtsh_ss(B::d_bits(blk));
       void* dst_b = static_cast<char*>(dst) + b * 256 * esz;
       for (int64_t i = 0; i < 16; ++i)
-        q8_store16(q, _mm512_set1_ps(d * static_cast<float>(q6k::scales(blk)[i])), 0xffff, bf, dst_b, i * 16);
+        q8_store16(q, _mm512_set1_ps(d * static_cast<float>(sc[i])), 0xffff, bf, dst_b, i * 16);
     }
   }
 }
 
-// Weight rows of a q6k weight dequantized in registers: Q8kRows over codes decoded a half block (128 values) at a
-// time into a small buffer per row of the register block (the dot form walks a block's rows side by side, k
-// ascending, from a multiple of 128: kDotChunk is one).
-struct Q6kRows {
+// Weight rows of a q6k / q3k weight dequantized in registers: Q8kRows over codes decoded a half block (128
+// values) at a time into a small buffer per row of the register block (the dot form walks a block's rows side by
+// side, k ascending, from a multiple of 128: kDotChunk is one).
+template <class B>
+struct BlockRows {
   static constexpr bool kStream = true;
   const uint8_t* blocks;  // row n0's first block
   const float* s;         // d * sc per 16 values, [cols][K/16]
@@ -150,7 +156,7 @@ struct Q6kRows {
   mutable int8_t cache[kDotCols][128];
   const int8_t* codes(int64_t j, int64_t k0) const {
     int8_t* c = cache[j & (kDotCols - 1)];  // j >= 0; kDotCols a power of two
-    if ((k0 & 127) == 0) q6k::codes128(blocks + (j * (k / 256) + k0 / 256) * q6k::kBlockBytes, k0 % 256 / 128, c);
+    if ((k0 & 127) == 0) B::codes128(blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes, k0 % 256 / 128, c);
     return c + (k0 & 127);
   }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
@@ -162,10 +168,9 @@ struct Q6kRows {
                                     _mm512_set1_ps(sj[1]));
     return _mm512_cvtne2ps_pbh(hi, lo);
   }
-  // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's 210 bytes (its
-  // low bits, high bits, scales: four cache lines)
+  // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's bytes
   const void* at(int64_t j, int64_t k0) const {
-    return blocks + (j * (k / 256) + k0 / 256) * q6k::kBlockBytes + (k0 % 256) * q6k::kBlockBytes / 256;
+    return blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes + (k0 % 256) * B::kBlockBytes / 256;
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0)));
@@ -173,27 +178,39 @@ struct Q6kRows {
   }
 };
 
-at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_blocks(x, blocks, "q6k_linear", 256, q6k::kBlockBytes);
+template <class B>
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  check_blocks(x, blocks, op, 256, B::kBlockBytes);
   const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
   if (t > kRows)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
-      q6k_dequant_rows(bw, k, n0, cols, bf, buf);
+      blocks_dequant_rows<B>(bw, k, n0, cols, bf, buf);
     });
-  auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * q6k::kBlockBytes; };
+  auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * B::kBlockBytes; };
   return decode_rows(x, n, k / 16,
                      [&](int64_t r, float* s) {
-                       for (int64_t g = 0; g < nb; ++g)
-                         kquant_scales(q6k::scales(block(r, g)), _cvtsh_ss(q6k::d_bits(block(r, g))), s + g * 16);
+                       alignas(16) int8_t sc[16];
+                       for (int64_t g = 0; g < nb; ++g) {
+                         B::scales16(block(r, g), sc);
+                         kquant_scales(sc, _cvtsh_ss(B::d_bits(block(r, g))), s + g * 16);
+                       }
                      },
-                     [&](int64_t n0, const float* s) { return Q6kRows{block(n0, 0), s, k}; });
+                     [&](int64_t n0, const float* s) { return BlockRows<B>{block(n0, 0), s, k}; });
+}
+
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q6kBlocks>(x, blocks, "q6k_linear");
+}
+at::Tensor q3k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q3kBlocks>(x, blocks, "q3k_linear");
 }
 
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
   m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
+  m.def("q3k_linear(Tensor x, Tensor blocks) -> Tensor", &q3k_linear);
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
   m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
 }

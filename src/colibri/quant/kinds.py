@@ -45,7 +45,7 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
-K_KINDS = ("q4k", "q8k", "q6k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
+K_KINDS = ("q4k", "q8k", "q6k", "q3k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
 QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q4_1")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0",)  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
@@ -599,7 +599,7 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
 
 
 def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
-    if name in ("Q4_K", "Q6_K"):
+    if name in ("Q4_K", "Q6_K", "Q3_K"):
         return _k_from_gguf(raw, name, n, k)
     if name == "Q5_0":  # the blocks as they are
         if k % 32:
@@ -644,7 +644,7 @@ GGUF_EXACT = {
 }
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
 GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16),
-                "Q5_0": QuantKind("q5_0", 32, torch.float16)}
+                "Q3_K": QuantKind("q3k", 16, torch.float16), "Q5_0": QuantKind("q5_0", 32, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -659,7 +659,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
-    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight,
+    cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight, "q3k": Q3KWeight,
            "q5_0": Q50Weight, "q4_1": Q41Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
@@ -695,11 +695,12 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 
 SUPER = 256  # values per K-quant super-block
 Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
+Q3K_BLOCK = 110  # ... of a Q3_K block
 Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
 Q50 = GGUF_K_EXACT["Q5_0"]
 Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
-_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"]}
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q3k": GGUF_K_EXACT["Q3_K"], "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"]}
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -707,8 +708,8 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
-    if kind.name == "q6k":
-        return {"qweight": (torch.uint8, (n, k // SUPER * Q6K_BLOCK))}
+    if kind.name in ("q6k", "q3k"):
+        return {"qweight": (torch.uint8, (n, k // SUPER * (Q6K_BLOCK if kind.name == "q6k" else Q3K_BLOCK)))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
 
@@ -769,51 +770,50 @@ class Q8KWeight(Q8Weight):
         return sup * self._buffers["scales"][rows].float()
 
 
-class Q6KWeight(Q8Weight):
-    """Q6_K kept exactly at its own size: the file's blocks as they are; the values of q8k (see the top of the
-    file). The native kernels read the blocks in place; the LOSSY int8 mode and the torch fallback decode a few
-    MiB of rows at a time into q8k's codes."""
+class _KBlocksWeight(Q8Weight):
+    """A GGUF K-quant whose values are q8k's (codes times d * sc per 16 values) kept as the file's blocks: the native
+    kernels read the blocks in place (`OP`); the LOSSY int8 mode and the torch fallback decode a few MiB of rows
+    into q8k's codes and scales."""
+
+    KIND: QuantKind
+    BLOCK: int  # bytes per 256 values
+    OP: str
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
-        return cls(Q6K, shape, buffers)
+        return cls(cls.KIND, shape, buffers)
 
     def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._buffers["qweight"][rows]
-        return b.view(b.shape[0], self.shape[1] // SUPER, Q6K_BLOCK)
+        return b.view(b.shape[0], self.shape[1] // SUPER, self.BLOCK)
 
-    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        b = self._blocks(rows)
-        r, nb = b.shape[:2]
-        shift = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
-        lo = (b[..., :128].reshape(r, nb, 2, 1, 64) >> shift) & 0x0F  # [half, nibble, byte]: value 32 j + l
-        hshift = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
-        hi = (b[..., 128:192].reshape(r, nb, 2, 1, 32) >> hshift) & 3
-        return ((lo.reshape(r, nb, 2, 4, 32) | (hi << 4)).view(torch.int8) - 32).reshape(r, -1)
+    def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
+        """int8 [rows, K/16] scale codes of blocks b [rows, K/256, BLOCK]."""
+        raise NotImplementedError
+
+    def _supers(self, b: torch.Tensor) -> torch.Tensor:
+        """f16 [rows, K/256]: each block's d (its last two bytes)."""
+        return b[..., self.BLOCK - 2:].contiguous().view(torch.float16).reshape(b.shape[0], -1)
 
     def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """d * sc of `rows`, f32 [rows, K/16] (exact)."""
         b = self._blocks(rows)
-        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(b.shape[0], -1).float()
-        d = b[..., 208:210].contiguous().view(torch.float16).float()  # [rows, K/256, 1]
-        return (d.expand(-1, -1, 16).reshape(b.shape[0], -1)) * sc
+        return self._supers(b).float().repeat_interleave(SUPER // 16, dim=1) * self._scale_codes(b).float()
 
     def _q8k_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
         """The q8k kind's buffers of `rows` (codes widened to bytes)."""
         b = self._blocks(rows)
-        return {"qweight": self._codes(rows).contiguous(),
-                "scales": b[..., 192:208].contiguous().view(torch.int8).reshape(b.shape[0], -1),
-                "supers": b[..., 208:210].contiguous().view(torch.float16).reshape(b.shape[0], -1)}
+        return {"qweight": self._codes(rows).contiguous(), "scales": self._scale_codes(b), "supers": self._supers(b)}
 
     def as_q8k(self) -> Q8KWeight:
-        """The same weight in the q8k kind (what containers made before q6k hold)."""
+        """The same weight in the q8k kind (its codes and scales widened to bytes)."""
         return Q8KWeight(Q8K, self.shape, self._q8k_buffers(slice(0, self.shape[0])))
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
             if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy, q8k's int8 kernel
                 return self._by_row_blocks(x, kernels.library().q8k_linear_i8)
-            return kernels.library().q6k_linear(x, self._buffers["qweight"])
+            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
     def _by_row_blocks(self, x: torch.Tensor, op) -> torch.Tensor:
@@ -826,6 +826,47 @@ class Q6KWeight(Q8Weight):
             q = self._q8k_buffers(slice(r, r + step))
             y[:, r:r + q["qweight"].shape[0]] = op(x, q["qweight"], q["scales"], q["supers"])
         return y
+
+
+class Q6KWeight(_KBlocksWeight):
+    """Q6_K kept exactly at its own size (see the top of the file): codes q - 32, int8 scales per 16."""
+
+    KIND, BLOCK, OP = Q6K, Q6K_BLOCK, "q6k_linear"
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        shift = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        lo = (b[..., :128].reshape(r, nb, 2, 1, 64) >> shift) & 0x0F  # [half, nibble, byte]: value 32 j + l
+        hshift = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+        hi = (b[..., 128:192].reshape(r, nb, 2, 1, 32) >> hshift) & 3
+        return ((lo.reshape(r, nb, 2, 4, 32) | (hi << 4)).view(torch.int8) - 32).reshape(r, -1)
+
+    def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
+        return b[..., 192:208].contiguous().view(torch.int8).reshape(b.shape[0], -1)
+
+
+class Q3KWeight(_KBlocksWeight):
+    """Q3_K kept exactly at its own size (3.4375 bits a weight): per 256 values hmask[32] (the third bit), qs[64]
+    (the low two), 12 bytes of 6-bit scales, d (f16); w = (d * (sc - 32)) * (q - 4): q8k's form (order of the codes
+    and scales: kernels/generic/gguf_blocks.h)."""
+
+    KIND, BLOCK, OP = GGUF_K_EXACT["Q3_K"], Q3K_BLOCK, "q3k_linear"
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        shift = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+        lo = (b[..., 32:96].reshape(r, nb, 2, 1, 32) >> shift) & 3
+        hi = (b[..., 0:32].reshape(r, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
+        return ((lo | (hi.reshape(r, nb, 2, 4, 32) << 2)).view(torch.int8) - 4).reshape(r, -1)
+
+    def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
+        r, nb = b.shape[:2]
+        p = b[..., 96:108]
+        lo = torch.cat([p[..., 0:8] & 15, p[..., 0:8] >> 4], dim=-1)  # [rows, nb, 16]
+        hi = ((p[..., 8:12].reshape(r, nb, 1, 4) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3)
+        return ((lo | (hi.reshape(r, nb, 16) << 4)).view(torch.int8) - 32).reshape(r, -1)
 
 
 class Q50Weight(Q8Weight):
@@ -900,6 +941,7 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
-    if name == "Q6_K":  # the blocks as they are
-        return Q6KWeight(Q6K, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
+    if name in ("Q6_K", "Q3_K"):  # the blocks as they are
+        cls = Q6KWeight if name == "Q6_K" else Q3KWeight
+        return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")

@@ -6,6 +6,8 @@
 // values), d (f16); value 128 h + 32 j + l (h < 2, j < 4, l < 32) has its low bits in ql[64 h + 32 (j & 1) + l] (the
 // high nibble when j >= 2), its high bits in qh[32 h + l] >> 2 j, code q - 32, and w = (d * sc[v / 16]) * (q - 32):
 // q8k's values, so the kernels give q8k's bits for the same weight.
+// q3k: Q3_K, 110 bytes for 256 values: hmask[32] (the third bit), qs[64] (the low 2 bits), scales[12] (16 6-bit
+// codes), d (f16); w = (d * (sc - 32)) * (q - 4) per 16 values: q8k's form too (codes in [-4, 3]).
 // q5_0: Q5_0, 22 bytes for 32 values: d (f16), qh (32 high bits, little-endian), qs[16]; value j < 16 is the low
 // nibble of qs[j] with bit j of qh above it, value j + 16 the high nibble with bit j + 16, code q - 16, and
 // w = d * (q - 16) (exact in f32): the values of q8 with group 32 and those d as f16 scales, so the kernels give
@@ -58,8 +60,8 @@ inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
 #endif
 }
 
-// The block's 16 scale codes and its d as f16 bits.
-inline const int8_t* scales(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + 192); }
+// The block's 16 scale codes (int8, one per 16 values) into out[16], and its d as f16 bits.
+inline void scales16(const uint8_t* block, int8_t* out) { std::memcpy(out, block + 192, 16); }
 inline uint16_t d_bits(const uint8_t* block) {
   uint16_t h;
   std::memcpy(&h, block + 208, 2);
@@ -67,6 +69,63 @@ inline uint16_t d_bits(const uint8_t* block) {
 }
 
 }  // namespace q6k
+
+namespace q3k {
+
+constexpr int64_t kBlockBytes = 110;
+constexpr int64_t kBlockValues = 256;
+
+// The codes q - 4 (in [-4, 3]) of half h of a block into out[128]: value 32 j + l of the half has its low 2 bits in
+// qs[32 h + l] >> 2 j and its third bit in hmask[l] >> (4 h + j).
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+#if defined(__AVX2__)
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * h));
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  for (int j = 0; j < 4; ++j) {
+    const int b = static_cast<int>(4 * h) + j;  // the hmask bit, moved to bit 2 (16-bit shifts, then masked)
+    const __m256i hi = b >= 2 ? _mm256_srl_epi16(hm, _mm_cvtsi32_si128(b - 2)) : _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - b));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j)), three);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
+                        _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hi, four)), four));
+  }
+#else
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      const int lo = (block[32 + 32 * h + l] >> (2 * j)) & 3, hi = (block[l] >> (4 * h + j)) & 1;
+      out[32 * j + l] = static_cast<int8_t>((lo | (hi << 2)) - 4);
+    }
+#endif
+}
+
+// The block's 16 scales sc - 32 (6-bit codes packed in 12 bytes: the low 4 bits of scales 0-7 and 8-15 in the
+// low and high nibbles of bytes 0-7, the high 2 bits of scale i in byte 8 + i % 4 at bit 2 (i / 4)) into out[16].
+inline void scales16(const uint8_t* block, int8_t* out) {
+  const uint8_t* b = block + 96;
+  for (int i = 0; i < 16; ++i) {
+    const int lo = i < 8 ? b[i] & 15 : b[i - 8] >> 4, hi = (b[8 + i % 4] >> (2 * (i / 4))) & 3;
+    out[i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+  }
+}
+inline uint16_t d_bits(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block + 108, 2);
+  return h;
+}
+
+}  // namespace q3k
+
+// The two-level int8-valued block kinds as template arguments of the kernels (q8k's form: codes and d * sc per 16).
+template <int64_t Bytes, void (*Codes)(const uint8_t*, int64_t, int8_t*), void (*Scales)(const uint8_t*, int8_t*),
+          uint16_t (*D)(const uint8_t*)>
+struct KBlocks {
+  static constexpr int64_t kBlockBytes = Bytes;
+  static void codes128(const uint8_t* block, int64_t h, int8_t* out) { Codes(block, h, out); }
+  static void scales16(const uint8_t* block, int8_t* out) { Scales(block, out); }
+  static uint16_t d_bits(const uint8_t* block) { return D(block); }
+};
+using Q6kBlocks = KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits>;
+using Q3kBlocks = KBlocks<q3k::kBlockBytes, q3k::codes128, q3k::scales16, q3k::d_bits>;
 
 namespace q5_0 {
 

@@ -78,17 +78,21 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
 }
 
-// q6k: q8k's values and steps over the codes decoded from the stored blocks (gguf_blocks.h), so the same bits as q8k.
-at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_blocks(x, blocks, "q6k_linear", 256, q6k::kBlockBytes);
+// q6k, q3k (B: the block kind): q8k's values and steps over the codes and scales decoded from the stored blocks
+// (gguf_blocks.h), so the same bits as q8k.
+template <class B>
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  check_blocks(x, blocks, op, 256, B::kBlockBytes);
   const int64_t k = x.size(1), n = blocks.size(0), nb = k / 256;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
-  auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * q6k::kBlockBytes; };
+  auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * B::kBlockBytes; };
   auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]
+    int8_t sc[16];
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = block(j, b);
-      const float d = simd::f16_to_f32(q6k::d_bits(bp));
-      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(q6k::scales(bp)[i]);
+      B::scales16(bp, sc);
+      const float d = simd::f16_to_f32(B::d_bits(bp));
+      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[i]);
     }
   };
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
@@ -97,8 +101,8 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
     for (int64_t j = 0; j < cols; ++j) {
       row_scales(n0 + j, s.data());
       for (int64_t b = 0; b < nb; ++b) {
-        q6k::codes128(block(n0 + j, b), 0, q);
-        q6k::codes128(block(n0 + j, b), 1, q + 128);
+        B::codes128(block(n0 + j, b), 0, q);
+        B::codes128(block(n0 + j, b), 1, q + 128);
         for (int64_t i = 0; i < 16; ++i)
           q8_values(q + 16 * i, 16, s[16 * b + i], bf, out + j * k + 256 * b + 16 * i, true);
       }
@@ -110,7 +114,7 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
     if (k0 % 128 == 0) {
       const uint8_t* bp = block(j, k0 / 256);
       prefetch_ahead(bp);
-      q6k::codes128(bp, k0 % 256 / 128, c);
+      B::codes128(bp, k0 % 256 / 128, c);
     }
     const int8_t* q = c + k0 % 128;
     for (int h = 0; h < 2; ++h) {
@@ -121,10 +125,18 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
   });
 }
 
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q6kBlocks>(x, blocks, "q6k_linear");
+}
+at::Tensor q3k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q3kBlocks>(x, blocks, "q3k_linear");
+}
+
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
   m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
+  m.def("q3k_linear(Tensor x, Tensor blocks) -> Tensor", &q3k_linear);
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
   m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
 }
