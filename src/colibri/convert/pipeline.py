@@ -61,7 +61,7 @@ class ConvertOptions:
     bits_per_weight: float | None = None
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"
-    requantize: bool = False  # GGUF Q4_K / Q6_K / Q5_0: re-quantized by the policy (lossy) instead of kept exactly
+    requantize: bool = False  # GGUF K-quants, IQ4, Q5_0: re-quantized by the policy (lossy), not kept exactly
 
     @property
     def calibrated(self) -> bool:

@@ -164,42 +164,45 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return y;
 }
 
-// q5_0 (Q5_0 as stored, 22-byte blocks [N, K/32 * 22]): q8_linear's grouped path (g = 32, f16 scales) with the
-// codes decoded from the blocks (generic/gguf_blocks.h) where q8 loads them: the same bits.
-struct Q5Rows {
+// q5_0 (Q5_0 as stored, 22-byte blocks [N, K/32 * 22]) and iq4_nl (IQ4_NL, 18-byte blocks): q8_linear's grouped
+// path (g = 32, the blocks' f16 d as scales) with the codes decoded from the blocks (generic/gguf_blocks.h) where q8
+// loads them: the same bits. B: the block kind.
+template <class B>
+struct G32Rows {
   static constexpr bool kStream = true;
   const uint8_t* blocks;  // row n0's first block
   const float* s;         // d per block, [cols][K/32]
   int64_t k;
-  const uint8_t* block(int64_t j, int64_t k0) const { return blocks + (j * (k / 32) + k0 / 32) * q5_0::kBlockBytes; }
+  const uint8_t* block(int64_t j, int64_t k0) const { return blocks + (j * (k / 32) + k0 / 32) * B::kBlockBytes; }
   const void* at(int64_t j, int64_t k0) const { return block(j, k0); }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {  // k0 % 32 == 0: one block
-    const __m256i b = q5_0::codes32v(block(j, k0));
+    const __m256i b = B::codes32v(block(j, k0));
     const __m512 sv = _mm512_set1_ps(s[j * (k / 32) + k0 / 32]);
     const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sv);
     const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sv);
     return _mm512_cvtne2ps_pbh(hi, lo);
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
-    const __m256i c = q5_0::codes32v(block(j, k0));
+    const __m256i c = B::codes32v(block(j, k0));
     const __m128i b = k0 % 32 ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 32) + k0 / 32]));
   }
 };
 
-at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_blocks(x, blocks, "q5_0_linear", 32, q5_0::kBlockBytes);
+template <class B>
+at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  check_blocks(x, blocks, op, 32, B::kBlockBytes);
   const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), groups = k / 32;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
-  auto block = [&](int64_t r, int64_t gi) { return bw + (r * groups + gi) * q5_0::kBlockBytes; };
+  auto block = [&](int64_t r, int64_t gi) { return bw + (r * groups + gi) * B::kBlockBytes; };
   if (t > kRows)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
       alignas(32) int8_t q[32];
       for (int64_t j = 0; j < cols; ++j) {
         void* dst = static_cast<char*>(buf) + j * k * (bf ? 2 : 4);
         for (int64_t gi = 0; gi < groups; ++gi) {
-          q5_0::codes32(block(n0 + j, gi), q);
-          const __m512 s = _mm512_set1_ps(_cvtsh_ss(q5_0::d_bits(block(n0 + j, gi))));
+          B::codes32(block(n0 + j, gi), q);
+          const __m512 s = _mm512_set1_ps(_cvtsh_ss(B::d_bits(block(n0 + j, gi))));
           void* dst_g = static_cast<char*>(dst) + gi * 32 * (bf ? 2 : 4);
           q8_store16(q, s, 0xffff, bf, dst_g, 0);
           q8_store16(q, s, 0xffff, bf, dst_g, 16);
@@ -208,15 +211,23 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
     });
   return decode_rows(x, n, groups,
                      [&](int64_t r, float* s) {
-                       for (int64_t gi = 0; gi < groups; ++gi) s[gi] = _cvtsh_ss(q5_0::d_bits(block(r, gi)));
+                       for (int64_t gi = 0; gi < groups; ++gi) s[gi] = _cvtsh_ss(B::d_bits(block(r, gi)));
                      },
-                     [&](int64_t n0, const float* s) { return Q5Rows{block(n0, 0), s, k}; });
+                     [&](int64_t n0, const float* s) { return G32Rows<B>{block(n0, 0), s, k}; });
+}
+
+at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Q50Blocks>(x, blocks, "q5_0_linear");
+}
+at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Iq4nlBlocks>(x, blocks, "iq4_nl_linear");
 }
 
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
   m.def("q5_0_linear(Tensor x, Tensor blocks) -> Tensor", &q5_0_linear);
+  m.def("iq4_nl_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_nl_linear);
   m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales_mins) -> Tensor", &q4_1_linear);
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);

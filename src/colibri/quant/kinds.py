@@ -45,9 +45,9 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
-K_KINDS = ("q4k", "q8k", "q6k", "q3k")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
-QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q4_1")
-GGUF_KEPT_KINDS = K_KINDS + ("q5_0",)  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
+K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "iq4_nl", "q4_1")
+GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
@@ -122,8 +122,8 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
     n, k = _check_shape(kind, shape)
     if kind.name in K_KINDS:
         return _k_buffer_layout(kind, n, k)
-    if kind.name == "q5_0":
-        return {"qweight": (torch.uint8, (n, k // 32 * Q50_BLOCK))}
+    if kind.name in ("q5_0", "iq4_nl"):
+        return {"qweight": (torch.uint8, (n, k // 32 * (Q50_BLOCK if kind.name == "q5_0" else 18)))}
     if kind.name == "q4_1":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales_mins": (torch.float16, (k // 32, np_, 2))}
@@ -599,12 +599,13 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
 
 
 def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
-    if name in ("Q4_K", "Q6_K", "Q3_K"):
+    if name in ("Q4_K", "Q6_K", "Q3_K", "IQ4_XS"):
         return _k_from_gguf(raw, name, n, k)
-    if name == "Q5_0":  # the blocks as they are
+    if name in ("Q5_0", "IQ4_NL"):  # the blocks as they are
         if k % 32:
             raise ValueError(f"from_gguf: K = {k} is not a multiple of the 32-value block")
-        return Q50Weight(Q50, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
+        cls = Q50Weight if name == "Q5_0" else IQ4NLWeight
+        return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
     if bytes_per_block is None:
         raise ValueError(f"from_gguf: {name} blocks are not supported (only Q4_0, Q4_1, Q8_0)")
@@ -644,7 +645,8 @@ GGUF_EXACT = {
 }
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
 GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16),
-                "Q3_K": QuantKind("q3k", 16, torch.float16), "Q5_0": QuantKind("q5_0", 32, torch.float16)}
+                "Q3_K": QuantKind("q3k", 16, torch.float16), "IQ4_XS": QuantKind("iq4_xs", 16, torch.float16),
+                "Q5_0": QuantKind("q5_0", 32, torch.float16), "IQ4_NL": QuantKind("iq4_nl", 32, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -660,7 +662,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
     cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight, "q3k": Q3KWeight,
-           "q5_0": Q50Weight, "q4_1": Q41Weight}[kind]
+           "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -700,7 +702,8 @@ Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
 Q50 = GGUF_K_EXACT["Q5_0"]
 Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
-_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q3k": GGUF_K_EXACT["Q3_K"], "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"]}
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"],
+           **{k.name: k for k in GGUF_K_EXACT.values()}}
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -708,8 +711,9 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
-    if kind.name in ("q6k", "q3k"):
-        return {"qweight": (torch.uint8, (n, k // SUPER * (Q6K_BLOCK if kind.name == "q6k" else Q3K_BLOCK)))}
+    if kind.name in ("q6k", "q3k", "iq4_xs"):
+        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": 136}[kind.name]
+        return {"qweight": (torch.uint8, (n, k // SUPER * per_block))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
 
@@ -869,37 +873,32 @@ class Q3KWeight(_KBlocksWeight):
         return ((lo | (hi.reshape(r, nb, 16) << 4)).view(torch.int8) - 32).reshape(r, -1)
 
 
-class Q50Weight(Q8Weight):
-    """GGUF Q5_0 kept exactly at its own size (5.5 bits a weight): the file's 22-byte blocks as they are,
-    w = d * (q - 16) per 32 values; the values of q8 with group 32 and f16 scales d. The native kernels read the
-    blocks in place (kernels/generic/gguf_blocks.h); the LOSSY int8 mode and the torch fallback decode a few MiB of rows
-    into those q8 codes."""
+class _G32BlocksWeight(Q8Weight):
+    """A GGUF kind of 32-value blocks with an f16 d first whose values are q8's with group 32 (codes times d), kept
+    as the file's blocks: the native kernels read them in place (`OP`, kernels/generic/gguf_blocks.h); the LOSSY
+    int8 mode and the torch fallback decode a few MiB of rows into those q8 codes."""
+
+    KIND: QuantKind
+    BLOCK: int  # bytes per 32 values
+    OP: str
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
-        return cls(Q50, shape, buffers)
+        return cls(cls.KIND, shape, buffers)
 
     def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._buffers["qweight"][rows]
-        return b.view(b.shape[0], self.shape[1] // 32, Q50_BLOCK)
+        return b.view(b.shape[0], self.shape[1] // 32, self.BLOCK)
 
-    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        b = self._blocks(rows)
-        qs = b[..., 6:22]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, K/32, 32]: value j < 16 low nibbles, then high
-        qh = b[..., 2:6].contiguous().view(torch.int32)  # [rows, K/32, 1], bit j: value j's fifth bit
-        high = (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
-        return ((q | high).view(torch.int8) - 16).reshape(b.shape[0], -1)
+    def _d(self, b: torch.Tensor) -> torch.Tensor:
+        return b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)
 
     def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """d per 32 values of `rows`, f32 [rows, K/32]."""
-        b = self._blocks(rows)
-        return b[..., 0:2].contiguous().view(torch.float16).float().reshape(b.shape[0], -1)
+        return self._d(self._blocks(rows)).float()
 
     def _q8_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
-        b = self._blocks(rows)
-        return {"qweight": self._codes(rows).contiguous(),
-                "scales": b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)}
+        return {"qweight": self._codes(rows).contiguous(), "scales": self._d(self._blocks(rows))}
 
     def as_q8(self) -> Q8Weight:
         """The same weight as q8 with group 32 and f16 scales (its codes widened to bytes)."""
@@ -915,8 +914,64 @@ class Q50Weight(Q8Weight):
                     q = self._q8_buffers(slice(r, r + step))
                     y[:, r:r + q["qweight"].shape[0]] = kernels.library().q8_linear_i8(x, q["qweight"], q["scales"], 32)
                 return y
-            return kernels.library().q5_0_linear(x, self._buffers["qweight"])
+            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
+
+class Q50Weight(_G32BlocksWeight):
+    """GGUF Q5_0 kept exactly at its own size (5.5 bits a weight): w = d * (q - 16) per 32 values."""
+
+    KIND, BLOCK, OP = Q50, Q50_BLOCK, "q5_0_linear"
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        qs = b[..., 6:22]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, K/32, 32]: value j < 16 low nibbles, then high
+        qh = b[..., 2:6].contiguous().view(torch.int32)  # [rows, K/32, 1], bit j: value j's fifth bit
+        high = (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
+        return ((q | high).view(torch.int8) - 16).reshape(b.shape[0], -1)
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+
+
+def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
+    """int8 [..., 32] table values of the 16 index bytes of each group [..., 16] (low nibbles, then high)."""
+    idx = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[idx]
+
+
+class IQ4NLWeight(_G32BlocksWeight):
+    """GGUF IQ4_NL kept exactly (4.5 bits a weight): w = d * IQ4_VALUES[q] per 32 values."""
+
+    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_NL"], 18, "iq4_nl_linear"
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        return _iq4_values(b[..., 2:18]).reshape(b.shape[0], -1)
+
+
+class IQ4XSWeight(_KBlocksWeight):
+    """GGUF IQ4_XS kept exactly (4.25 bits a weight): per 256 values d (f16), 8 6-bit scales (ls - 32, one per 32),
+    IQ4_VALUES indices; w = (d * (ls - 32)) * IQ4_VALUES[q]: q8k's form, each scale given to both of its 16s."""
+
+    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_XS"], 136, "iq4_xs_linear"
+
+    def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        return _iq4_values(b[..., 8:136].reshape(r, nb, 8, 16)).reshape(r, -1)
+
+    def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
+        r, nb = b.shape[:2]
+        lo = torch.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], dim=-1).reshape(r, nb, 8)  # group ib: byte ib/2
+        hi16 = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # [rows, nb, 1]
+        hi = ((hi16 >> (2 * torch.arange(8, dtype=torch.int32))) & 3).to(torch.uint8)
+        sc = (lo | (hi << 4)).view(torch.int8) - 32  # [rows, nb, 8]
+        return sc.repeat_interleave(2, dim=-1).reshape(r, -1)
+
+    def _supers(self, b: torch.Tensor) -> torch.Tensor:
+        return b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)
 
 
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
@@ -941,7 +996,7 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
-    if name in ("Q6_K", "Q3_K"):  # the blocks as they are
-        cls = Q6KWeight if name == "Q6_K" else Q3KWeight
+    if name in ("Q6_K", "Q3_K", "IQ4_XS"):  # the blocks as they are
+        cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight}[name]
         return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")

@@ -125,7 +125,8 @@ def describe(path: str | Path) -> dict[str, str]:
 
 
 # kinds the int8 kernels take: their group of x (None: the weight's)
-INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q6k": 16, "q3k": 16, "q5_0": 32, "q4_1": 32}
+INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q6k": 16, "q3k": 16, "iq4_xs": 16, "q5_0": 32,
+              "iq4_nl": 32, "q4_1": 32}
 
 
 def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str | None:
@@ -146,7 +147,7 @@ def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str 
         else:
             left.append(name)
     if not taken and not left:
-        return "do not apply: this container has no q4/q8/q4k/q8k/q6k/q3k/q5_0/q4_1 weights; running exact"
+        return "do not apply: this container has no q4/q8/q4k/q8k or GGUF-kept quantized weights; running exact"
     if left:
         return (f"leave {len(left)} of {taken + len(left)} quantized weights exact (K not a multiple of 64 or an"
                 f" unsupported group size: {left[0]}{', ...' if len(left) > 1 else ''})")

@@ -8,6 +8,7 @@
 // q8k's values, so the kernels give q8k's bits for the same weight.
 // q3k: Q3_K, 110 bytes for 256 values: hmask[32] (the third bit), qs[64] (the low 2 bits), scales[12] (16 6-bit
 // codes), d (f16); w = (d * (sc - 32)) * (q - 4) per 16 values: q8k's form too (codes in [-4, 3]).
+// iq4_xs, iq4_nl: below, beside their decoders.
 // q5_0: Q5_0, 22 bytes for 32 values: d (f16), qh (32 high bits, little-endian), qs[16]; value j < 16 is the low
 // nibble of qs[j] with bit j of qh above it, value j + 16 the high nibble with bit j + 16, code q - 16, and
 // w = d * (q - 16) (exact in f32): the values of q8 with group 32 and those d as f16 scales, so the kernels give
@@ -115,6 +116,59 @@ inline uint16_t d_bits(const uint8_t* block) {
 
 }  // namespace q3k
 
+namespace iq4 {
+
+// IQ4_NL / IQ4_XS: 4-bit indices into this table of int8 values (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+#if defined(__AVX2__)
+// The 32 values of 16 bytes of indices (value j < 16: the low nibble of byte j, value j + 16 its high nibble).
+inline __m256i values32v(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(15);
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kValues));
+  return _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4)),
+                          _mm_shuffle_epi8(table, _mm_and_si128(q, m4)));
+}
+#endif
+inline void values32(const uint8_t* qs, int8_t* out) {
+#if defined(__AVX2__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), values32v(qs));
+#else
+  for (int j = 0; j < 16; ++j) {
+    out[j] = kValues[qs[j] & 15];
+    out[j + 16] = kValues[qs[j] >> 4];
+  }
+#endif
+}
+
+}  // namespace iq4
+
+// iq4_xs: IQ4_XS, 136 bytes for 256 values: d (f16), scales_h (uint16: the high 2 bits of group ib's scale at bit
+// 2 ib), scales_l[4] (the low 4 bits, group ib in byte ib / 2, nibble ib % 2), qs[128] (16 bytes of indices a group
+// of 32); w = (d * (ls - 32)) * kValues[q]: q8k's form with the per-32 scale given to both of its 16s.
+namespace iq4_xs {
+
+constexpr int64_t kBlockBytes = 136;
+
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+  for (int i = 0; i < 4; ++i) iq4::values32(block + 8 + 16 * (4 * h + i), out + 32 * i);
+}
+inline void scales16(const uint8_t* block, int8_t* out) {
+  uint16_t hi;
+  std::memcpy(&hi, block + 2, 2);
+  for (int ib = 0; ib < 8; ++ib) {
+    const int ls = ((block[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((hi >> (2 * ib)) & 3) << 4);
+    out[2 * ib] = out[2 * ib + 1] = static_cast<int8_t>(ls - 32);
+  }
+}
+inline uint16_t d_bits(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, 2);
+  return h;
+}
+
+}  // namespace iq4_xs
+
 // The two-level int8-valued block kinds as template arguments of the kernels (q8k's form: codes and d * sc per 16).
 template <int64_t Bytes, void (*Codes)(const uint8_t*, int64_t, int8_t*), void (*Scales)(const uint8_t*, int8_t*),
           uint16_t (*D)(const uint8_t*)>
@@ -126,6 +180,7 @@ struct KBlocks {
 };
 using Q6kBlocks = KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits>;
 using Q3kBlocks = KBlocks<q3k::kBlockBytes, q3k::codes128, q3k::scales16, q3k::d_bits>;
+using Iq4xsBlocks = KBlocks<iq4_xs::kBlockBytes, iq4_xs::codes128, iq4_xs::scales16, iq4_xs::d_bits>;
 
 namespace q5_0 {
 
@@ -174,3 +229,43 @@ inline uint16_t d_bits(const uint8_t* block) {
 }
 
 }  // namespace q5_0
+
+// iq4_nl: IQ4_NL, 18 bytes for 32 values: d (f16), qs[16]; w = d * kValues[q]: q8's form with group 32.
+namespace iq4_nl {
+
+constexpr int64_t kBlockBytes = 18;
+
+#if defined(__AVX2__)
+inline __m256i codes32v(const uint8_t* block) { return iq4::values32v(block + 2); }
+#endif
+inline void codes32(const uint8_t* block, int8_t* out) { iq4::values32(block + 2, out); }
+inline uint16_t d_bits(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, 2);
+  return h;
+}
+
+}  // namespace iq4_nl
+
+// The one-level kinds of 32-value blocks with an f16 d (q8 g32's form) as template arguments of the kernels.
+#if defined(__AVX2__)
+template <int64_t Bytes, __m256i (*CodesV)(const uint8_t*), void (*Codes)(const uint8_t*, int8_t*),
+          uint16_t (*D)(const uint8_t*)>
+struct G32Blocks {
+  static constexpr int64_t kBlockBytes = Bytes;
+  static __m256i codes32v(const uint8_t* block) { return CodesV(block); }
+#else
+template <int64_t Bytes, void (*Codes)(const uint8_t*, int8_t*), uint16_t (*D)(const uint8_t*)>
+struct G32Blocks {
+  static constexpr int64_t kBlockBytes = Bytes;
+#endif
+  static void codes32(const uint8_t* block, int8_t* out) { Codes(block, out); }
+  static uint16_t d_bits(const uint8_t* block) { return D(block); }
+};
+#if defined(__AVX2__)
+using Q50Blocks = G32Blocks<q5_0::kBlockBytes, q5_0::codes32v, q5_0::codes32, q5_0::d_bits>;
+using Iq4nlBlocks = G32Blocks<iq4_nl::kBlockBytes, iq4_nl::codes32v, iq4_nl::codes32, iq4_nl::d_bits>;
+#else
+using Q50Blocks = G32Blocks<q5_0::kBlockBytes, q5_0::codes32, q5_0::d_bits>;
+using Iq4nlBlocks = G32Blocks<iq4_nl::kBlockBytes, iq4_nl::codes32, iq4_nl::d_bits>;
+#endif

@@ -126,25 +126,27 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   });
 }
 
-// q5_0: q8_linear's grouped path (g = 32, f16 scales) over the codes decoded from the stored blocks (gguf_blocks.h).
-at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
-  check_blocks(x, blocks, "q5_0_linear", 32, q5_0::kBlockBytes);
+// q5_0, iq4_nl (B: the block kind): q8_linear's grouped path (g = 32, f16 scales) over the codes decoded from the
+// stored blocks (gguf_blocks.h).
+template <class B>
+at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  check_blocks(x, blocks, op, 32, B::kBlockBytes);
   const int64_t k = x.size(1), groups = k / 32;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
-  auto block = [&](int64_t r, int64_t gi) { return bw + (r * groups + gi) * q5_0::kBlockBytes; };
+  auto block = [&](int64_t r, int64_t gi) { return bw + (r * groups + gi) * B::kBlockBytes; };
   return dot_linear(x, blocks.size(0), [&](int64_t n0, int64_t cols, bool bf, float* out) {
     alignas(32) int8_t q[32];
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t gi = 0; gi < groups; ++gi) {
-        q5_0::codes32(block(n0 + j, gi), q);
-        q8_values(q, 32, simd::f16_to_f32(q5_0::d_bits(block(n0 + j, gi))), bf, out + j * k + gi * 32, true);
+        B::codes32(block(n0 + j, gi), q);
+        q8_values(q, 32, simd::f16_to_f32(B::d_bits(block(n0 + j, gi))), bf, out + j * k + gi * 32, true);
       }
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {  // k0 % 32 == 0: one block
     const uint8_t* bp = block(j, k0 / 32);
     prefetch_ahead(bp);
     alignas(32) int8_t q[32];
-    q5_0::codes32(bp, q);
-    const f8 sv = simd::set1(simd::f16_to_f32(q5_0::d_bits(bp)));
+    B::codes32(bp, q);
+    const f8 sv = simd::set1(simd::f16_to_f32(B::d_bits(bp)));
     for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
       const Pair v = simd::code_pairs(q + 16 * h);
       (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
@@ -152,10 +154,18 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
   });
 }
 
+at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Q50Blocks>(x, blocks, "q5_0_linear");
+}
+at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Iq4nlBlocks>(x, blocks, "iq4_nl_linear");
+}
+
 }  // namespace
 
 COLIBRI_LIBRARY(m) {
   m.def("q5_0_linear(Tensor x, Tensor blocks) -> Tensor", &q5_0_linear);
+  m.def("iq4_nl_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_nl_linear);
   m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales_mins) -> Tensor", &q4_1_linear);
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
