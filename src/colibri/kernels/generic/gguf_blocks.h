@@ -77,26 +77,35 @@ constexpr int64_t kBlockBytes = 110;
 constexpr int64_t kBlockValues = 256;
 
 // The codes q - 4 (in [-4, 3]) of half h of a block into out[128]: value 32 j + l of the half has its low 2 bits in
-// qs[32 h + l] >> 2 j and its third bit in hmask[l] >> (4 h + j).
-inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+// qs[32 h + l] >> 2 j and its third bit in hmask[l] >> (4 h + j). (The half a template argument: every shift count
+// a constant.)
+template <int H>
+inline void codes128_half(const uint8_t* block, int8_t* out) {
 #if defined(__AVX2__)
   const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * h));
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 32 * H));
   const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-  for (int j = 0; j < 4; ++j) {
-    const int b = static_cast<int>(4 * h) + j;  // the hmask bit, moved to bit 2 (16-bit shifts, then masked)
-    const __m256i hi = b >= 2 ? _mm256_srl_epi16(hm, _mm_cvtsi32_si128(b - 2)) : _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - b));
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j)), three);
+  // the hmask bit 4 H + j moved to bit 2 (16-bit shifts, then masked)
+  const __m256i hi[4] = {H ? _mm256_srli_epi16(hm, 2) : _mm256_slli_epi16(hm, 2),
+                         H ? _mm256_srli_epi16(hm, 3) : _mm256_slli_epi16(hm, 1),
+                         H ? _mm256_srli_epi16(hm, 4) : hm,
+                         H ? _mm256_srli_epi16(hm, 5) : _mm256_srli_epi16(hm, 1)};
+  const __m256i lo[4] = {qs, _mm256_srli_epi16(qs, 2), _mm256_srli_epi16(qs, 4), _mm256_srli_epi16(qs, 6)};
+  for (int j = 0; j < 4; ++j)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
-                        _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hi, four)), four));
-  }
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo[j], three), _mm256_and_si256(hi[j], four)),
+                                        four));
 #else
   for (int j = 0; j < 4; ++j)
     for (int l = 0; l < 32; ++l) {
-      const int lo = (block[32 + 32 * h + l] >> (2 * j)) & 3, hi = (block[l] >> (4 * h + j)) & 1;
+      const int lo = (block[32 + 32 * H + l] >> (2 * j)) & 3, hi = (block[l] >> (4 * H + j)) & 1;
       out[32 * j + l] = static_cast<int8_t>((lo | (hi << 2)) - 4);
     }
 #endif
+}
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+  if (h) codes128_half<1>(block, out);
+  else codes128_half<0>(block, out);
 }
 
 // The block's 16 scales sc - 32 (6-bit codes packed in 12 bytes: the low 4 bits of scales 0-7 and 8-15 in the
