@@ -20,7 +20,9 @@ q4 on-disk layout (N out, K in, g = group_size in {32, 64, 128, 256}, K % g == 0
 q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
 q4k / q6k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout,
-q6k the file's own blocks; q8k, Q6_K with its codes in bytes, is what older containers hold).
+q6k the file's own blocks; q8k, Q6_K with its codes in bytes, is what older containers hold). q3k, iq4_xs (Q3_K,
+IQ4_XS: q8k's form), q5_0, iq4_nl (Q5_0, IQ4_NL: q8 g32's form) and q4_1 (Q4_1: q4 with f16 (d, m)) likewise keep
+the file's bytes; docs/format.md describes each.
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -45,7 +47,7 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
-K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")  # GGUF Q4_K / Q6_K kept exactly (section "GGUF K-quants" below)
+K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")  # two-level GGUF kinds in super-blocks of 256 (section "GGUF K-quants")
 QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "iq4_nl", "q4_1")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
@@ -123,7 +125,7 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
     if kind.name in K_KINDS:
         return _k_buffer_layout(kind, n, k)
     if kind.name in ("q5_0", "iq4_nl"):
-        return {"qweight": (torch.uint8, (n, k // 32 * (Q50_BLOCK if kind.name == "q5_0" else 18)))}
+        return {"qweight": (torch.uint8, (n, k // 32 * (Q50_BLOCK if kind.name == "q5_0" else IQ4NL_BLOCK)))}
     if kind.name == "q4_1":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales_mins": (torch.float16, (k // 32, np_, 2))}
@@ -698,6 +700,8 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 SUPER = 256  # values per K-quant super-block
 Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
 Q3K_BLOCK = 110  # ... of a Q3_K block
+IQ4XS_BLOCK = 136  # ... of an IQ4_XS block
+IQ4NL_BLOCK = 18  # bytes per 32 values of an IQ4_NL block
 Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
 Q50 = GGUF_K_EXACT["Q5_0"]
@@ -712,7 +716,7 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
     if kind.name in ("q6k", "q3k", "iq4_xs"):
-        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": 136}[kind.name]
+        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK}[kind.name]
         return {"qweight": (torch.uint8, (n, k // SUPER * per_block))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
@@ -944,7 +948,7 @@ def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
 class IQ4NLWeight(_G32BlocksWeight):
     """GGUF IQ4_NL kept exactly (4.5 bits a weight): w = d * IQ4_VALUES[q] per 32 values."""
 
-    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_NL"], 18, "iq4_nl_linear"
+    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_NL"], IQ4NL_BLOCK, "iq4_nl_linear"
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)
@@ -955,7 +959,7 @@ class IQ4XSWeight(_KBlocksWeight):
     """GGUF IQ4_XS kept exactly (4.25 bits a weight): per 256 values d (f16), 8 6-bit scales (ls - 32, one per 32),
     IQ4_VALUES indices; w = (d * (ls - 32)) * IQ4_VALUES[q]: q8k's form, each scale given to both of its 16s."""
 
-    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_XS"], 136, "iq4_xs_linear"
+    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_XS"], IQ4XS_BLOCK, "iq4_xs_linear"
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)
