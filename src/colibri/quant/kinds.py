@@ -47,7 +47,8 @@ import torch
 from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
-K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")  # two-level GGUF kinds in super-blocks of 256 (section "GGUF K-quants")
+# two-level GGUF kinds in super-blocks of 256 values (section "GGUF K-quants")
+K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")
 QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "iq4_nl", "q4_1")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
