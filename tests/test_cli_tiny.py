@@ -65,7 +65,7 @@ def test_a_short_run_saves_expert_usage(moe_container, tmp_path, command, monkey
 def test_the_usual_habits_positional_prompt_short_options_version_and_bare_help(moe_container, capsys):
     """Issue 26 item 4 (in part): `colibri run -m M -n 3 "prompt"` is `run --model M --max-tokens 3 --prompt
     "prompt"` token for token; --version; bare `colibri` prints the help, not an error; two prompts or none are a
-    one-line error; `--help` shows the options in sections."""
+    one-line error; `--help` shows the options in sections; bench takes --max-tokens / -n for its --tokens."""
     path = str(moe_container)
     long = ["run", "--raw", "--json", "--model", path, "--max-tokens", "3", "--threads", "1", "--ctx-length", "64"]
     assert cli.main([*long, "--prompt", "w5 w6 w7 w8"]) == 0
@@ -91,3 +91,7 @@ def test_the_usual_habits_positional_prompt_short_options_version_and_bare_help(
     sections = [ln for ln in capsys.readouterr().out.splitlines() if ln.endswith(":") and not ln.startswith(" ")]
     assert sections == ["positional arguments:", "options:", "model, threads and memory:",
                         "engine: sequences, speculation, lookahead:", "KV cache:", "sampling:"]
+    # bench counts its tokens as run does: --max-tokens and -n are its --tokens
+    parser = cli.build_parser()
+    for flag in ("--tokens", "--max-tokens", "-n"):
+        assert parser.parse_args(["bench", "-m", path, flag, "7"]).tokens == 7

@@ -171,6 +171,8 @@ SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_
 
 # The one-letter forms of the options every llama.cpp / ollama / mlx-lm user types.
 SHORT = {"model": "-m", "prompt": "-p", "max_tokens": "-n", "ctx_length": "-c", "threads": "-t"}
+# other spellings of an option (bench's --tokens is what run and the server call max_tokens)
+ALIASES = {"tokens": ("-n", "--max-tokens")}
 
 
 # --help's sections: the shared option lists, each under its title (a command's own options come first)
@@ -194,7 +196,8 @@ def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any])
             kwargs["required"] = False
             kwargs["help"] += f" [env {env}]"
         flags = [SHORT[name]] if name in SHORT else []
-        sections.get(name, parser).add_argument(*flags, "--" + name.replace("_", "-"), dest=name, **kwargs)
+        sections.get(name, parser).add_argument(*flags, "--" + name.replace("_", "-"), *ALIASES.get(name, ()),
+                                                dest=name, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
