@@ -153,12 +153,10 @@ def write_tensor(fd: int, entry: container.TensorEntry, value) -> str:
     return checksum_str(crc)
 
 
-def _file_crc(fd: int, offset: int, nbytes: int, step: int = 16 << 20) -> str:
-    """crc32 of nbytes of the file from offset, read a step at a time (a page may be gigabytes)."""
-    crc = 0
-    for o in range(offset, offset + nbytes, step):
-        crc = crc32(os.pread(fd, min(step, offset + nbytes - o), o), crc)
-    return checksum_str(crc)
+def _page_checksum(fds: list[int], page: container.PageEntry) -> str:
+    """The checksum of a page as the file holds it now."""
+    fd = fds[page.file]
+    return container.range_checksum(lambda o, n: os.pread(fd, n, o), page.offset, page.nbytes)
 
 
 def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
@@ -307,7 +305,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
                 if progress:
                     progress("converting", written, total)
             os.fdatasync(fds[page.file])
-            page.checksum = _file_crc(fds[page.file], page.offset, page.nbytes)
+            page.checksum = _page_checksum(fds, page)
             journal["pages"][str(page.id)] = {"checksum": page.checksum,
                                               "tensors": {n: by_name[n].checksum for n in page.tensors}}
             write_json(work / JOURNAL, journal)
@@ -393,7 +391,7 @@ def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int
     checked, of = 0, sum(p.nbytes for p in journaled)
     for page in journaled:
         entry = journal["pages"][str(page.id)]
-        if _file_crc(fds[page.file], page.offset, page.nbytes) == entry.get("checksum"):
+        if _page_checksum(fds, page) == entry.get("checksum"):
             done[page.id] = entry
         else:
             del journal["pages"][str(page.id)]

@@ -49,6 +49,17 @@ def checksum_str(value: int) -> str:
     return f"crc32:{value:08x}"
 
 
+CRC_STEP = 16 << 20  # bytes read per step when checksumming a range of a file (a page may be gigabytes)
+
+
+def range_checksum(read: Callable[[int, int], Any], offset: int, nbytes: int) -> str:
+    """The checksum of nbytes from offset, read(offset, n) giving the bytes a CRC_STEP at a time."""
+    crc = 0
+    for o in range(offset, offset + nbytes, CRC_STEP):
+        crc = crc32(read(o, min(CRC_STEP, offset + nbytes - o)), crc)
+    return checksum_str(crc)
+
+
 class Record:
     """A manifest record, read by attribute (`entry.kind`, `entry.group_size`); its manifest JSON is
     `dataclasses.asdict` of it."""
@@ -520,7 +531,8 @@ class ContainerCheckpoint:
         `progress(done, total)`: bytes checked so far, after each page."""
         done, total = 0, sum(p.nbytes for p in self.pages)
         for page in self.pages:
-            ok = self._crc(page.file, page.offset, page.nbytes) == page.checksum
+            ok = range_checksum(lambda o, n: self.read_extent(page.file, o, n).numpy(), page.offset,
+                                page.nbytes) == page.checksum
             done += page.nbytes
             if progress:
                 progress(done, total)
@@ -530,13 +542,6 @@ class ContainerCheckpoint:
                 self.read_extent(t.file, t.offset, t.nbytes).numpy()))]
             where = f"page {page.id} ({page.kind}, {self.files[page.file].name} @ {page.offset})"
             yield where, f"tensor {bad[0]!r}" if bad else "padding bytes"
-
-    def _crc(self, file: int, offset: int, nbytes: int, step: int = 16 << 20) -> str:
-        """crc32 of a range of a data file, read a step at a time (a page may be gigabytes)."""
-        crc = 0
-        for o in range(offset, offset + nbytes, step):
-            crc = crc32(self.read_extent(file, o, min(step, offset + nbytes - o)).numpy(), crc)
-        return checksum_str(crc)
 
     def close(self) -> None:
         for fd in self._fds.values():

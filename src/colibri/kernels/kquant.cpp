@@ -81,18 +81,12 @@ struct Q8kRows {
   const float* s;
   int64_t k;
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * k + k0));
     const float* sj = s + j * (k / 16) + k0 / 16;
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
-                                    _mm512_set1_ps(sj[0]));
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
-                                    _mm512_set1_ps(sj[1]));
-    return _mm512_cvtne2ps_pbh(hi, lo);  // RNE per lane, as _mm512_cvtneps_pbh in q8_store16
+    return scaled_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * k + k0)), sj[0], sj[1]);
   }
   const void* at(int64_t j, int64_t k0) const { return q + j * k + k0; }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * k + k0));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 16) + k0 / 16]));
+    return scaled_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * k + k0)), s[j * (k / 16) + k0 / 16]);
   }
 };
 
@@ -160,21 +154,16 @@ struct BlockRows {
     return c + (k0 & 127);
   }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes(j, k0)));
+    const int8_t* c = codes(j, k0);
     const float* sj = s + j * (k / 16) + k0 / 16;
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
-                                    _mm512_set1_ps(sj[0]));
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
-                                    _mm512_set1_ps(sj[1]));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return scaled_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), sj[0], sj[1]);
   }
   // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's bytes
   const void* at(int64_t j, int64_t k0) const {
     return blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes + (k0 % 256) * B::kBlockBytes / 256;
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 16) + k0 / 16]));
+    return scaled_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0))), s[j * (k / 16) + k0 / 16]);
   }
 };
 

@@ -101,16 +101,10 @@ struct Q8gRows {
   const void* at(int64_t j, int64_t k0) const { return q + j * k + k0; }
   float scale(int64_t j, int64_t k0) const { return s[j * (k / g) + std::min(k0, k - 1) / g]; }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32 m) const {
-    const __m256i b = _mm256_maskz_loadu_epi8(m, q + j * k + k0);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
-                                    _mm512_set1_ps(scale(j, k0)));
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))),
-                                    _mm512_set1_ps(scale(j, k0 + 16)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return scaled_bf16(_mm256_maskz_loadu_epi8(m, q + j * k + k0), scale(j, k0), scale(j, k0 + 16));
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16 m) const {
-    const __m128i b = _mm_maskz_loadu_epi8(m, q + j * k + k0);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale(j, k0)));
+    return scaled_f32(_mm_maskz_loadu_epi8(m, q + j * k + k0), scale(j, k0));
   }
 };
 
@@ -176,16 +170,12 @@ struct G32Rows {
   const uint8_t* block(int64_t j, int64_t k0) const { return blocks + (j * (k / 32) + k0 / 32) * B::kBlockBytes; }
   const void* at(int64_t j, int64_t k0) const { return block(j, k0); }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {  // k0 % 32 == 0: one block
-    const __m256i b = B::codes32v(block(j, k0));
-    const __m512 sv = _mm512_set1_ps(s[j * (k / 32) + k0 / 32]);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sv);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sv);
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    const float d = s[j * (k / 32) + k0 / 32];
+    return scaled_bf16(B::codes32v(block(j, k0)), d, d);
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
     const __m256i c = B::codes32v(block(j, k0));
-    const __m128i b = k0 % 32 ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[j * (k / 32) + k0 / 32]));
+    return scaled_f32(k0 % 32 ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c), s[j * (k / 32) + k0 / 32]);
   }
 };
 

@@ -345,6 +345,20 @@ inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+// 32 int8 codes times the scale of codes 0-15 and of codes 16-31 (f32, exact), rounded to bf16 (RNE per lane, as
+// _mm512_cvtneps_pbh in q8_store16): the weights the int8-valued sources (grouped q8, q8k and the GGUF blocks kept
+// as stored) hand vdpbf16ps; and 16 codes times one scale in f32, for f32 x.
+inline __m512bh scaled_bf16(__m256i q, float s_lo, float s_hi) {
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                  _mm512_set1_ps(s_lo));
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                  _mm512_set1_ps(s_hi));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512 scaled_f32(__m128i q, float s) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
+}
+
 // Weight rows of the dot form as a source: bf16(j, k0) gives 32 bf16 weights of row j from column k0, f32(j, k0)
 // 16 f32 ones, both masked by m; at(j, k0) is where they are read from, and kStream says whether that is the
 // weights as stored (read once from DRAM at decode: prefetched) or a buffer in L2. Stored rows (bf16, f32, or q8

@@ -779,13 +779,14 @@ class Q8KWeight(Q8Weight):
         return sup * self._buffers["scales"][rows].float()
 
 
-class _KBlocksWeight(Q8Weight):
-    """A GGUF K-quant whose values are q8k's (codes times d * sc per 16 values) kept as the file's blocks: the native
-    kernels read the blocks in place (`OP`); the LOSSY int8 mode and the torch fallback decode a few MiB of rows
-    into q8k's codes and scales."""
+class _BlocksWeight(Q8Weight):
+    """A GGUF kind kept as the file's blocks whose values are those of a kind with int8 codes (q8k or q8 g32): the
+    native kernels read the blocks in place (`OP`); the LOSSY int8 mode runs the widened kind's int8 kernel over a
+    few MiB of rows decoded at a time, and the torch fallback dequantizes as q8 does (`_codes`, `_scales_f32`)."""
 
     KIND: QuantKind
-    BLOCK: int  # bytes per 256 values
+    BLOCK: int  # bytes per block
+    VALUES: int  # values per block
     OP: str
 
     @classmethod
@@ -794,7 +795,35 @@ class _KBlocksWeight(Q8Weight):
 
     def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._buffers["qweight"][rows]
-        return b.view(b.shape[0], self.shape[1] // SUPER, self.BLOCK)
+        return b.view(b.shape[0], self.shape[1] // self.VALUES, self.BLOCK)
+
+    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
+        """The widened kind's buffers of `rows` (codes in bytes)."""
+        raise NotImplementedError
+
+    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The widened kind's LOSSY int8 kernel on those buffers."""
+        raise NotImplementedError
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
+                # a few MiB of weight rows at a time: each output element's arithmetic is its own row's
+                n, k = self.shape
+                y = torch.empty(x.shape[0], n, dtype=x.dtype)
+                step = max(1, _CHUNK_BYTES // k)
+                for r in range(0, n, step):
+                    w = self._widened(slice(r, r + step))
+                    y[:, r:r + w["qweight"].shape[0]] = self._int8_linear(x, w)
+                return y
+            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
+
+class _KBlocksWeight(_BlocksWeight):
+    """Blocks of 256 values with q8k's values (codes times d * sc per 16 values)."""
+
+    VALUES = SUPER
 
     def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
         """int8 [rows, K/16] scale codes of blocks b [rows, K/256, BLOCK]."""
@@ -809,32 +838,16 @@ class _KBlocksWeight(Q8Weight):
         b = self._blocks(rows)
         return self._supers(b).float().repeat_interleave(SUPER // 16, dim=1) * self._scale_codes(b).float()
 
-    def _q8k_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
-        """The q8k kind's buffers of `rows` (codes widened to bytes)."""
+    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
         b = self._blocks(rows)
         return {"qweight": self._codes(rows).contiguous(), "scales": self._scale_codes(b), "supers": self._supers(b)}
 
+    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
+        return kernels.library().q8k_linear_i8(x, widened["qweight"], widened["scales"], widened["supers"])
+
     def as_q8k(self) -> Q8KWeight:
         """The same weight in the q8k kind (its codes and scales widened to bytes)."""
-        return Q8KWeight(Q8K, self.shape, self._q8k_buffers(slice(0, self.shape[0])))
-
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy, q8k's int8 kernel
-                return self._by_row_blocks(x, kernels.library().q8k_linear_i8)
-            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
-        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
-
-    def _by_row_blocks(self, x: torch.Tensor, op) -> torch.Tensor:
-        """op(x, codes, scales, supers) of q8k over a few MiB of weight rows at a time (each output element's
-        arithmetic is its own row's: the blocks change no bit)."""
-        n, k = self.shape
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        step = max(1, _CHUNK_BYTES // k)
-        for r in range(0, n, step):
-            q = self._q8k_buffers(slice(r, r + step))
-            y[:, r:r + q["qweight"].shape[0]] = op(x, q["qweight"], q["scales"], q["supers"])
-        return y
+        return Q8KWeight(Q8K, self.shape, self._widened(slice(0, self.shape[0])))
 
 
 class Q6KWeight(_KBlocksWeight):
@@ -878,22 +891,10 @@ class Q3KWeight(_KBlocksWeight):
         return ((lo | (hi.reshape(r, nb, 16) << 4)).view(torch.int8) - 32).reshape(r, -1)
 
 
-class _G32BlocksWeight(Q8Weight):
-    """A GGUF kind of 32-value blocks with an f16 d first whose values are q8's with group 32 (codes times d), kept
-    as the file's blocks: the native kernels read them in place (`OP`, kernels/generic/gguf_blocks.h); the LOSSY
-    int8 mode and the torch fallback decode a few MiB of rows into those q8 codes."""
+class _G32BlocksWeight(_BlocksWeight):
+    """Blocks of 32 values with an f16 d first and q8 g32's values (codes times d)."""
 
-    KIND: QuantKind
-    BLOCK: int  # bytes per 32 values
-    OP: str
-
-    @classmethod
-    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
-        return cls(cls.KIND, shape, buffers)
-
-    def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        b = self._buffers["qweight"][rows]
-        return b.view(b.shape[0], self.shape[1] // 32, self.BLOCK)
+    VALUES = 32
 
     def _d(self, b: torch.Tensor) -> torch.Tensor:
         return b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)
@@ -902,25 +903,15 @@ class _G32BlocksWeight(Q8Weight):
         """d per 32 values of `rows`, f32 [rows, K/32]."""
         return self._d(self._blocks(rows)).float()
 
-    def _q8_buffers(self, rows: slice) -> dict[str, torch.Tensor]:
+    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
         return {"qweight": self._codes(rows).contiguous(), "scales": self._d(self._blocks(rows))}
+
+    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
+        return kernels.library().q8_linear_i8(x, widened["qweight"], widened["scales"], 32)
 
     def as_q8(self) -> Q8Weight:
         """The same weight as q8 with group 32 and f16 scales (its codes widened to bytes)."""
-        return Q8Weight(QuantKind("q8", 32, torch.float16), self.shape, self._q8_buffers(slice(0, self.shape[0])))
-
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy, q8's int8 kernel
-                n, k = self.shape
-                y = torch.empty(x.shape[0], n, dtype=x.dtype)
-                step = max(1, _CHUNK_BYTES // k)
-                for r in range(0, n, step):
-                    q = self._q8_buffers(slice(r, r + step))
-                    y[:, r:r + q["qweight"].shape[0]] = kernels.library().q8_linear_i8(x, q["qweight"], q["scales"], 32)
-                return y
-            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
-        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+        return Q8Weight(QuantKind("q8", 32, torch.float16), self.shape, self._widened(slice(0, self.shape[0])))
 
 
 class Q50Weight(_G32BlocksWeight):

@@ -22,6 +22,13 @@
 #include <immintrin.h>
 #endif
 
+// The two bytes at p as a little-endian uint16, any alignment (a block's f16 d; IQ4_XS's scales_h).
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
 namespace q6k {
 
 constexpr int64_t kBlockBytes = 210;
@@ -63,11 +70,7 @@ inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
 
 // The block's 16 scale codes (int8, one per 16 values) into out[16], and its d as f16 bits.
 inline void scales16(const uint8_t* block, int8_t* out) { std::memcpy(out, block + 192, 16); }
-inline uint16_t d_bits(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block + 208, 2);
-  return h;
-}
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block + 208); }
 
 }  // namespace q6k
 
@@ -117,11 +120,7 @@ inline void scales16(const uint8_t* block, int8_t* out) {
     out[i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
   }
 }
-inline uint16_t d_bits(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block + 108, 2);
-  return h;
-}
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block + 108); }
 
 }  // namespace q3k
 
@@ -163,18 +162,13 @@ inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
   for (int i = 0; i < 4; ++i) iq4::values32(block + 8 + 16 * (4 * h + i), out + 32 * i);
 }
 inline void scales16(const uint8_t* block, int8_t* out) {
-  uint16_t hi;
-  std::memcpy(&hi, block + 2, 2);
+  const uint16_t hi = u16_at(block + 2);
   for (int ib = 0; ib < 8; ++ib) {
     const int ls = ((block[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((hi >> (2 * ib)) & 3) << 4);
     out[2 * ib] = out[2 * ib + 1] = static_cast<int8_t>(ls - 32);
   }
 }
-inline uint16_t d_bits(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block, 2);
-  return h;
-}
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
 
 }  // namespace iq4_xs
 
@@ -231,11 +225,7 @@ inline void codes32(const uint8_t* block, int8_t* out) {
 #endif
 
 // The block's d as f16 bits.
-inline uint16_t d_bits(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block, 2);
-  return h;
-}
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
 
 }  // namespace q5_0
 
@@ -248,11 +238,7 @@ constexpr int64_t kBlockBytes = 18;
 inline __m256i codes32v(const uint8_t* block) { return iq4::values32v(block + 2); }
 #endif
 inline void codes32(const uint8_t* block, int8_t* out) { iq4::values32(block + 2, out); }
-inline uint16_t d_bits(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block, 2);
-  return h;
-}
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
 
 }  // namespace iq4_nl
 
