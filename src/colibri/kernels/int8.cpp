@@ -637,10 +637,3 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
 }  // namespace
 
 #pragma GCC pop_options
-
-COLIBRI_LIBRARY(m) {
-  m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
-  m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
-  m.def("q4k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear_i8);
-  m.def("q8k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear_i8);
-}

@@ -175,11 +175,3 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
-  m.def("q3k_linear(Tensor x, Tensor blocks) -> Tensor", &q3k_linear);
-  m.def("iq4_xs_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_xs_linear);
-  m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
-  m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
-}
