@@ -127,6 +127,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                             help="seconds requests in flight get to finish after SIGTERM / Ctrl-C; new ones get 503"
                                  " meanwhile, and those still running then end with a 503 'shutting_down' error"
                                  " (default 10)"), None),
+    "ray": (dict(nargs="?", const="", metavar="ADDRESS",
+                 help="run on a Ray cluster (pip install 'colibri[ray]'): ADDRESS as `ray start` printed it, or"
+                      " none for RAY_ADDRESS, the cluster started on this machine, else a new local one"), None),
+    "replicas": (dict(type=int, help="--ray: engines to start, spread over the nodes (default: one per node),"
+                                     " each on its node's copy of --model"), None),
     "model_name": (dict(help="the model id clients send and /v1/models lists (default: the checkpoint's file or"
                              " directory name)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
@@ -141,7 +146,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
-    "port": (0, 65535), "max_queue": (0, None), "shutdown_grace": (0, 3600),
+    "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
     "draft_tokens": (0, config.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
@@ -214,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name")
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
-    add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING,
+    add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING, "ray", "replicas",
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
                         " optionally with sampling fields (max_tokens, temperature, ...)"),
         output=dict(help="JSONL results, one line per id, appended as each finishes; ids already there are"
@@ -256,9 +261,11 @@ def model_path(args, engine: bool = True) -> str:
     return str(default_model_path())
 
 
-def engine_config(args) -> config.EngineConfig:
-    """The EngineConfig of a subcommand's options (the model path resolved)."""
-    return config.EngineConfig.from_args(args).replace(model=model_path(args))
+def engine_config(args, resolve: bool = True) -> config.EngineConfig:
+    """The EngineConfig of a subcommand's options, the model path resolved (`resolve=False`: as given, None for
+    the embedded default, which each node of a cluster resolves to its own copy)."""
+    cfg = config.EngineConfig.from_args(args)
+    return cfg.replace(model=model_path(args)) if resolve else cfg
 
 
 def load_model(args):
@@ -396,7 +403,10 @@ def cmd_serve(args) -> int:
 
 def cmd_batch(args) -> int:
     from colibri import batch
-    return batch.run(args, load_model, sampling(args))
+    if args.ray is None:
+        return batch.run(args, sampling(args), batch.local(args, load_model))
+    from colibri import cluster
+    return batch.run(args, sampling(args), cluster.batch_job(args, engine_config(args, resolve=False)))
 
 
 def cmd_swap(args) -> int:

@@ -1,0 +1,182 @@
+"""`colibri batch --ray`: the same job over a Ray cluster, one engine per node (or per `--replicas`).
+
+Ray (an optional extra) places the engines and carries lines and results; everything else is colibri.batch's:
+the input's parsing, the resume from the output, the result records, the writer. Each node's engine is an actor
+that loads `--model` from that node's own disk (the embedded default: the node's own converted copy), so the
+weights never cross the network; only lines (a prompt) and results (a record) do.
+
+The driver keeps at most `window` lines in flight per engine (twice its --max-sequences, as on one machine: the
+engine always has the next line queued), so a slow node holds no more than its share and the input is never
+all in the object store. Results are written once, by the driver, in the order they finish (as on one machine);
+a rerun skips the ids already written. An engine whose actor dies (its node lost, its process killed) has its
+in-flight lines re-queued to the others, which is safe because nothing of a line is written before its result
+is whole: a line is written exactly once, by whichever engine finishes it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+
+from colibri import batch
+from colibri.core.config import EngineConfig
+from colibri.core.errors import ColibriError, InputError
+
+INSTALL = "--ray needs Ray, an optional extra: pip install 'colibri[ray]' (from a checkout: pip install -e \".[ray]\")"
+
+
+def import_ray():
+    """The ray module, or an InputError saying in one line how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise InputError(INSTALL) from None
+    return ray
+
+
+def connect(address: str | None):
+    """Ray, connected: to `address`, else to RAY_ADDRESS or the cluster started on this machine, else to a new
+    local one. A process that already called ray.init (a test, a notebook) keeps its connection."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address or None, include_dashboard=False)
+    return ray
+
+
+class Engine:
+    """One engine on one node: each `generate` call adds a line and returns its record when it finishes. Calls
+    run concurrently (a threaded actor) and share the engine: whichever call holds the lock runs one step for
+    every request in it, so `window` lines in flight decode together as in one machine's `colibri batch`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = None
+        self._lock = threading.Lock()
+
+    def load(self) -> str | None:
+        """Load the model from this node's disk: None, or the error in one line (the driver reports it)."""
+        try:
+            cfg = self.config
+            if cfg.model is None:
+                from colibri.convert.pipeline import default_container
+                cfg = cfg.replace(model=str(default_container()))
+            from colibri.runtime.model import load
+            self.model = load(cfg)
+        except ColibriError as e:
+            return f"{os.uname().nodename}: {e}"
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, line: batch.Line) -> tuple[dict | None, str | None]:
+        """(record, None) when the line finished, (None, error) when the engine refused or failed it."""
+        eng, start = self.model.engine, time.perf_counter()
+        try:
+            with self._lock:
+                req = eng.add_request(batch.line_ids(self.model, line), batch.SamplingParams(**line.sampling))
+            while not req.finished:
+                with self._lock:
+                    if not req.finished:  # another call may have stepped it meanwhile
+                        eng.step()
+        except ColibriError as e:
+            return None, str(e)
+        if req.error is not None:
+            return None, str(req.error)
+        return batch.record(line, req, start), None
+
+
+def placements(ray, replicas: int | None, threads: int | None) -> list[tuple[dict, int]]:
+    """(actor options, compute threads) per engine: one per alive node with all its CPUs, or `replicas` spread
+    over the nodes with an equal share of the cluster's CPUs. The threads are the actor's Ray CPUs too, so Ray's
+    accounting is honest and its OMP_NUM_THREADS matches what the engine uses."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if replicas is None:
+        return [(dict(num_cpus=t, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)), t)
+                for n in nodes for t in [threads or max(1, int(n["Resources"].get("CPU", 1)))]]
+    t = threads or max(1, int(sum(n["Resources"].get("CPU", 1) for n in nodes)) // replicas)
+    return [(dict(num_cpus=t, scheduling_strategy="SPREAD"), t)] * replicas
+
+
+class ClusterBatch:
+    """The driver: lines out to the engines with back-pressure, results written as they come back."""
+
+    def __init__(self, ray, engines: list, out: batch.Output, report, window: int):
+        self.ray, self.out, self.report, self.window = ray, out, report, window
+        self.engines = list(engines)
+        self.skipped = 0
+        self.overhead_s = 0.0  # the driver's own time (everything but waiting for results): per line, see docs
+
+    def run(self, lines: list[batch.Line], bar) -> None:
+        ray = self.ray
+        from ray.exceptions import RayActorError
+        todo, inflight = deque(lines), {}  # ref -> (line, engine)
+        load = {e: 0 for e in self.engines}
+        t0 = time.perf_counter()
+        while todo or inflight:
+            t = time.perf_counter()
+            if not self.engines:
+                raise ColibriError(f"every engine of the cluster is gone; {self.out.written} lines are written; run"
+                                   " the same command again to resume")
+            for e in self.engines:
+                while todo and load[e] < self.window:
+                    line = todo.popleft()
+                    inflight[e.generate.remote(line)] = (line, e)
+                    load[e] += 1
+            self.overhead_s += time.perf_counter() - t
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            t = time.perf_counter()
+            for ref in ready:
+                line, e = inflight.pop(ref)
+                load[e] -= 1
+                try:
+                    rec, error = ray.get(ref)
+                except RayActorError:
+                    todo.appendleft(line)  # it runs again, whole, on another engine
+                    if e in self.engines:
+                        self.engines.remove(e)
+                        self.report(f"an engine stopped with {load[e] + 1} lines in flight ({len(self.engines)}"
+                                    " left); they run on the others")
+                    continue
+                if error is not None:
+                    self.skip(line, error, bar)
+                    continue
+                self.out.write(rec)
+                bar.update(1)
+            bar.set_postfix_str(f"{self.out.tokens / (time.perf_counter() - t0):.1f} tok/s, {len(self.engines)}"
+                                " engines", refresh=False)
+            self.overhead_s += time.perf_counter() - t
+
+    skip = batch.Batch.skip
+
+    def close(self) -> None:
+        for e in self.engines:
+            self.ray.kill(e)
+
+
+def start_engines(ray, config: EngineConfig, replicas: int | None) -> list:
+    """The engines, each loaded on its node; an InputError naming the node where one cannot load."""
+    cls = ray.remote(Engine)
+    window = 2 * config.max_sequences
+    engines = [cls.options(max_concurrency=window + 1, **opts).remote(config.replace(threads=t))
+               for opts, t in placements(ray, replicas, config.threads)]
+    errors = [e for e in ray.get([e.load.remote() for e in engines]) if e is not None]
+    if errors:
+        for e in engines:
+            ray.kill(e)
+        raise InputError(errors[0])
+    return engines
+
+
+def batch_job(args, config: EngineConfig):
+    """`start` for batch.run on the cluster at `args.ray`."""
+    def start(out: batch.Output, report) -> ClusterBatch:
+        ray = connect(args.ray)
+        engines = start_engines(ray, config, args.replicas)
+        report(f"{len(engines)} engines on {len({n['NodeID'] for n in ray.nodes() if n['Alive']})} nodes")
+        return ClusterBatch(ray, engines, out, report, window=2 * config.max_sequences)
+    import_ray()  # before the input is read: without Ray, one line saying how to install it
+    return start

@@ -1,0 +1,155 @@
+"""`colibri batch --ray` on a local Ray cluster of 2 worker processes and a tiny model: every id exactly once,
+an engine killed mid-run loses nothing, and the results equal one machine's `colibri batch` token for token
+(greedy). The cluster runs in a private network namespace (tests/ray_scenarios.py), one per module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from colibri import cli
+
+pytest.importorskip("ray", reason="the Ray extra is not installed: pip install -e '.[ray]'")
+if shutil.which("unshare") is None or subprocess.run(["unshare", "--net", "true"],
+                                                     capture_output=True).returncode != 0:
+    pytest.skip("unshare --net is not permitted here (needs root or user namespaces): the local Ray cluster needs"
+                " a private network namespace", allow_module_level=True)
+
+HERE = Path(__file__).parent
+
+
+class Cluster:
+    """The scenario runner in its namespace: call(fn, **args) -> its JSON answer."""
+
+    def __init__(self, log: Path):
+        self.log = open(log, "w")
+        script = f"ip link set lo up && exec {sys.executable} {HERE / 'ray_scenarios.py'}"
+        self.p = subprocess.Popen(["unshare", "--net", "bash", "-c", script], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=HERE)
+        self.log_path = log
+        assert self._answer() == {"ready": True}
+
+    def _answer(self) -> dict:
+        for line in self.p.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise AssertionError("the Ray scenario runner ended:\n" + self.log_path.read_text()[-3000:])
+
+    def call(self, fn: str, **args) -> dict:
+        self.p.stdin.write(json.dumps({"fn": fn, "args": args}) + "\n")
+        self.p.stdin.flush()
+        answer = self._answer()
+        assert "exception" not in answer, answer["exception"]
+        return answer
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("ray") / "runner.log")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, tmp_path_factory):
+    return str(tiny_models.with_chat(tiny_model_dir("llama"), tmp_path_factory.mktemp("ray_model")))
+
+
+def write_input(path: Path, n: int) -> list:
+    ids = [f"q{i}" if i % 3 else i for i in range(n)]  # string and number ids
+    lines = [{"id": i, "prompt": " ".join(f"w{(k * 7 + j) % 31}" for j in range(3 + k % 5))}
+             if k % 4 else {"id": i, "messages": [{"role": "user", "content": f"w{k % 31} w5"}]}
+             for k, i in enumerate(ids)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return ids
+
+
+def batch_args(model, src, dst, *extra) -> list[str]:
+    return ["batch", "--model", model, "--input", str(src), "--output", str(dst), "--max-tokens", "24",
+            "--temperature", "0", "--threads", "1", "--max-sequences", "2", *extra]
+
+
+def results(path: Path) -> dict:
+    out = [json.loads(x) for x in path.read_text().splitlines()]
+    keys = [json.dumps(o["id"]) for o in out]
+    assert len(keys) == len(set(keys)), "an id was written twice"
+    return {k: o for k, o in zip(keys, out)}
+
+
+def same_tokens(a: dict, b: dict) -> None:
+    """Word-level tokenizer: the text is the tokens, one word each."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k]["text"], a[k]["completion_tokens"], a[k]["finish_reason"], a[k]["prompt_tokens"]) == \
+               (b[k]["text"], b[k]["completion_tokens"], b[k]["finish_reason"], b[k]["prompt_tokens"]), k
+
+
+@pytest.fixture(scope="module")
+def one_machine(model, tmp_path_factory):
+    """The single-machine `colibri batch` results of the 16-line input, and the input."""
+    root = tmp_path_factory.mktemp("one_machine")
+    src, dst = root / "in.jsonl", root / "out.jsonl"
+    ids = write_input(src, 16)
+    assert cli.main(batch_args(model, src, dst)) == 0
+    return src, ids, results(dst)
+
+
+def test_every_id_once_and_the_same_tokens_as_one_machine(ray_cluster, model, one_machine, tmp_path):
+    src, ids, expected = one_machine
+    dst = tmp_path / "out.jsonl"
+    r = ray_cluster.call("run_batch", argv=batch_args(model, src, dst, "--ray", "--replicas", "2"))
+    assert r["rc"] == 0, r["stderr"]
+    assert "2 engines on 1 nodes" in r["stderr"]
+    got = results(dst)
+    assert sorted(got) == sorted(json.dumps(i) for i in ids)
+    same_tokens(got, expected)
+    r = ray_cluster.call("run_batch", argv=batch_args(model, src, dst, "--ray", "--replicas", "2"))
+    assert r["rc"] == 0 and "nothing to do" in r["stderr"]
+
+
+def test_an_engine_killed_mid_run_loses_nothing(ray_cluster, model, one_machine, tmp_path):
+    src, ids, expected = one_machine
+    dst = tmp_path / "out.jsonl"
+    r = ray_cluster.call("run_batch", argv=batch_args(model, src, dst, "--ray", "--replicas", "2"), kill_after=1)
+    assert r["rc"] == 0, r["stderr"]
+    assert len(r["killed"]) == 1 and "an engine stopped with" in r["stderr"], r["stderr"]
+    requeued = int(r["stderr"].split("an engine stopped with ")[1].split()[0])
+    assert requeued > 0, r["stderr"]
+    same_tokens(results(dst), expected)
+
+
+def test_a_resumed_cluster_run_keeps_what_was_written(ray_cluster, model, one_machine, tmp_path):
+    src, ids, expected = one_machine
+    dst = tmp_path / "out.jsonl"
+    first = [json.dumps(r) for r in list(expected.values())[:5]]
+    dst.write_text("".join(x + "\n" for x in first) + '{"id": "q9", "text": "half a li')
+    r = ray_cluster.call("run_batch", argv=batch_args(model, src, dst, "--ray"))
+    assert r["rc"] == 0, r["stderr"]
+    assert "5 of 16 ids already in" in r["stderr"] and "dropped a partial last line" in r["stderr"]
+    assert "1 engines on 1 nodes" in r["stderr"]  # one per node by default
+    assert dst.read_text().splitlines()[:5] == first
+    same_tokens(results(dst), expected)
+
+
+def test_without_ray_the_flag_says_how_to_install_it(model, tmp_path, monkeypatch, capsys):
+    src = tmp_path / "in.jsonl"
+    write_input(src, 2)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    assert cli.main(batch_args(model, src, tmp_path / "out.jsonl", "--ray")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'colibri[ray]'" in err, err
+    assert not (tmp_path / "out.jsonl").exists()
