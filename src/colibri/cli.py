@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name")
+    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name", "ray",
+        "replicas")
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
     add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING, "ray", "replicas",
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
@@ -396,6 +397,12 @@ def cmd_serve(args) -> int:
     if name is None and not args.model:  # the embedded default: its own name, not its cached container's
         from colibri.core.defaults import default_model_path
         name = default_model_path().stem
+    if args.ray is not None:
+        from colibri import router
+        from colibri.server import model_id
+        name = name or model_id(config.EngineConfig.from_args(args))
+        router.serve(args, engine_config(args, resolve=False), name)
+        return 0
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
           name=name, shutdown_grace_s=args.shutdown_grace)
     return 0
