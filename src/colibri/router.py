@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from colibri.cluster import connect, placements
 from colibri.core.config import EngineConfig
@@ -157,7 +157,7 @@ class Router:
 
     def app(self):
         import httpx
-        from colibri.server.app import read_body
+        from colibri.server.app import ClosingStream, read_body
         from colibri.server.schema import APIError
 
         client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
@@ -244,8 +244,8 @@ class Router:
                     u.inflight -= 1
                     return Response(content, status_code=upstream.status_code, headers=headers,
                                     media_type=upstream.headers.get("content-type"))
-                return StreamingResponse(self.stream(u, upstream), status_code=upstream.status_code,
-                                         headers=headers, media_type="text/event-stream")
+                return ClosingStream(self.stream(u, upstream), Lease(u, upstream), status_code=upstream.status_code,
+                                     headers=headers, media_type="text/event-stream")
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
@@ -278,8 +278,20 @@ class Router:
                                           " send the request again", "type": "server_error", "param": None,
                                "code": "replica_lost"}}
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            u.inflight -= 1
+
+
+class Lease:
+    """A relayed stream's hold on its replica, released however the response ends (ClosingStream calls aclose,
+    also when the client left before the body began): one request fewer in flight, the upstream closed (so
+    the replica aborts what nobody reads)."""
+
+    def __init__(self, u: Upstream, upstream):
+        self.u, self.upstream = u, upstream
+
+    async def aclose(self) -> None:
+        if self.upstream is not None:
+            self.u.inflight -= 1
+            upstream, self.upstream = self.upstream, None
             await upstream.aclose()
 
 
