@@ -49,6 +49,14 @@ def run_batch(argv: list[str], kill_after: int | None = None) -> dict:
     return {"rc": rc, "stderr": err.getvalue(), "killed": killed}
 
 
+def run_cli(argv: list[str]) -> dict:
+    """Any `colibri` command in this process (on this cluster): its exit status and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    return {"rc": rc, "stderr": err.getvalue()}
+
+
 def run_serve(model: str) -> dict:
     """Two replicas of `model` (SmolLM2: slow enough that a 400-token stream is still running when its replica is
     killed) behind the router on a free loopback port: a conversation's two turns, two streams of

@@ -1,6 +1,8 @@
 """`colibri batch --ray` on a local Ray cluster of 2 worker processes and a tiny model: every id exactly once,
 an engine killed mid-run loses nothing, and the results equal one machine's `colibri batch` token for token
-(greedy). The cluster runs in a private network namespace (tests/ray_scenarios.py), one per module."""
+(greedy). `colibri serve --ray`: prefix-aware routing and a replica lost mid-stream. `colibri stage`: copied and
+verified, a damaged copy refused. The cluster runs in a private network namespace (tests/ray_scenarios.py), one
+per module."""
 
 from __future__ import annotations
 
@@ -151,6 +153,41 @@ def test_a_resumed_cluster_run_keeps_what_was_written(ray_cluster, model, one_ma
     assert "1 engines on 1 nodes" in r["stderr"]  # one per node by default
     assert dst.read_text().splitlines()[:5] == first
     same_tokens(results(dst), expected)
+
+
+@pytest.fixture(scope="module")
+def container(model, tmp_path_factory):
+    from colibri.convert import pipeline as conv
+    out = tmp_path_factory.mktemp("ray_container") / "c"
+    conv.convert(Path(model), out, conv.ConvertOptions(quant="q8", page_size_mb=1))
+    return out
+
+
+def test_stage_copies_and_verifies_on_every_node(ray_cluster, container, tmp_path):
+    dest = tmp_path / "node-disk" / "model"
+    r = ray_cluster.call("run_cli", argv=["stage", "--model", str(container), "--output", str(dest), "--ray"])
+    assert r["rc"] == 0 and "verified on 1 node (copied to 1, already there on 0)" in r["stderr"], r["stderr"]
+    for f in container.iterdir():
+        assert (dest / f.name).read_bytes() == f.read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["model"]  # no staging directory left
+    r = ray_cluster.call("run_cli", argv=["stage", "--model", str(container), "--output", str(dest), "--ray"])
+    assert r["rc"] == 0 and "(copied to 0, already there on 1)" in r["stderr"], r["stderr"]
+
+
+def test_stage_refuses_a_damaged_copy_and_a_foreign_directory(container, tmp_path, capsys):
+    src, dest = tmp_path / "src", tmp_path / "out" / "model"
+    shutil.copytree(container, src)
+    data = next(src.glob("data-*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a flipped byte in the source: the copy's checksums catch it
+    data.write_bytes(bytes(raw))
+    assert cli.main(["stage", "--model", str(src), "--output", str(dest)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "checksum mismatch at page" in err, err
+    assert not dest.exists() and list(dest.parent.iterdir()) == []  # nothing half-staged left behind
+    (tmp_path / "other").mkdir()
+    assert cli.main(["stage", "--model", str(container), "--output", str(tmp_path / "other")]) == 2
+    assert "exists and is not this container" in capsys.readouterr().err
 
 
 def test_without_ray_the_flag_says_how_to_install_it(model, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench, swap, kernels. Each option
+"""The `colibri` command: run, chat, serve, batch, stage, info, convert, verify, plan, bench, swap, kernels. Each option
 is defined once, in OPTIONS."""
 
 from __future__ import annotations
@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
                          " skipped (resume)"),
         max_tokens=dict(help="maximum tokens per line unless the line says (default"
                              f" {config.DEFAULT_MAX_TOKENS})"))
+    stg = sub.add_parser("stage", help="copy a container onto this machine's disk, or every node's of a Ray cluster"
+                                       " (--ray), and verify it there")
+    add(stg, "model", "output", "ray", "debug",
+        model=dict(help="container directory to copy (default: the embedded model's container)"),
+        output=dict(required=True, help="directory to create on each node (the same path everywhere: give it as"
+                                        " --model to batch --ray and serve --ray); one already holding this"
+                                        " container is verified, not copied"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -498,6 +505,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_stage(args) -> int:
+    from colibri import cluster
+    cluster.stage(model_path(args), args.output, args.ray,
+                  lambda text: print(f"colibri stage: {text}", file=sys.stderr))
+    return 0
+
+
 def cmd_verify(args) -> int:
     from colibri.formats.container import ContainerCheckpoint
     args.model = args.dir or args.model  # DIR, else --model (or COLIBRI_MODEL), else the default's container
@@ -599,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     quiet_openmp(args)
-    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
+    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
+               "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
                "kernels": cmd_kernels}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message

@@ -1,4 +1,5 @@
-"""`colibri batch --ray`: the same job over a Ray cluster, one engine per node (or per `--replicas`).
+"""`colibri batch --ray`: the same job over a Ray cluster, one engine per node (or per `--replicas`); and
+`colibri stage`, which puts a container on every node's disk for it.
 
 Ray (an optional extra) places the engines and carries lines and results; everything else is colibri.batch's:
 the input's parsing, the resume from the output, the result records, the writer. Each node's engine is an actor
@@ -15,10 +16,14 @@ is whole: a line is written exactly once, by whichever engine finishes it.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 from colibri import batch
 from colibri.core.config import EngineConfig
@@ -180,3 +185,171 @@ def batch_job(args, config: EngineConfig):
         return ClusterBatch(ray, engines, out, report, window=2 * config.max_sequences)
     import_ray()  # before the input is read: without Ray, one line saying how to install it
     return start
+
+
+# `colibri stage`: a container copied onto every node's disk (or this machine's), then verified there.
+CHUNK = 8 << 20  # bytes of a file per message to the nodes
+AHEAD = 4  # chunks in flight per node: the driver reads ahead of the slowest node by at most this many
+
+
+class Stager:
+    """Writes one container to `dest` on this node: into a sibling staging directory, file by file in the order
+    the chunks come, then checks every file's SHA-256 against the source's and every page's checksum, and only
+    then renames it to `dest`. A `dest` already holding the same container (the same manifest) is checked, not
+    rewritten; one holding anything else is refused."""
+
+    def __init__(self, dest: str, manifest: bytes):
+        self.dest = Path(dest)
+        self.tmp = self.dest.parent / f".{self.dest.name}.staging-{os.getpid()}"
+        self.manifest = manifest
+        self.present = False
+        self.error: str | None = None
+        self._f = None
+        self._hashes: dict[str, object] = {}
+
+    def begin(self) -> tuple[str | None, bool]:
+        """(None, whether `dest` already holds the container: then nothing needs sending), or (the error in one
+        line, False). Call first."""
+        where = os.uname().nodename
+        if self.dest.exists():
+            try:
+                self.present = (self.dest / "manifest.json").read_bytes() == self.manifest
+            except OSError:
+                self.present = False
+            if not self.present:
+                return f"{where}: {self.dest} exists and is not this container; remove it or give another --output", \
+                    False
+            return None, True
+        try:
+            self.tmp.mkdir(parents=True)
+        except OSError as e:
+            return f"{where}: cannot create {self.tmp} ({e.strerror}); give a writable --output", False
+        return None, False
+
+    def write(self, name: str, data: bytes) -> None:
+        """Append `data` to file `name` (chunks of one file arrive in order, files one after another)."""
+        if self.present or self.error is not None:
+            return
+        try:
+            if self._f is None or self._f.name != str(self.tmp / name):
+                if self._f is not None:
+                    self._f.close()
+                self._f = open(self.tmp / name, "xb")
+                self._hashes[name] = hashlib.sha256()
+            self._f.write(data)
+        except OSError as e:  # a full disk: said by finish, with the node's name
+            self.error = f"{os.uname().nodename}: cannot write {self.tmp / name} ({e.strerror}); make room, stage again"
+            return
+        self._hashes[name].update(data)
+
+    def finish(self, hashes: dict[str, str]) -> str | None:
+        """Check what was written (or is there) against the source's hashes and checksums, then put it in place:
+        None, or the error in one line (a staging directory is then removed)."""
+        where = os.uname().nodename
+        if self._f is not None:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as e:
+                self.error = self.error or f"{where}: cannot write {self._f.name} ({e.strerror}); make room, stage" \
+                                           " again"
+            self._f.close()
+            self._f = None
+        if self.error is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return self.error
+        root = self.dest if self.present else self.tmp
+        if self.present:
+            for name in hashes:
+                self._hashes[name] = file_hash(root / name)
+        bad = sorted(n for n, h in hashes.items() if n not in self._hashes or self._hashes[n].hexdigest() != h)
+        error = f"{where}: {root / bad[0]}: differs from the source after the copy" if bad else None
+        if error is None:
+            from colibri.formats.container import ContainerCheckpoint
+            ckpt = ContainerCheckpoint(root)
+            try:
+                damaged = next(iter(ckpt.verify()), None)
+            finally:
+                ckpt.close()
+            if damaged is not None:
+                error = f"{where}: {root}: checksum mismatch at {damaged[0]}: {damaged[1]}"
+        if self.present:
+            return error and error + "; remove it and stage again"
+        if error is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return error
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self.tmp, self.dest)
+        return None
+
+
+def file_hash(path: Path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h
+
+
+def stage(src: str, dest: str, address: str | None, report) -> int:
+    """`colibri stage`: copy the container `src` to `dest` on this machine (address None) or on every node of the
+    cluster at `address` ("": connect's default), and verify it there. Returns the number of copies."""
+    from colibri.formats.container import ContainerCheckpoint
+    from tqdm import tqdm
+    ContainerCheckpoint(src).close()  # not a container, or an incomplete one: its error, before anything is sent
+    root = Path(src)
+    names = sorted(p.name for p in root.iterdir() if p.is_file())
+    manifest = (root / "manifest.json").read_bytes()
+    ray = None if address is None else connect(address)
+    if ray is None:
+        stagers = [Stager(dest, manifest)]
+    else:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        cls = ray.remote(Stager)
+        stagers = [cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                   .remote(dest, manifest) for n in ray.nodes() if n["Alive"]]
+
+    def each(method: str, *args, to=None) -> list:
+        """Call `method` on every stager (or those in `to`): the results locally, the object refs on the cluster."""
+        return [getattr(s, method)(*args) if ray is None else getattr(s, method).remote(*args)
+                for s in (stagers if to is None else to)]
+
+    def results(values: list) -> list:
+        return values if ray is None else ray.get(values)
+
+    try:
+        began = results(each("begin"))
+        errors = [e for e, _ in began if e is not None]
+        if errors:
+            raise InputError(errors[0])
+        copying = [s for s, (_, present) in zip(stagers, began) if not present]
+        hashes, pending = {}, deque()
+        total = sum((root / n).stat().st_size for n in names)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="stage", file=sys.stderr, dynamic_ncols=True) as bar:
+            for name in names:
+                h = hashlib.sha256()
+                with open(root / name, "rb") as f:
+                    while data := f.read(CHUNK):
+                        h.update(data)
+                        if copying:
+                            pending.append(each("write", name, data if ray is None else ray.put(data), to=copying))
+                        if len(pending) > AHEAD:
+                            results(pending.popleft())  # back-pressure: the slowest node is at most AHEAD behind
+                        bar.update(len(data))
+                hashes[name] = h.hexdigest()
+            while pending:
+                results(pending.popleft())
+        errors = [e for e in results(each("finish", hashes)) if e is not None]
+        if errors:
+            raise ColibriError(errors[0])
+    finally:
+        if ray is not None:
+            for s in stagers:
+                ray.kill(s)
+    report(f"{dest}: verified on {len(stagers)} {'node' if len(stagers) == 1 else 'nodes'} (copied to"
+           f" {len(copying)}, already there on {len(stagers) - len(copying)})")
+    return len(stagers)
