@@ -142,14 +142,18 @@ def test_an_engine_killed_mid_run_loses_nothing(ray_cluster, model, one_machine,
     same_tokens(results(dst), expected)
 
 
-def test_a_resumed_cluster_run_keeps_what_was_written(ray_cluster, model, one_machine, tmp_path):
+def test_a_resumed_cluster_run_keeps_what_was_written_and_a_wrong_model_is_one_line(ray_cluster, model, one_machine, tmp_path):
     src, ids, expected = one_machine
     dst = tmp_path / "out.jsonl"
     first = [json.dumps(r) for r in list(expected.values())[:5]]
     dst.write_text("".join(x + "\n" for x in first) + '{"id": "q9", "text": "half a li')
+    r = ray_cluster.call("run_batch", argv=batch_args(str(tmp_path / "nowhere"), src, dst, "--ray"))
+    assert r["rc"] == 2 and r["stderr"].strip().splitlines()[-1].startswith("error: ") and "nowhere" in r["stderr"]
+    assert "check the --model path" in r["stderr"], r["stderr"]  # the node's own error, named by the node
+    assert "dropped a partial last line" in r["stderr"]  # the output is checked before any engine starts
     r = ray_cluster.call("run_batch", argv=batch_args(model, src, dst, "--ray"))
     assert r["rc"] == 0, r["stderr"]
-    assert "5 of 16 ids already in" in r["stderr"] and "dropped a partial last line" in r["stderr"]
+    assert "5 of 16 ids already in" in r["stderr"]
     assert "1 engines on 1 nodes" in r["stderr"]  # one per node by default
     assert dst.read_text().splitlines()[:5] == first
     same_tokens(results(dst), expected)
@@ -225,3 +229,19 @@ def test_serve_routes_by_prefix_and_survives_a_lost_replica(ray_cluster, smollm2
     assert seen["after"]["status"] == 200 and seen["after"]["replica"] == str(kept["replica"])
     assert seen["health_after"]["replicas"] == 1 and seen["health_after"]["status"] == "ready"
     assert "colibri_replicas_up 1" in seen["metrics"] and "colibri_generated_tokens_total" in seen["metrics"]
+
+
+def test_placements_never_ask_for_cpus_that_do_not_exist():
+    """One engine per node with all its CPUs; --replicas share the cluster's CPUs, a fraction each where they
+    outnumber them (Ray would otherwise leave an engine waiting forever); --threads sets each engine's threads."""
+    from types import SimpleNamespace
+
+    from colibri.cluster import placements
+    ray = SimpleNamespace(nodes=lambda: [{"NodeID": "a" * 56, "Alive": True, "Resources": {"CPU": 4.0}},
+                                         {"NodeID": "b" * 56, "Alive": True, "Resources": {"CPU": 2.0}},
+                                         {"NodeID": "c" * 56, "Alive": False, "Resources": {"CPU": 8.0}}])
+    assert [(o["num_cpus"], t) for o, t in placements(ray, None, None)] == [(4.0, 4), (2.0, 2)]
+    assert [(o["num_cpus"], t) for o, t in placements(ray, None, 3)] == [(3, 3), (2.0, 3)]
+    assert [(o["num_cpus"], t) for o, t in placements(ray, 3, None)] == [(2, 2)] * 3
+    assert [(o["num_cpus"], t) for o, t in placements(ray, 12, None)] == [(0.5, 1)] * 12
+    assert all(o["scheduling_strategy"] == "SPREAD" for o, _ in placements(ray, 12, None))

@@ -60,8 +60,8 @@ class Engine:
         self.model = None
         self._lock = threading.Lock()
 
-    def load(self) -> str | None:
-        """Load the model from this node's disk: None, or the error in one line (the driver reports it)."""
+    def load(self) -> tuple[None, str | None]:
+        """Load the model from this node's disk: (None, None), or (None, the error in one line)."""
         try:
             cfg = self.config
             if cfg.model is None:
@@ -70,8 +70,8 @@ class Engine:
             from colibri.runtime.model import load
             self.model = load(cfg)
         except ColibriError as e:
-            return f"{os.uname().nodename}: {e}"
-        return None
+            return None, f"{os.uname().nodename}: {e}"
+        return None, None
 
     def pid(self) -> int:
         return os.getpid()
@@ -95,15 +95,17 @@ class Engine:
 
 def placements(ray, replicas: int | None, threads: int | None) -> list[tuple[dict, int]]:
     """(actor options, compute threads) per engine: one per alive node with all its CPUs, or `replicas` spread
-    over the nodes with an equal share of the cluster's CPUs. The threads are the actor's Ray CPUs too, so Ray's
-    accounting is honest and its OMP_NUM_THREADS matches what the engine uses."""
+    over the nodes with an equal share of the cluster's CPUs (--threads: that many each). Ray reserves the
+    threads as the actor's CPUs, so its accounting is honest, but never more than there are (a fraction of one
+    where replicas outnumber CPUs), so an engine is never left waiting for CPUs that do not exist."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    nodes = [n for n in ray.nodes() if n["Alive"]]
+    nodes = [(n["NodeID"], float(n["Resources"].get("CPU", 1))) for n in ray.nodes() if n["Alive"]]
     if replicas is None:
-        return [(dict(num_cpus=t, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)), t)
-                for n in nodes for t in [threads or max(1, int(n["Resources"].get("CPU", 1)))]]
-    t = threads or max(1, int(sum(n["Resources"].get("CPU", 1) for n in nodes)) // replicas)
-    return [(dict(num_cpus=t, scheduling_strategy="SPREAD"), t)] * replicas
+        return [(dict(num_cpus=min(t, cpus), scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)), t)
+                for node, cpus in nodes for t in [threads or max(1, int(cpus))]]
+    share = sum(cpus for _, cpus in nodes) / replicas
+    t = threads or max(1, int(share))
+    return [(dict(num_cpus=min(t, share), scheduling_strategy="SPREAD"), t)] * replicas
 
 
 class ClusterBatch:
@@ -168,12 +170,23 @@ def start_engines(ray, config: EngineConfig, replicas: int | None) -> list:
     window = 2 * config.max_sequences
     engines = [cls.options(max_concurrency=window + 1, **opts).remote(config.replace(threads=t))
                for opts, t in placements(ray, replicas, config.threads)]
-    errors = [e for e in ray.get([e.load.remote() for e in engines]) if e is not None]
-    if errors:
-        for e in engines:
-            ray.kill(e)
-        raise InputError(errors[0])
+    started(ray, engines, [e.load.remote() for e in engines])
     return engines
+
+
+def started(ray, actors: list, answers: list) -> list:
+    """The values of the actors' first calls, each answering (value, None) or (None, an error line); an InputError
+    with the first error, every actor stopped, where one failed or died (out of memory, a node lost)."""
+    from ray.exceptions import RayActorError
+    try:
+        errors = [error for _, error in ray.get(answers) if error is not None]
+    except RayActorError as e:
+        errors = [f"an engine died while loading the model ({type(e).__name__}); see its node's Ray logs"]
+    if errors:
+        for a in actors:
+            ray.kill(a)
+        raise InputError(errors[0])
+    return [value for value, _ in ray.get(answers)]
 
 
 def batch_job(args, config: EngineConfig):

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, Response
 
-from colibri.cluster import connect, placements
+from colibri.cluster import connect, placements, started
 from colibri.core.config import EngineConfig
-from colibri.core.errors import ColibriError, InputError
+from colibri.core.errors import ColibriError
 
 PIECE = 256  # characters of a completion prompt per routing key
 MAX_KEYS = 1 << 16  # routing keys remembered (least recently used go first): about 6 MB
@@ -321,13 +321,8 @@ def start_replicas(ray, config: EngineConfig, replicas: int | None, api_key: str
     cls = ray.remote(Replica)
     actors = [cls.options(max_concurrency=4, **opts).remote(config.replace(threads=t), api_key, max_queue, name)
               for opts, t in placements(ray, replicas, config.threads)]
-    answers = ray.get([a.start.remote() for a in actors])
-    errors = [e for _, e in answers if e is not None]
-    if errors:
-        for a in actors:
-            ray.kill(a)
-        raise InputError(errors[0])
-    return [Upstream(i, url, a) for i, ((url, _), a) in enumerate(zip(answers, actors))]
+    urls = started(ray, actors, [a.start.remote() for a in actors])
+    return [Upstream(i, url, a) for i, (url, a) in enumerate(zip(urls, actors))]
 
 
 def serve(args, config: EngineConfig, name: str) -> None:
