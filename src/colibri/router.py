@@ -183,7 +183,8 @@ class Router:
         @app.get("/health")
         async def health() -> JSONResponse:
             live = len(self.live())
-            body = {"status": "ready" if live else "unavailable", "model": self.model_id, "replicas": live,
+            status = "ready" if live else "loading" if any(u.up for u in self.upstreams) else "unavailable"
+            body = {"status": status, "model": self.model_id, "replicas": live,
                     "replicas_total": len(self.upstreams), "routed": self.routed}
             return JSONResponse(body, status_code=200 if live else 503)
 
