@@ -245,3 +245,29 @@ def test_placements_never_ask_for_cpus_that_do_not_exist():
     assert [(o["num_cpus"], t) for o, t in placements(ray, 3, None)] == [(2, 2)] * 3
     assert [(o["num_cpus"], t) for o, t in placements(ray, 12, None)] == [(0.5, 1)] * 12
     assert all(o["scheduling_strategy"] == "SPREAD" for o, _ in placements(ray, 12, None))
+
+
+def test_routing_prefers_the_longest_held_prefix_then_the_least_loaded():
+    """The router's choice without a cluster: a conversation's turns share their first keys; a replica down is
+    passed over; /metrics sums the replicas' samples."""
+    from colibri.router import Router, Upstream, aggregate, routing_keys
+    a, b, c = (Upstream(i, f"http://10.0.0.{i}:1", None, ready=True) for i in range(3))
+    r = Router([a, b, c], "m", None)
+    turn1 = [{"role": "user", "content": "hello"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    k1, k2 = routing_keys({"messages": turn1}), routing_keys({"messages": turn2})
+    assert len(k2) == 3 and k2[0] == k1[0] and k2[1] != k1[0]
+    a.inflight, b.inflight, c.inflight = 2, 0, 1
+    assert r.pick(k1, set()) is b  # nothing held: the least loaded
+    r.remember(k1, c)
+    assert r.pick(k2, set()) is c  # turn 2 shares turn 1's first message, held by c
+    r.remember(k2, a)
+    assert r.pick(k2, set()) is a and r.pick(k1, set()) is a  # the latest holder of a key wins
+    r.down(a)
+    assert r.pick(k2, set()) is b  # a is down: the least loaded of the rest
+    assert routing_keys({"prompt": "x" * 600}) == routing_keys({"prompt": "x" * 600})
+    assert len(routing_keys({"prompt": "x" * 600})) == 3 and routing_keys({"prompt": 5}) == []
+    text = ("# HELP t Tokens\n# TYPE t counter\nt_total 3.0\n# HELP q Queue\n# TYPE q gauge\n"
+            'q{kind="x"} 1.0\n')
+    out = aggregate([text, text.replace("3.0", "4.0")], 2).decode()
+    assert "colibri_replicas_up 2" in out and "t_total 7.0" in out and 'q{kind="x"} 2.0' in out

@@ -222,8 +222,10 @@ class Router:
                     req = client.build_request(request.method, u.url + path, content=body,
                                                headers=forwarded(request))
                     upstream = await client.send(req, stream=True)
-                except httpx.HTTPError:
+                except BaseException as e:  # the client gone (cancelled) as much as the replica
                     u.inflight -= 1
+                    if not isinstance(e, httpx.HTTPError):
+                        raise
                     self.down(u)
                     self.routed["retried"] += 1
                     continue  # nothing reached the client: another replica takes it
@@ -236,13 +238,12 @@ class Router:
                     try:
                         content = await upstream.aread()
                     except httpx.HTTPError:
-                        u.inflight -= 1
                         self.down(u)
                         self.routed["retried"] += 1
                         continue  # its answer never started: another replica takes it
-                    finally:
+                    finally:  # also when the client is gone (cancelled)
+                        u.inflight -= 1
                         await upstream.aclose()
-                    u.inflight -= 1
                     return Response(content, status_code=upstream.status_code, headers=headers,
                                     media_type=upstream.headers.get("content-type"))
                 return ClosingStream(self.stream(u, upstream), Lease(u, upstream), status_code=upstream.status_code,
