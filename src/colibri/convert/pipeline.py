@@ -183,8 +183,13 @@ def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
 
 
 def tokenizer_files(ckpt, out: Path) -> dict:
-    """Write tokenizer.json and chat_template.jinja beside the manifest; return the manifest's tokenizer entry."""
+    """Write tokenizer.json and chat_template.jinja beside the manifest (and a GGUF source's metadata: what an
+    export to GGUF writes back); return the manifest's tokenizer entry."""
     entry = {"file": None, "chat_template_file": None, "special": ckpt.special}
+    if ckpt.format == "gguf":
+        ckpt.write_metadata(out / container.GGUF_METADATA)
+        data = (out / container.GGUF_METADATA).read_bytes()
+        entry.update(gguf_metadata_file=container.GGUF_METADATA, gguf_metadata_checksum=checksum_str(crc32(data)))
     if getattr(ckpt, "tokenizer", None) is not None:
         data = ckpt.tokenizer.to_str().encode("utf-8")
         (out / "tokenizer.json").write_bytes(data)

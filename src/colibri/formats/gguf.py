@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 from colibri.core.errors import ModelLoadError, UnsupportedModelError
@@ -216,6 +216,16 @@ class GGUFCheckpoint:
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(t.data_offset + t.n_bytes, len(mm))
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def write_metadata(self, path: Path) -> None:
+        """Every key-value of the file (architecture, hyperparameters, tokenizer, chat template), with its own GGUF
+        type, into a GGUF at `path` holding no tensors: what an export needs to write a file llama.cpp loads."""
+        w = GGUFWriter(path, self.arch)
+        copy_metadata(self._reader, w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
 
     def close(self) -> None:
         """Drop the memory map (released once no loaded view refers to it)."""
@@ -480,6 +490,52 @@ def _field_value(field) -> Any:
     if types[0] == GGUFValueType.BOOL:
         return bool(part[0])
     return part[0].item()
+
+
+# Keys a GGUFWriter writes itself: the architecture, and the data alignment it pads the file to.
+_WRITER_KEYS = ("general.architecture", "general.alignment")
+
+
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+    """Add every key-value of `reader`'s file to `writer`, each with its own GGUF type (not the header's virtual
+    `GGUF.*` fields, nor the keys the writer writes itself)."""
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in _WRITER_KEYS:
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
+
+
+def gguf_tensor_name(name: str, model_type: str) -> str:
+    """The GGUF name of HF tensor `name` in a dense model of `model_type` (the inverse of the names `load` reads)."""
+    for gguf_base, hf in _GLOBAL_NAMES.items():
+        if name.startswith(hf + "."):
+            return gguf_base + name[len(hf):]
+    layer_names = _GEMMA3_LAYER_NAMES if model_type == "gemma3_text" else _LAYER_NAMES
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    kind = next((k for k, v in layer_names.items() if m and v == m.group(2)), None)
+    if kind is None:
+        raise UnsupportedModelError(f"tensor {name!r} has no GGUF name in a {model_type} model")
+    return f"blk.{m.group(1)}.{kind}.{m.group(3)}"
+
+
+def rope_permuted_heads(name: str, config: dict[str, Any]) -> int | None:
+    """For the q/k projections (and biases) of a llama-arch model: the head count whose rows llama.cpp stores
+    permuted (see _unpermute_rows); else None."""
+    if config.get("model_type") != "llama":
+        return None
+    if ".self_attn.q_proj." in name:
+        return config["num_attention_heads"]
+    if ".self_attn.k_proj." in name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (the inverse of _unpermute_rows): HF's rotary halves interleaved per head."""
+    half = w.shape[0] // heads // 2
+    return np.ascontiguousarray(w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 def _hf_shape(t, expert: int | None) -> tuple[int, ...]:

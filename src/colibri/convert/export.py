@@ -1,0 +1,221 @@
+"""`colibri convert --input CONTAINER --output model.gguf`: a container written back as a GGUF that llama.cpp loads
+(docs/format.md, "Export to GGUF").
+
+The metadata (architecture, hyperparameters, tokenizer, chat template) is the source GGUF's, kept beside the
+manifest at import (container.GGUF_METADATA). Every tensor goes back to its GGUF type (`quant.kinds.to_gguf`): the
+kinds kept from a GGUF give back the imported blocks byte for byte, rows in llama.cpp's order again. A kind no GGUF
+type holds (Colibri's own q4) is re-quantized to Q8_0 from its values, with a notice naming it and the cost.
+Written a tensor at a time (memory: about the largest tensor) to OUT.partial-PID, renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize as gguf_quantize
+
+from colibri.convert.pipeline import SPACE_MARGIN, Progress
+from colibri.core.atomic import atomic_path
+from colibri.core.errors import ColibriError, InputError, UnsupportedModelError
+from colibri.formats import container
+from colibri.formats.container import ContainerCheckpoint, TensorEntry
+from colibri.formats.gguf import copy_metadata, gguf_tensor_name, permute_rows, rope_permuted_heads
+from colibri.quant import kinds as quant
+
+# model_type -> GGUF architecture, the dense families an export writes (the MoE families' fused expert tensors and
+# Gemma 3's 1 + w norms are not written back yet)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+FALLBACK = "Q8_0"  # what a kind no GGUF type holds is re-quantized to
+ROWS_BYTES = 8 << 20  # f32 bytes of rows dequantized per step when re-quantizing
+
+
+@dataclass
+class ExportReport:
+    output: Path
+    bytes_written: int
+    requantized: int  # tensors re-quantized (lossy) because no GGUF type holds their kind
+    seconds: float
+
+
+@dataclass
+class _Plan:
+    entry: TensorEntry
+    gguf_name: str
+    gguf_type: str
+    exact: bool  # False: re-quantized to FALLBACK from its values
+    nbytes: int
+
+
+def export_gguf(src: str | Path, dst: str | Path, force: bool = False,
+                progress: Progress | None = None) -> ExportReport:
+    """Write the container `src` as the GGUF file `dst` (see the module's doc). `progress("exporting", done, total)`
+    in bytes."""
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not force:
+        raise InputError(f"{dst} already exists; pass --force to overwrite it")
+    if not (src / container.MANIFEST).is_file():
+        raise InputError(f"{src} is not a Colibri container: an export to GGUF reads one (convert the model to a "
+                         "container first)")
+    ckpt = ContainerCheckpoint(src)
+    try:
+        meta = _metadata_source(ckpt)
+        plans = _plan(ckpt)
+        _notice_requantized(plans)
+        total = sum(p.nbytes for p in plans)
+        free = shutil.disk_usage(dst.parent if dst.parent.exists() else Path(".")).free
+        if free < total + SPACE_MARGIN:
+            raise ColibriError(f"not enough free space for {dst}: the GGUF needs {total / 2**30:.2f} GiB, "
+                               f"{free / 2**30:.2f} GiB are free; free space or choose another --output")
+        requantized = sum(not p.exact for p in plans)
+        try:
+            with atomic_path(dst) as tmp:
+                requantized += _write(ckpt, meta, plans, tmp, progress, total)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise ColibriError(f"no space left on the device writing {dst}: the GGUF needs "
+                                   f"{total / 2**30:.2f} GiB; free some space and run the command again") from None
+            raise ColibriError(f"writing {dst} failed: {e.strerror or e}; check the --output path (its directory must "
+                               "exist and be writable) and the disk") from None
+    finally:
+        ckpt.close()
+    return ExportReport(dst, total, requantized, time.perf_counter() - t0)
+
+
+def _metadata_source(ckpt: ContainerCheckpoint) -> Path:
+    """The GGUF whose key-values the export writes: the metadata kept at import, else (a container converted before
+    Colibri kept it) the source GGUF the manifest names, where it still is."""
+    kept = ckpt.gguf_metadata()
+    if kept is not None:
+        return kept
+    source = ckpt.manifest.get("source") or {}
+    if source.get("kind") != "gguf":
+        raise UnsupportedModelError(
+            f"{ckpt.path} was converted from Hugging Face weights: an export to GGUF writes the source GGUF's "
+            "metadata (tokenizer, hyperparameters), which only a container converted from a GGUF keeps; use "
+            "llama.cpp's convert_hf_to_gguf.py on the HF directory instead")
+    path = Path(source.get("path") or "")
+    if not path.is_file():
+        raise UnsupportedModelError(
+            f"{ckpt.path} was converted by a Colibri that did not keep the GGUF's metadata, and its source {path} is "
+            "gone; convert the GGUF again (the new container keeps it)")
+    print(f"colibri: notice: {ckpt.path} keeps no GGUF metadata (converted by an older Colibri): the metadata is "
+          f"read from its source {path}", file=sys.stderr, flush=True)
+    return path
+
+
+def _plan(ckpt: ContainerCheckpoint) -> list[_Plan]:
+    """Each tensor's GGUF name, type and bytes, decided from the manifest before a byte is written (the header
+    comes first)."""
+    cfg = ckpt.config
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURES or any(t.expert is not None for t in ckpt.tensors.values()):
+        raise UnsupportedModelError(f"{ckpt.path}: exporting a {model_type} model to GGUF is not supported yet; "
+                                    f"supported: {', '.join(ARCHITECTURES)} (dense)")
+    plans = []
+    for t in ckpt.tensors.values():
+        if t.kind in FLOAT_TYPES:
+            gtype, exact = FLOAT_TYPES[t.kind], True
+        elif t.kind in container.QUANT_KINDS:
+            scales = next((p for n, p in t.parts.items() if n.startswith("scales")), None)
+            kind = quant.stored_kind(t.kind, t.group_size, container.DTYPES[scales.dtype] if scales else None)
+            gtype = quant.gguf_type(kind)
+            exact = gtype is not None
+            gtype = gtype or FALLBACK
+        else:
+            raise UnsupportedModelError(f"{ckpt.path}: tensor {t.name!r} is stored as {t.kind!r}, a kind this "
+                                        "Colibri cannot export; upgrade Colibri")
+        block, size = GGML_QUANT_SIZES[QT[gtype]]
+        nbytes = int(np.prod(t.shape)) // block * size
+        plans.append(_Plan(t, gguf_tensor_name(t.name, model_type), gtype, exact, nbytes))
+    return plans
+
+
+def _notice_requantized(plans: list[_Plan]) -> None:
+    """One line on stderr per kind re-quantized because no GGUF type holds it: what it costs."""
+    lossy: dict[tuple[str, int | None], list[_Plan]] = {}
+    for p in plans:
+        if not p.exact:
+            lossy.setdefault((p.entry.kind, p.entry.group_size), []).append(p)
+    for (kind, gs), ps in sorted(lossy.items()):
+        more = sum(p.nbytes - p.entry.nbytes for p in ps)
+        print(f"colibri: notice: {len(ps)} {kind} tensors (group {gs}) have no GGUF type: re-quantized to {FALLBACK} "
+              f"from their values (lossy: each value moves by up to half a {FALLBACK} step, 1/254 of its 32-value "
+              f"block's largest; {more / 2**20:+.1f} MiB)", file=sys.stderr, flush=True)
+
+
+def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path, progress: Progress | None,
+           total: int) -> int:
+    """Write the GGUF at `path`, a tensor at a time; return how many more tensors were re-quantized on the way (q8
+    whose scales f16 cannot hold)."""
+    reader = GGUFReader(meta)
+    arch = ARCHITECTURES[ckpt.config["model_type"]]
+    w = GGUFWriter(path, arch)
+    requantized = 0
+    try:
+        copy_metadata(reader, w)
+        del reader
+        for p in plans:
+            w.add_tensor_info(p.gguf_name, tuple(p.entry.shape), np.dtype(np.float32), p.nbytes, raw_dtype=QT[p.gguf_type])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done = 0
+        if progress:
+            progress("exporting", 0, total)
+        for p in plans:
+            data, exact = _gguf_data(ckpt, p)
+            if p.exact and not exact:
+                requantized += 1
+                print(f"colibri: notice: {p.entry.name}: a q8 scale is outside f16's range: re-quantized to "
+                      f"{FALLBACK} from its values (lossy: each value moves by up to half a {FALLBACK} step)",
+                      file=sys.stderr, flush=True)
+            w.write_tensor_data(data)
+            done += p.nbytes
+            if progress:
+                progress("exporting", done, total)
+    finally:
+        w.close()
+    return requantized
+
+
+def _gguf_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, bool]:
+    """The stored bytes of one tensor in GGUF form (rows in llama.cpp's order), and whether they hold its values
+    exactly."""
+    t = p.entry
+    value = ckpt.load(t.name)
+    exact = True
+    if t.kind in FLOAT_TYPES:
+        data = value.contiguous().view(torch.uint8).numpy()
+    elif p.exact:
+        try:
+            data = quant.to_gguf(value)
+        except ValueError:  # q8 with a scale f16 cannot hold
+            data, exact = _requantize(value), False
+    else:
+        data, exact = _requantize(value), False
+    data = data.reshape(t.shape[0], -1)
+    heads = rope_permuted_heads(t.name, ckpt.config)
+    if heads is not None:
+        data = permute_rows(data, heads)
+    if data.nbytes != p.nbytes:
+        raise ColibriError(f"internal: {t.name} is {data.nbytes} bytes as {p.gguf_type}, planned {p.nbytes}")
+    return data, exact
+
+
+def _requantize(w) -> np.ndarray:
+    """FALLBACK blocks of a quantized weight's values, a few MiB of rows dequantized at a time."""
+    n, k = w.shape
+    step = max(1, ROWS_BYTES // (4 * k))
+    return np.concatenate([gguf_quantize(w.rows(torch.arange(r, min(n, r + step))).numpy(), QT[FALLBACK])
+                           for r in range(0, n, step)])
