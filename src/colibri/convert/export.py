@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
@@ -28,7 +28,7 @@ from colibri.core.atomic import atomic_path
 from colibri.core.errors import ColibriError, InputError, UnsupportedModelError
 from colibri.formats import container
 from colibri.formats.container import ContainerCheckpoint, TensorEntry
-from colibri.formats.gguf import copy_metadata, gguf_tensor_name, permute_rows, rope_permuted_heads
+from colibri.formats.gguf import copy_metadata, gguf_tensor_name, open_reader, permute_rows, rope_permuted_heads
 from colibri.quant import kinds as quant
 
 # model_type -> GGUF architecture, the dense families an export writes (the MoE families' fused expert tensors and
@@ -158,7 +158,7 @@ def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path
            total: int) -> int:
     """Write the GGUF at `path`, a tensor at a time; return how many more tensors were re-quantized on the way (q8
     whose scales f16 cannot hold)."""
-    reader = GGUFReader(meta)
+    reader = open_reader(meta)  # a large vocabulary parsed: dropped once copied
     arch = ARCHITECTURES[ckpt.config["model_type"]]
     w = GGUFWriter(path, arch)
     requantized = 0

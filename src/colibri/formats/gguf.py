@@ -107,7 +107,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
+        self._reader = open_reader(self.path)
         self.metadata: dict[str, Any] = {k: _field_value(f) for k, f in self._reader.fields.items()}
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.arch: str = self.metadata.get("general.architecture", "")
@@ -435,7 +435,8 @@ class _Reader(GGUFReader):
         self._array = v.view(np.ndarray)
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def open_reader(path: Path) -> GGUFReader:
+    """A reader of the GGUF at `path` (metadata parsed, tensors mapped), or ModelLoadError naming what is wrong."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file; check the path")
     with open(path, "rb") as f:
