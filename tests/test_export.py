@@ -38,9 +38,10 @@ def _matrix(qtype, n: int, k: int, seed: int) -> np.ndarray:
     return k_blocks(qtype, n, k, seed)
 
 
-def tiny_gguf(path, qtype, arch: str = "llama"):
+def tiny_gguf(path, qtype, arch: str = "llama", experts: int = 0):
     """A one-layer model with a byte-level tokenizer and a chat template, every matrix of `qtype` (untied: token_embd
-    and output differ); qwen2: q/k/v biases."""
+    and output differ); qwen2 and qwen2moe: q/k/v biases; `experts`: fused expert tensors (llama: Mixtral;
+    qwen2moe: with a shared expert)."""
     w = GGUFWriter(path, arch)
     w.add_block_count(LAYERS)
     w.add_context_length(128)
@@ -51,6 +52,12 @@ def tiny_gguf(path, qtype, arch: str = "llama"):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(2)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+    if arch == "qwen2moe":
+        w.add_expert_feed_forward_length(FFN)
+        w.add_expert_shared_feed_forward_length(FFN)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(TOKENS)
@@ -61,16 +68,26 @@ def tiny_gguf(path, qtype, arch: str = "llama"):
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     kvd = D // HEADS * KV
     mats = {"token_embd": (len(TOKENS), D), "output": (len(TOKENS), D), "blk.0.attn_q": (D, D),
-            "blk.0.attn_k": (kvd, D), "blk.0.attn_v": (kvd, D), "blk.0.attn_output": (D, D),
-            "blk.0.ffn_gate": (FFN, D), "blk.0.ffn_up": (FFN, D), "blk.0.ffn_down": (D, FFN)}
+            "blk.0.attn_k": (kvd, D), "blk.0.attn_v": (kvd, D), "blk.0.attn_output": (D, D)}
+    ffn = {"ffn_gate": (FFN, D), "ffn_up": (FFN, D), "ffn_down": (D, FFN)}
+    mats |= {f"blk.0.{n}_exps" if experts else f"blk.0.{n}": s for n, s in ffn.items()}
+    if arch == "qwen2moe":
+        mats |= {f"blk.0.{n}_shexp": s for n, s in ffn.items()}
     for i, (name, (n, k)) in enumerate(mats.items()):
-        w.add_tensor(f"{name}.weight", _matrix(qtype, n, k, seed=i), raw_dtype=None if qtype == QT.F16 else qtype)
+        data = _matrix(qtype, n * (experts if name.endswith("_exps") else 1), k, seed=i)
+        if name.endswith("_exps"):
+            data = data.reshape(experts, n, -1)
+        w.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype == QT.F16 else qtype)
     rng = np.random.default_rng(99)
     for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
         w.add_tensor(f"{name}.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         for name, n in (("attn_q", D), ("attn_k", kvd), ("attn_v", kvd)):
             w.add_tensor(f"blk.0.{name}.bias", rng.standard_normal(n).astype(np.float32))
+    if experts:
+        w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((experts, D)).astype(np.float32))
+    if arch == "qwen2moe":
+        w.add_tensor("blk.0.ffn_gate_inp_shexp.weight", rng.standard_normal(D).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -92,10 +109,11 @@ def _fields(reader: GGUFReader) -> dict:
     return {k: (f.types, f.contents()) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-@pytest.mark.parametrize("qtype,arch", [(t, "llama") for t in EXACT] + [(QT.Q4_K, "qwen2"), (QT.Q8_0, "qwen2")],
-                         ids=lambda v: v.name if isinstance(v, QT) else v)
-def test_round_trip_is_byte_identical(tmp_path, qtype, arch):
-    src = tiny_gguf(tmp_path / "src.gguf", qtype, arch)
+@pytest.mark.parametrize("qtype,arch,experts", [(t, "llama", 0) for t in EXACT] + [
+    (QT.Q4_K, "qwen2", 0), (QT.Q8_0, "qwen2", 0), (QT.Q6_K, "llama", 3), (QT.Q4_0, "qwen2moe", 4)],
+    ids=lambda v: v.name if isinstance(v, QT) else str(v))
+def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
+    src = tiny_gguf(tmp_path / "src.gguf", qtype, arch, experts)
     convert(src, tmp_path / "c1", ConvertOptions())
     report = export.export_gguf(tmp_path / "c1", tmp_path / "out.gguf")
     assert report.requantized == 0
@@ -155,12 +173,12 @@ def test_kind_without_gguf_type_is_requantized_with_a_notice(tmp_path, capsys):
     ckpt = ContainerCheckpoint(tmp_path / "c")
     out = {t.name: t for t in GGUFReader(tmp_path / "out.gguf").tensors}
     q8 = next(n for n, t in ckpt.tensors.items() if t.kind == "q8")
-    name = export.gguf_tensor_name(q8, "llama")
+    name = export.gguf_tensor_name(q8, "llama")[0]
     assert out[name].tensor_type == QT.Q8_0
     got = gguf_dequantize(np.asarray(out[name].data), QT.Q8_0)
     assert np.array_equal(got, ckpt.load(q8).dequantize().numpy())  # per-channel q8 is exact as Q8_0
     q4 = next(n for n, t in ckpt.tensors.items() if t.kind == "q4" and "mlp" in n)
-    got = gguf_dequantize(np.asarray(out[export.gguf_tensor_name(q4, "llama")].data), QT.Q8_0)
+    got = gguf_dequantize(np.asarray(out[export.gguf_tensor_name(q4, "llama")[0]].data), QT.Q8_0)
     want = ckpt.load(q4).dequantize().numpy()
     assert np.abs(got - want).max() <= np.abs(want).max() / 254 * 1.01  # half a Q8_0 step at most
     convert(tmp_path / "out.gguf", tmp_path / "again", ConvertOptions())  # and it reads back

@@ -28,12 +28,14 @@ from colibri.core.atomic import atomic_path
 from colibri.core.errors import ColibriError, InputError, UnsupportedModelError
 from colibri.formats import container
 from colibri.formats.container import ContainerCheckpoint, TensorEntry
-from colibri.formats.gguf import copy_metadata, gguf_tensor_name, open_reader, permute_rows, rope_permuted_heads
+from colibri.formats.gguf import ARCHITECTURES as READ
+from colibri.formats.gguf import (copy_metadata, gguf_tensor_name, gguf_tensor_shape, open_reader, permute_rows,
+                                  rope_permuted_heads)
 from colibri.quant import kinds as quant
 
-# model_type -> GGUF architecture, the dense families an export writes (the MoE families' fused expert tensors and
-# Gemma 3's 1 + w norms are not written back yet)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# model_type -> GGUF architecture of the families an export writes (Gemma 3, whose norms the file keeps as 1 + w,
+# is not written back yet)
+ARCHITECTURES = {mt: arch for arch, mt in READ.items() if mt != "gemma3_text"} | {"mixtral": "llama"}
 FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 FALLBACK = "Q8_0"  # what a kind no GGUF type holds is re-quantized to
 ROWS_BYTES = 8 << 20  # f32 bytes of rows dequantized per step when re-quantizing
@@ -49,8 +51,11 @@ class ExportReport:
 
 @dataclass
 class _Plan:
-    entry: TensorEntry
+    """One GGUF tensor: one container tensor, or (a fused expert tensor) one per expert, in expert order."""
+
+    entries: list[TensorEntry]
     gguf_name: str
+    shape: tuple[int, ...]  # numpy order
     gguf_type: str
     exact: bool  # False: re-quantized to FALLBACK from its values
     nbytes: int
@@ -115,14 +120,14 @@ def _metadata_source(ckpt: ContainerCheckpoint) -> Path:
 
 
 def _plan(ckpt: ContainerCheckpoint) -> list[_Plan]:
-    """Each tensor's GGUF name, type and bytes, decided from the manifest before a byte is written (the header
+    """Each GGUF tensor's name, shape, type and bytes, decided from the manifest before a byte is written (the header
     comes first)."""
     cfg = ckpt.config
     model_type = cfg.get("model_type")
-    if model_type not in ARCHITECTURES or any(t.expert is not None for t in ckpt.tensors.values()):
+    if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"{ckpt.path}: exporting a {model_type} model to GGUF is not supported yet; "
-                                    f"supported: {', '.join(ARCHITECTURES)} (dense)")
-    plans = []
+                                    f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    plans: dict[str, _Plan] = {}
     for t in ckpt.tensors.values():
         if t.kind in FLOAT_TYPES:
             gtype, exact = FLOAT_TYPES[t.kind], True
@@ -137,19 +142,34 @@ def _plan(ckpt: ContainerCheckpoint) -> list[_Plan]:
                                         "Colibri cannot export; upgrade Colibri")
         block, size = GGML_QUANT_SIZES[QT[gtype]]
         nbytes = int(np.prod(t.shape)) // block * size
-        plans.append(_Plan(t, gguf_tensor_name(t.name, model_type), gtype, exact, nbytes))
-    return plans
+        name, expert = gguf_tensor_name(t.name, model_type)
+        p = plans.get(name)
+        if p is None:
+            plans[name] = _Plan([t], name, gguf_tensor_shape(name, tuple(t.shape)), gtype, exact, nbytes)
+            continue
+        # the next expert of a fused tensor: stored as the others (they were one GGUF tensor)
+        if expert != len(p.entries) or (t.kind, list(t.shape), t.group_size) != (
+                p.entries[0].kind, p.entries[0].shape, p.entries[0].group_size):
+            raise UnsupportedModelError(f"{ckpt.path}: the experts of {name} are not stored alike ({t.name}); "
+                                        "they cannot be written as one GGUF tensor")
+        p.entries.append(t)
+        p.nbytes += nbytes
+    for p in plans.values():
+        if len(p.entries) > 1 or gguf_tensor_name(p.entries[0].name, model_type)[1] is not None:
+            p.shape = (len(p.entries), *p.shape)
+    return list(plans.values())
 
 
 def _notice_requantized(plans: list[_Plan]) -> None:
     """One line on stderr per kind re-quantized because no GGUF type holds it: what it costs."""
-    lossy: dict[tuple[str, int | None], list[_Plan]] = {}
+    lossy: dict[tuple[str, int | None], list[TensorEntry]] = {}
     for p in plans:
         if not p.exact:
-            lossy.setdefault((p.entry.kind, p.entry.group_size), []).append(p)
-    for (kind, gs), ps in sorted(lossy.items()):
-        more = sum(p.nbytes - p.entry.nbytes for p in ps)
-        print(f"colibri: notice: {len(ps)} {kind} tensors (group {gs}) have no GGUF type: re-quantized to {FALLBACK} "
+            lossy.setdefault((p.entries[0].kind, p.entries[0].group_size), []).extend(p.entries)
+    nbytes = {t.name: p.nbytes // len(p.entries) for p in plans for t in p.entries}
+    for (kind, gs), ts in sorted(lossy.items()):
+        more = sum(nbytes[t.name] - t.nbytes for t in ts)
+        print(f"colibri: notice: {len(ts)} {kind} tensors (group {gs}) have no GGUF type: re-quantized to {FALLBACK} "
               f"from their values (lossy: each value moves by up to half a {FALLBACK} step, 1/254 of its 32-value "
               f"block's largest; {more / 2**20:+.1f} MiB)", file=sys.stderr, flush=True)
 
@@ -166,7 +186,7 @@ def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path
         copy_metadata(reader, w)
         del reader
         for p in plans:
-            w.add_tensor_info(p.gguf_name, tuple(p.entry.shape), np.dtype(np.float32), p.nbytes, raw_dtype=QT[p.gguf_type])
+            w.add_tensor_info(p.gguf_name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=QT[p.gguf_type])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -174,10 +194,10 @@ def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path
         if progress:
             progress("exporting", 0, total)
         for p in plans:
-            data, exact = _gguf_data(ckpt, p)
-            if p.exact and not exact:
-                requantized += 1
-                print(f"colibri: notice: {p.entry.name}: a q8 scale is outside f16's range: re-quantized to "
+            data, lost = _tensor_data(ckpt, p)
+            requantized += len(lost)
+            for name in lost:
+                print(f"colibri: notice: {name}: a q8 scale is outside f16's range: re-quantized to "
                       f"{FALLBACK} from its values (lossy: each value moves by up to half a {FALLBACK} step)",
                       file=sys.stderr, flush=True)
             w.write_tensor_data(data)
@@ -189,10 +209,27 @@ def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path
     return requantized
 
 
-def _gguf_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, bool]:
-    """The stored bytes of one tensor in GGUF form (rows in llama.cpp's order), and whether they hold its values
-    exactly."""
-    t = p.entry
+def _tensor_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, list[str]]:
+    """The bytes of GGUF tensor `p` (a fused expert tensor: each expert's in turn, one expert converted at a time),
+    and the container tensors re-quantized on the way."""
+    if len(p.entries) == 1:
+        data, exact = _gguf_data(ckpt, p.entries[0], p)
+        lost = [] if exact or not p.exact else [p.entries[0].name]
+    else:
+        data, lost, pos = np.empty(p.nbytes, dtype=np.uint8), [], 0
+        for t in p.entries:
+            part, exact = _gguf_data(ckpt, t, p)
+            data[pos:pos + part.nbytes] = part.reshape(-1)
+            pos += part.nbytes
+            lost += [] if exact or not p.exact else [t.name]
+    if data.nbytes != p.nbytes:
+        raise ColibriError(f"internal: {p.gguf_name} is {data.nbytes} bytes as {p.gguf_type}, planned {p.nbytes}")
+    return data, lost
+
+
+def _gguf_data(ckpt: ContainerCheckpoint, t: TensorEntry, p: _Plan) -> tuple[np.ndarray, bool]:
+    """The stored bytes of container tensor `t` in GGUF form (rows in llama.cpp's order), and whether they hold its
+    values exactly."""
     value = ckpt.load(t.name)
     exact = True
     if t.kind in FLOAT_TYPES:
@@ -208,8 +245,6 @@ def _gguf_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, bool]:
     heads = rope_permuted_heads(t.name, ckpt.config)
     if heads is not None:
         data = permute_rows(data, heads)
-    if data.nbytes != p.nbytes:
-        raise ColibriError(f"internal: {t.name} is {data.nbytes} bytes as {p.gguf_type}, planned {p.nbytes}")
     return data, exact
 
 

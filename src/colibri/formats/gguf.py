@@ -78,6 +78,11 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MIXTRAL_LAYER_NAMES = _LAYER_NAMES | {"ffn_gate_inp": "block_sparse_moe.gate"}
+def _layer_names(model_type: str) -> dict[str, str]:
+    """`blk.{i}.<key>` -> `model.layers.{i}.<value>` for a model_type."""
+    return {"gemma3_text": _GEMMA3_LAYER_NAMES, "mixtral": _MIXTRAL_LAYER_NAMES}.get(model_type, _LAYER_NAMES)
+
+
 _EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _MIXTRAL_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 # llama.cpp-only tensors with no HF counterpart that change the math: refuse rather than drop.
@@ -369,7 +374,7 @@ class GGUFCheckpoint:
     def _map_tensors(self) -> dict[str, _Source]:
         cfg = self.config
         mt = cfg["model_type"]
-        layer_names = {"gemma3_text": _GEMMA3_LAYER_NAMES, "mixtral": _MIXTRAL_LAYER_NAMES}.get(mt, _LAYER_NAMES)
+        layer_names = _layer_names(mt)
         gemma = mt == "gemma3_text"
         out: dict[str, _Source] = {}
         for gname, t in self._tensors.items():
@@ -508,23 +513,38 @@ def copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
 
 
-def gguf_tensor_name(name: str, model_type: str) -> str:
-    """The GGUF name of HF tensor `name` in a dense model of `model_type` (the inverse of the names `load` reads)."""
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def gguf_tensor_name(name: str, model_type: str) -> tuple[str, int | None]:
+    """Where HF tensor `name` of a `model_type` model goes in a GGUF (the inverse of the names `load` reads): the
+    GGUF tensor's name, and for an expert's projection its index in the fused `[n_expert, out, in]` tensor."""
     for gguf_base, hf in _GLOBAL_NAMES.items():
         if name.startswith(hf + "."):
-            return gguf_base + name[len(hf):]
-    layer_names = _GEMMA3_LAYER_NAMES if model_type == "gemma3_text" else _LAYER_NAMES
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+            return gguf_base + name[len(hf):], None
+    if (m := _HF_EXPERT.fullmatch(name)) is not None:
+        proj = _MIXTRAL_EXPERT_PROJ if model_type == "mixtral" else _EXPERT_PROJ
+        kind = next((k for k, v in proj.items() if v == m.group(3)), None)
+        if kind is not None:
+            return f"blk.{m.group(1)}.ffn_{kind}_exps.weight", int(m.group(2))
+    layer_names = _layer_names(model_type)
+    m = _HF_LAYER.fullmatch(name)
     kind = next((k for k, v in layer_names.items() if m and v == m.group(2)), None)
     if kind is None:
         raise UnsupportedModelError(f"tensor {name!r} has no GGUF name in a {model_type} model")
-    return f"blk.{m.group(1)}.{kind}.{m.group(3)}"
+    return f"blk.{m.group(1)}.{kind}.{m.group(3)}", None
+
+
+def gguf_tensor_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The GGUF shape (numpy order) of a tensor whose HF shape is `shape` (a shared-expert gate is 1-D there)."""
+    return shape[1:] if re.search(r"\.ffn_gate_inp_shexp\.", gguf_name) else shape
 
 
 def rope_permuted_heads(name: str, config: dict[str, Any]) -> int | None:
     """For the q/k projections (and biases) of a llama-arch model: the head count whose rows llama.cpp stores
     permuted (see _unpermute_rows); else None."""
-    if config.get("model_type") != "llama":
+    if config.get("model_type") not in ("llama", "mixtral"):  # GGUF architecture "llama"
         return None
     if ".self_attn.q_proj." in name:
         return config["num_attention_heads"]
