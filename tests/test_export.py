@@ -73,14 +73,20 @@ def tiny_gguf(path, qtype, arch: str = "llama", experts: int = 0):
     mats |= {f"blk.0.{n}_exps" if experts else f"blk.0.{n}": s for n, s in ffn.items()}
     if arch == "qwen2moe":
         mats |= {f"blk.0.{n}_shexp": s for n, s in ffn.items()}
+    if arch == "gemma3":  # a tied table
+        del mats["output"]
     for i, (name, (n, k)) in enumerate(mats.items()):
         data = _matrix(qtype, n * (experts if name.endswith("_exps") else 1), k, seed=i)
         if name.endswith("_exps"):
             data = data.reshape(experts, n, -1)
         w.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype == QT.F16 else qtype)
     rng = np.random.default_rng(99)
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(f"{name}.weight", (1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    norms = {"output_norm": D, "blk.0.attn_norm": D, "blk.0.ffn_norm": D}
+    if arch == "gemma3":  # stored as 1 + w; some below 0.5, where the import's w - 1 rounds
+        norms |= {"blk.0.post_attention_norm": D, "blk.0.post_ffw_norm": D, "blk.0.attn_q_norm": D // HEADS,
+                  "blk.0.attn_k_norm": D // HEADS}
+    for name, n in norms.items():
+        w.add_tensor(f"{name}.weight", (1 + 0.6 * rng.standard_normal(n)).astype(np.float32))
     if arch in ("qwen2", "qwen2moe"):
         for name, n in (("attn_q", D), ("attn_k", kvd), ("attn_v", kvd)):
             w.add_tensor(f"blk.0.{name}.bias", rng.standard_normal(n).astype(np.float32))
@@ -110,7 +116,8 @@ def _fields(reader: GGUFReader) -> dict:
 
 
 @pytest.mark.parametrize("qtype,arch,experts", [(t, "llama", 0) for t in EXACT] + [
-    (QT.Q4_K, "qwen2", 0), (QT.Q8_0, "qwen2", 0), (QT.Q6_K, "llama", 3), (QT.Q4_0, "qwen2moe", 4)],
+    (QT.Q4_K, "qwen2", 0), (QT.Q8_0, "qwen2", 0), (QT.Q6_K, "llama", 3), (QT.Q4_0, "qwen2moe", 4),
+    (QT.Q4_K, "gemma3", 0)],
     ids=lambda v: v.name if isinstance(v, QT) else str(v))
 def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
     src = tiny_gguf(tmp_path / "src.gguf", qtype, arch, experts)
@@ -128,7 +135,13 @@ def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
     assert sorted(ta) == sorted(tb)
     for name, t in ta.items():
         assert (tb[name].tensor_type, list(tb[name].shape)) == (t.tensor_type, list(t.shape)), name
-        assert np.array_equal(np.asarray(tb[name].data), np.asarray(t.data)), name
+        got, want = np.asarray(tb[name].data), np.asarray(t.data)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # 1 + w: the file's value where w did not round
+            kept = want >= 0.5
+            assert np.array_equal(got[kept], want[kept]) and not kept.all(), name
+            assert (np.abs(got - want) <= np.spacing(np.abs(want - 1))).all(), name
+            continue
+        assert np.array_equal(got, want), name
     fa, fb = _fields(a), _fields(b)
     assert fa == fb
     assert fb["general.architecture"][1] == arch and fb[f"{arch}.attention.head_count_kv"][1] == KV
@@ -232,6 +245,12 @@ def test_bad_input_gets_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatc
     assert "Input/output error" in _cli_error(capsys, "--input", c, "--output", str(tmp_path / "m.gguf"))
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "src.gguf"]
+    # the kept metadata damaged
+    meta = tmp_path / "c" / container.GGUF_METADATA
+    good = meta.read_bytes()
+    meta.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert "fails its checksum" in _cli_error(capsys, "--input", c, "--output", str(tmp_path / "m.gguf"))
+    meta.write_bytes(good)
     # a container converted from HF weights has no GGUF metadata to write back
     _edit_manifest(tmp_path / "c", lambda m: (m["tokenizer"].pop("gguf_metadata_file"),
                                               m["source"].update(kind="huggingface")))

@@ -33,9 +33,8 @@ from colibri.formats.gguf import (copy_metadata, gguf_tensor_name, gguf_tensor_s
                                   rope_permuted_heads)
 from colibri.quant import kinds as quant
 
-# model_type -> GGUF architecture of the families an export writes (Gemma 3, whose norms the file keeps as 1 + w,
-# is not written back yet)
-ARCHITECTURES = {mt: arch for arch, mt in READ.items() if mt != "gemma3_text"} | {"mixtral": "llama"}
+# model_type -> GGUF architecture (mixtral: "llama" with experts)
+ARCHITECTURES = {mt: arch for arch, mt in READ.items()} | {"mixtral": "llama"}
 FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 FALLBACK = "Q8_0"  # what a kind no GGUF type holds is re-quantized to
 ROWS_BYTES = 8 << 20  # f32 bytes of rows dequantized per step when re-quantizing
@@ -241,6 +240,10 @@ def _gguf_data(ckpt: ContainerCheckpoint, t: TensorEntry, p: _Plan) -> tuple[np.
             data, exact = _requantize(value), False
     else:
         data, exact = _requantize(value), False
+    if ckpt.config["model_type"] == "gemma3_text" and p.gguf_name.endswith("norm.weight"):
+        # Gemma's norms: the file keeps 1 + w (formats.gguf), the container w. Exact back to the file's value for
+        # every stored value at least 0.5; below, the import's w rounded (w + 1 is then that rounded value's)
+        data = (value.float() + 1.0).numpy().view(np.uint8)
     data = data.reshape(t.shape[0], -1)
     heads = rope_permuted_heads(t.name, ckpt.config)
     if heads is not None:
