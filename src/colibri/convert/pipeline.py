@@ -219,7 +219,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if isinstance(ckpt, ContainerCheckpoint):
         ckpt.close()
         raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
-                         "made from")
+                         "made from (or give --output NAME.gguf to write it back as a GGUF)")
     shapes = decoder.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = ckpt.format == "gguf"
