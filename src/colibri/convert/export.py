@@ -62,8 +62,8 @@ class _Plan:
 
 def export_gguf(src: str | Path, dst: str | Path, force: bool = False,
                 progress: Progress | None = None) -> ExportReport:
-    """Write the container `src` as the GGUF file `dst` (see the module's doc). `progress("exporting", done, total)`
-    in bytes."""
+    """Write the container `src` as the GGUF file `dst` (see the module's doc). `progress(phase, done, total)`:
+    "reading" (the manifest and metadata), then "exporting", in bytes."""
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
@@ -71,6 +71,8 @@ def export_gguf(src: str | Path, dst: str | Path, force: bool = False,
     if not (src / container.MANIFEST).is_file():
         raise InputError(f"{src} is not a Colibri container: an export to GGUF reads one (convert the model to a "
                          "container first)")
+    if progress:
+        progress("reading", 0, 0)
     ckpt = ContainerCheckpoint(src)
     try:
         meta = _metadata_source(ckpt)
