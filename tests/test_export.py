@@ -213,6 +213,10 @@ def test_old_container_reads_metadata_from_its_source(tmp_path, capsys):
     export.export_gguf(tmp_path / "c", tmp_path / "out.gguf")
     assert "keeps no GGUF metadata" in capsys.readouterr().err
     assert _fields(GGUFReader(src)) == _fields(GGUFReader(tmp_path / "out.gguf"))
+    tiny_gguf(src, QT.Q8_0, "qwen2")  # another model at the source's path: its metadata is refused
+    assert "does not describe the model" in _cli_error(capsys, "--input", str(tmp_path / "c"), "--output",
+                                                        str(tmp_path / "other.gguf"), "--force")
+    assert not (tmp_path / "other.gguf").exists()
 
 
 def _cli_error(capsys, *argv) -> str:

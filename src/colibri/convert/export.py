@@ -75,18 +75,18 @@ def export_gguf(src: str | Path, dst: str | Path, force: bool = False,
         progress("reading", 0, 0)
     ckpt = ContainerCheckpoint(src)
     try:
-        meta = _metadata_source(ckpt)
         plans = _plan(ckpt)
+        writer = _writer(ckpt, _metadata_source(ckpt), plans)
         _notice_requantized(plans)
         total = sum(p.nbytes for p in plans)
         free = shutil.disk_usage(dst.parent if dst.parent.exists() else Path(".")).free
         if free < total + SPACE_MARGIN:
             raise ColibriError(f"not enough free space for {dst}: the GGUF needs {total / 2**30:.2f} GiB, "
                                f"{free / 2**30:.2f} GiB are free; free space or choose another --output")
-        requantized = sum(not p.exact for p in plans)
+        requantized = sum(len(p.entries) for p in plans if not p.exact)
         try:
             with atomic_path(dst) as tmp:
-                requantized += _write(ckpt, meta, plans, tmp, progress, total)
+                requantized += _write(ckpt, writer, plans, tmp, progress, total)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise ColibriError(f"no space left on the device writing {dst}: the GGUF needs "
@@ -175,20 +175,33 @@ def _notice_requantized(plans: list[_Plan]) -> None:
               f"block's largest; {more / 2**20:+.1f} MiB)", file=sys.stderr, flush=True)
 
 
-def _write(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan], path: Path, progress: Progress | None,
+def _writer(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan]) -> GGUFWriter:
+    """A GGUFWriter holding the metadata of `meta` (checked to describe the container's model) and the tensor table,
+    its file not opened yet."""
+    cfg = ckpt.config
+    arch = ARCHITECTURES[cfg["model_type"]]
+    reader = open_reader(meta)  # a large vocabulary parsed: gone once copied
+    fields = {k: f.contents() for k, f in reader.fields.items()
+              if k in ("general.architecture", f"{arch}.block_count", f"{arch}.embedding_length")}
+    want = {"general.architecture": arch, f"{arch}.block_count": cfg["num_hidden_layers"],
+            f"{arch}.embedding_length": cfg["hidden_size"]}
+    if fields != want:
+        raise UnsupportedModelError(f"{meta}: its metadata ({fields}) does not describe the model of {ckpt.path} "
+                                    f"({want}); convert the GGUF again")
+    w = GGUFWriter(None, arch)
+    copy_metadata(reader, w)
+    for p in plans:
+        w.add_tensor_info(p.gguf_name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=QT[p.gguf_type])
+    return w
+
+
+def _write(ckpt: ContainerCheckpoint, w: GGUFWriter, plans: list[_Plan], path: Path, progress: Progress | None,
            total: int) -> int:
     """Write the GGUF at `path`, a tensor at a time; return how many more tensors were re-quantized on the way (q8
     whose scales f16 cannot hold)."""
-    reader = open_reader(meta)  # a large vocabulary parsed: dropped once copied
-    arch = ARCHITECTURES[ckpt.config["model_type"]]
-    w = GGUFWriter(path, arch)
     requantized = 0
     try:
-        copy_metadata(reader, w)
-        del reader
-        for p in plans:
-            w.add_tensor_info(p.gguf_name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=QT[p.gguf_type])
-        w.write_header_to_file()
+        w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         done = 0
