@@ -38,10 +38,10 @@ def _matrix(qtype, n: int, k: int, seed: int) -> np.ndarray:
     return k_blocks(qtype, n, k, seed)
 
 
-def tiny_gguf(path, qtype, arch: str = "llama", experts: int = 0):
+def tiny_gguf(path, qtype, arch: str = "llama", experts: int = 0, tiny_embd: bool = False):
     """A one-layer model with a byte-level tokenizer and a chat template, every matrix of `qtype` (untied: token_embd
     and output differ); qwen2 and qwen2moe: q/k/v biases; `experts`: fused expert tensors (llama: Mixtral;
-    qwen2moe: with a shared expert)."""
+    qwen2moe: with a shared expert); `tiny_embd` (F16): token_embd's values near f16's smallest."""
     w = GGUFWriter(path, arch)
     w.add_block_count(LAYERS)
     w.add_context_length(128)
@@ -79,6 +79,8 @@ def tiny_gguf(path, qtype, arch: str = "llama", experts: int = 0):
         data = _matrix(qtype, n * (experts if name.endswith("_exps") else 1), k, seed=i)
         if name.endswith("_exps"):
             data = data.reshape(experts, n, -1)
+        if tiny_embd and name == "token_embd":
+            data = (data.astype(np.float32) * 1e-4).astype(np.float16)
         w.add_tensor(f"{name}.weight", data, raw_dtype=None if qtype == QT.F16 else qtype)
     rng = np.random.default_rng(99)
     norms = {"output_norm": D, "blk.0.attn_norm": D, "blk.0.ffn_norm": D}
@@ -195,6 +197,19 @@ def test_kind_without_gguf_type_is_requantized_with_a_notice(tmp_path, capsys):
     want = ckpt.load(q4).dequantize().numpy()
     assert np.abs(got - want).max() <= np.abs(want).max() / 254 * 1.01  # half a Q8_0 step at most
     convert(tmp_path / "out.gguf", tmp_path / "again", ConvertOptions())  # and it reads back
+
+
+def test_q8_scales_f16_cannot_hold_are_requantized_with_a_notice(tmp_path, capsys):
+    src = tiny_gguf(tmp_path / "f16.gguf", QT.F16, tiny_embd=True)  # token_embd: q8 per channel, scales ~1e-8
+    convert(src, tmp_path / "c", ConvertOptions())
+    capsys.readouterr()
+    report = export.export_gguf(tmp_path / "c", tmp_path / "out.gguf")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "model.embed_tokens.weight" in line]
+    assert len(lines) == 1 and "outside f16's range" in lines[0] and "re-quantized to Q8_0" in lines[0]
+    q4 = sum(t.kind == "q4" for t in ContainerCheckpoint(tmp_path / "c").tensors.values())
+    assert report.requantized == q4 + 1
+    out = {t.name: t for t in GGUFReader(tmp_path / "out.gguf").tensors}
+    assert out["token_embd.weight"].tensor_type == QT.Q8_0
 
 
 def _edit_manifest(path, edit) -> None:

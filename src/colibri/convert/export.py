@@ -210,10 +210,9 @@ def _write(ckpt: ContainerCheckpoint, w: GGUFWriter, plans: list[_Plan], path: P
         for p in plans:
             data, lost = _tensor_data(ckpt, p)
             requantized += len(lost)
-            for name in lost:
-                print(f"colibri: notice: {name}: a q8 scale is outside f16's range: re-quantized to "
-                      f"{FALLBACK} from its values (lossy: each value moves by up to half a {FALLBACK} step)",
-                      file=sys.stderr, flush=True)
+            for name, why in lost:
+                print(f"colibri: notice: {name}: {why}: re-quantized to {FALLBACK} from its values (lossy: each "
+                      f"value moves by up to half a {FALLBACK} step)", file=sys.stderr, flush=True)
             w.write_tensor_data(data)
             done += p.nbytes
             if progress:
@@ -223,38 +222,38 @@ def _write(ckpt: ContainerCheckpoint, w: GGUFWriter, plans: list[_Plan], path: P
     return requantized
 
 
-def _tensor_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, list[str]]:
+def _tensor_data(ckpt: ContainerCheckpoint, p: _Plan) -> tuple[np.ndarray, list[tuple[str, str]]]:
     """The bytes of GGUF tensor `p` (a fused expert tensor: each expert's in turn, one expert converted at a time),
-    and the container tensors re-quantized on the way."""
+    and (name, why) of the container tensors its planned type turned out not to hold exactly (re-quantized)."""
     if len(p.entries) == 1:
-        data, exact = _gguf_data(ckpt, p.entries[0], p)
-        lost = [] if exact or not p.exact else [p.entries[0].name]
+        data, why = _gguf_data(ckpt, p.entries[0], p)
+        lost = [(p.entries[0].name, why)] if why else []
     else:
         data, lost, pos = np.empty(p.nbytes, dtype=np.uint8), [], 0
         for t in p.entries:
-            part, exact = _gguf_data(ckpt, t, p)
+            part, why = _gguf_data(ckpt, t, p)
             data[pos:pos + part.nbytes] = part.reshape(-1)
             pos += part.nbytes
-            lost += [] if exact or not p.exact else [t.name]
+            lost += [(t.name, why)] if why else []
     if data.nbytes != p.nbytes:
         raise ColibriError(f"internal: {p.gguf_name} is {data.nbytes} bytes as {p.gguf_type}, planned {p.nbytes}")
     return data, lost
 
 
-def _gguf_data(ckpt: ContainerCheckpoint, t: TensorEntry, p: _Plan) -> tuple[np.ndarray, bool]:
-    """The stored bytes of container tensor `t` in GGUF form (rows in llama.cpp's order), and whether they hold its
-    values exactly."""
+def _gguf_data(ckpt: ContainerCheckpoint, t: TensorEntry, p: _Plan) -> tuple[np.ndarray, str | None]:
+    """The stored bytes of container tensor `t` in GGUF form (rows in llama.cpp's order), and why they were
+    re-quantized where the planned exact type turned out not to hold its values (None otherwise)."""
     value = ckpt.load(t.name)
-    exact = True
+    why = None
     if t.kind in FLOAT_TYPES:
         data = value.contiguous().view(torch.uint8).numpy()
     elif p.exact:
         try:
             data = quant.to_gguf(value)
-        except ValueError:  # q8 with a scale f16 cannot hold
-            data, exact = _requantize(value), False
+        except ValueError as e:  # q8 with a scale f16 cannot hold
+            data, why = _requantize(value), str(e).removeprefix("to_gguf: ")
     else:
-        data, exact = _requantize(value), False
+        data = _requantize(value)
     if ckpt.config["model_type"] == "gemma3_text" and p.gguf_name.endswith("norm.weight"):
         # Gemma's norms: the file keeps 1 + w (formats.gguf), the container w. Exact back to the file's value for
         # every stored value at least 0.5; below, the import's w rounded (w + 1 is then that rounded value's)
@@ -263,7 +262,7 @@ def _gguf_data(ckpt: ContainerCheckpoint, t: TensorEntry, p: _Plan) -> tuple[np.
     heads = rope_permuted_heads(t.name, ckpt.config)
     if heads is not None:
         data = permute_rows(data, heads)
-    return data, exact
+    return data, why
 
 
 def _requantize(w) -> np.ndarray:
