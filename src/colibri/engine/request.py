@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from colibri.core.errors import InputError
 from colibri.core.metrics import GenerationMetrics
-from colibri.engine.sampling import Sampler, SamplingParams
+from colibri.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from colibri.formats.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class StreamChunk:
     text: str  # text delta (may be empty while a multi-byte character is incomplete or a stop string may start)
     token_id: int | None  # the token that produced it; None for the final flush
     metrics: GenerationMetrics
+    logprobs: TokenLogprobs | None = None  # the token's, when the request asked for them
 
 
 class Request:
@@ -68,7 +69,13 @@ class Request:
         self.metrics = GenerationMetrics()
         self.metrics.prompt_tokens = len(prompt_ids)
         self.cache: "KVCache | None" = None
-        self.sampler = Sampler(params)
+        constraint = None
+        if params.grammar is not None:
+            if tokenizer is None:
+                raise InputError("a grammar needs the model's tokenizer; this model has none")
+            from colibri.engine.grammar import Constraint  # the optional llguidance, only when asked for
+            constraint = Constraint(params.grammar, tokenizer)
+        self.sampler = Sampler(params, len(prompt_ids), constraint)
         self.admitted_at = 0  # the step it was admitted (preemption picks the newest)
         # speculation: tokens a drafter proposes to follow `ids`; the next step verifies them in its pass
         self.draft: list[int] = []
@@ -128,11 +135,11 @@ class Request:
         cut = min((i for i in (self._text.find(s) for s in self._stops) if i >= 0), default=-1)
         if cut >= 0:
             self._text = self._text[:cut]
-            return self._end("stop", token)
+            return self._end("stop", token, self.sampler.last)
         safe = len(self._text) - self._hold
         delta = self._text[self._emitted:safe] if safe > self._emitted else ""
         self._emitted += len(delta)
-        self._chunks.append(StreamChunk(delta, token, m))
+        self._chunks.append(StreamChunk(delta, token, m, self.sampler.last))
         if len(self.token_ids) >= p.max_tokens or len(self.ids) >= context:
             self.finish("length")
 
@@ -141,9 +148,9 @@ class Request:
         self._text += self._decoder.flush() if self._decoder else ""
         self._end(reason, None)
 
-    def _end(self, reason: str, token: int | None) -> None:
+    def _end(self, reason: str, token: int | None, logprobs: TokenLogprobs | None = None) -> None:
         if reason != "abort":
-            self._chunks.append(StreamChunk(self._text[self._emitted:], token, self.metrics))
+            self._chunks.append(StreamChunk(self._text[self._emitted:], token, self.metrics, logprobs))
             self._emitted = len(self._text)
         if self._t_decode is not None:
             self.metrics.decode_s = time.perf_counter() - self._t_decode

@@ -9,6 +9,7 @@ request aborted. Every error is OpenAI's shape with its status.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import sys
@@ -22,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from colibri.core.errors import InputError
+from colibri.engine.grammar import available as grammars_available
+from colibri.engine.sampling import SamplingParams
 from colibri.server import schema, tools
 from colibri.server.metrics import ServerMetrics
-from colibri.server.replies import ChatReply, CompletionReply
+from colibri.server.replies import ChatReply, CompletionReply, Logprobs
 from colibri.server.schema import APIError, ChatRequest, CompletionRequest
 from colibri.server.worker import Event, Job, Worker
 
@@ -161,12 +164,19 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
             ids = await asyncio.to_thread(render)
         except InputError as e:
             raise APIError(400, str(e), param="messages", code="invalid_messages") from None
-        params = schema.sampling_params(req, len(ids), worker.model.context_length)
-        queue: asyncio.Queue = asyncio.Queue()
-        job = Job(ids, params, asyncio.get_running_loop(), queue)
+        # a forced call follows its tool's schema where llguidance is installed (else the model writes it freely,
+        # as before structured output); response_format's JSON cannot do without it (a 400 then)
+        if forced and grammars_available():
+            grammar = await compiled(lambda: tools.call_grammar(req, forced), "tools")
+        else:
+            grammar = await compiled(lambda: response_grammar(req), "response_format")
+        params = schema.sampling_params(req, len(ids), worker.model.context_length, grammar)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        n = req.n or 1
+        jobs = [Job(ids, choice_params(params, j), loop, queue, index=j) for j in range(n)]
         names = frozenset(t["function"]["name"] for t in tool_list) if tool_list else None
-        reply = ChatReply(settings.model_id, len(ids), names, forced)
-        return await answer(request, req, [job], queue, reply)
+        reply = ChatReply(settings.model_id, len(ids), names, forced, n, token_logprobs(params))
+        return await answer(request, req, jobs, queue, reply)
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest, components))
     async def completions(request: Request) -> Response:
@@ -178,11 +188,35 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         except InputError as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        jobs = [Job(ids, schema.sampling_params(req, len(ids), model.context_length), loop, queue, index=i)
-                for i, ids in enumerate(encoded)]
+        n = req.n or 1
+        jobs = []
+        for i, ids in enumerate(encoded):
+            params = schema.sampling_params(req, len(ids), model.context_length)
+            jobs += [Job(ids, choice_params(params, j), loop, queue, index=i * n + j) for j in range(n)]
         echo = prompts if req.echo else None
-        reply = CompletionReply(settings.model_id, [len(i) for i in encoded], echo)
+        reply = CompletionReply(settings.model_id, [len(i) for i in encoded], echo, n, token_logprobs(jobs[0].params))
         return await answer(request, req, jobs, queue, reply)
+
+    def token_logprobs(params) -> Logprobs | None:
+        tok = worker.model.tokenizer
+        if params.logprobs is None:
+            return None
+        return Logprobs(lambda i: tok.decode([i], skip_special_tokens=False) if tok is not None else str(i))
+
+    async def compiled(make, param: str) -> str | None:
+        """The grammar `make()` builds (None: none), checked against the model's tokenizer: a 400 naming `param`
+        when it does not compile or llguidance is not installed."""
+        def build() -> str | None:
+            grammar = make()
+            if grammar is not None:
+                from colibri.engine.grammar import check
+                check(grammar, worker.model.tokenizer)
+            return grammar
+
+        try:
+            return await asyncio.to_thread(build)
+        except InputError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     metrics.attach(worker)
     base_openapi = app.openapi
@@ -194,6 +228,21 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
 
     app.openapi = openapi
     return app
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s params: the request's, with its seed (schema.choice_seed)."""
+    return params if index == 0 else dataclasses.replace(params, seed=schema.choice_seed(params.seed, index))
+
+
+def response_grammar(req: ChatRequest) -> str | None:
+    """The grammar `response_format` asks for: any JSON object (json_object), JSON matching the schema
+    (json_schema; llguidance enforces a schema's constraints whether or not `strict` is set), None for text."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    from colibri.engine.grammar import json_schema_grammar
+    return json_schema_grammar(rf.json_schema.schema_ if rf.type == "json_schema" else None)
 
 
 def body_schema(model, components: dict) -> dict:

@@ -3,11 +3,11 @@
 The parameters Colibri knows are parsed strictly: a string where a number belongs or a negative `max_tokens` is a
 400 naming the parameter (`APIError`), never coerced. A parameter it does not know is accepted and ignored, as
 vLLM and llama-server do (clients such as Open WebUI, LiteLLM and LangChain send their own): `ignored` lists them,
-and the server names them in a response header and its log. Parameters OpenAI defines that change the answer in
-a way Colibri does not implement (`n > 1`, `logprobs`, penalties, `response_format` other than text) are refused
-with a 400, so a client never gets an answer that silently ignored what it asked for. Known ones that change
-nothing here are taken: an assistant message's `refusal`, llama.cpp's `cache_prompt` (the prefix cache is always
-on) and `repeat_penalty` (repetition_penalty's llama.cpp name).
+and the server names them in a response header and its log. The few OpenAI defines that would change the answer
+in a way Colibri does not implement (`logit_bias`, `best_of > 1`, `suffix`) are refused with a 400, so a client
+never gets an answer that silently ignored what it asked for. Known ones that change nothing here are taken: an
+assistant message's `refusal`, llama.cpp's `cache_prompt` (the prefix cache is always on) and `repeat_penalty`
+(repetition_penalty's llama.cpp name).
 """
 
 from __future__ import annotations
@@ -104,9 +104,16 @@ class StreamOptions(Strict):
     include_usage: StrictBool = False
 
 
+class JSONSchema(Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` shadows a BaseModel attribute
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchema | None = None
 
 
 class Sampling(Strict):
@@ -148,6 +155,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
+    logprobs: StrictInt | None = None  # the legacy API's: how many top log-probabilities per token
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
@@ -210,24 +218,21 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+MAX_CHOICES = 16  # n: choices of one request
+
+
 def refuse_unsupported(req: Sampling) -> None:
-    """400 for parameters that would change the answer in a way Colibri does not implement."""
-    if req.n is not None and req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: only one choice per request (n=1); send several"
-                            " requests instead (they are batched together)", param="n", code="unsupported_value")
-    if req.logprobs or req.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs",
-                       code="unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported; use repetition_penalty", param=name,
-                           code="unsupported_parameter")
+    """400 for parameters that would change the answer in a way Colibri does not implement, or out of range."""
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}] (got {req.n})", param="n", code="invalid_value")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    if req.top_logprobs is not None and not (isinstance(req, ChatRequest) and req.logprobs):
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type != "text":
-        raise APIError(400, f"response_format {rf.type!r} is not supported (only 'text')", param="response_format",
-                       code="unsupported_value")
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+        raise APIError(400, "response_format json_schema needs its json_schema: {name, schema}",
+                       param="response_format.json_schema", code="missing_parameter")
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != 1:
         raise APIError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
@@ -235,9 +240,27 @@ def refuse_unsupported(req: Sampling) -> None:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
 
 
-def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> SamplingParams:
-    """The engine's SamplingParams; a prompt plus `max_tokens` beyond the context is a 400 (never truncated).
-    Without max_tokens a reply may run to the end of the context."""
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with `seed` (n > 1): seed + index, wrapped into [-2**63, 2**64),
+    so choice i of a seeded request is the single request with seed + i."""
+    if seed is None:
+        return None
+    s = seed + index
+    return s - 2**64 if s >= 2**64 else s
+
+
+def logprobs_wanted(req: Sampling) -> int | None:
+    """How many top log-probabilities each token carries (None: no logprobs): chat's `logprobs: true` with
+    `top_logprobs`, or the legacy completions' integer `logprobs`."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def sampling_params(req: Sampling, prompt_tokens: int, context: int, grammar: str | None = None) -> SamplingParams:
+    """The engine's SamplingParams (`grammar`: what the reply must match, see grammar()); a prompt plus
+    `max_tokens` beyond the context is a 400 (never truncated). Without max_tokens a reply may run to the end of
+    the context."""
     max_tokens = getattr(req, "max_completion_tokens", None)
     param = "max_completion_tokens"
     if max_tokens is None:
@@ -254,8 +277,8 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> Sampling
         raise APIError(400, f"this model's context holds {context} tokens, but {prompt_tokens} in the prompt"
                             f" plus {param}={max_tokens} ask for {prompt_tokens + max_tokens}; lower {param}",
                        param=param, code="context_length_exceeded")
-    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos")
-          if getattr(req, k) is not None}
+    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos",
+                                       "presence_penalty", "frequency_penalty") if getattr(req, k) is not None}
     if req.repeat_penalty is not None:
         if req.repetition_penalty is not None and req.repetition_penalty != req.repeat_penalty:
             raise APIError(400, "repeat_penalty and repetition_penalty disagree; send one of them",
@@ -266,7 +289,8 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int) -> Sampling
     if stop is not None and len(stop) > 16:
         raise APIError(400, "at most 16 stop strings", param="stop", code="invalid_value")
     try:
-        return SamplingParams(max_tokens=max_tokens, stop=stop or None, **kw)
+        return SamplingParams(max_tokens=max_tokens, stop=stop or None, logprobs=logprobs_wanted(req),
+                              grammar=grammar, **kw)
     except InputError as e:
         name = str(e).split(" ")[0]
         raise APIError(400, str(e), param=name, code="invalid_value") from None

@@ -85,6 +85,20 @@ def forced_start(req: ChatRequest) -> str:
     return OPEN + "\n" + json.dumps({"name": choice.function.name})[:-1] + ', "arguments": '
 
 
+def call_grammar(req: ChatRequest, forced: str) -> str | None:
+    """The grammar the rest of a forced call follows (None when tool_choice forces none): the tool's name among
+    the request's tools ("required"), then arguments matching that tool's `parameters` schema, then the block's
+    end. The reply then ends (EOS)."""
+    if not forced:
+        return None
+    from colibri.engine.grammar import choice_grammar
+    end = "}\n" + CLOSE
+    schemas = {t.function.name: t.function.parameters for t in req.tools}
+    if req.tool_choice == "required":
+        return choice_grammar([(json.dumps(name)[1:] + ', "arguments": ', schema) for name, schema in schemas.items()], end)
+    return choice_grammar([("", schemas[req.tool_choice.function.name])], end)
+
+
 def parse_block(body: str) -> dict | None:
     """One block's JSON as an OpenAI tool call, or None when it is not {"name": str, "arguments": ...}."""
     try:

@@ -29,9 +29,10 @@ RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of th
 
 @dataclass
 class Event:
-    kind: str  # "delta" (text, tokens) | "done" (finish_reason, error, metrics)
+    kind: str  # "delta" (text, tokens, logprobs) | "done" (finish_reason, error, metrics)
     text: str = ""
     tokens: int = 0
+    logprobs: list = field(default_factory=list)  # [(token id, TokenLogprobs)] when the request asked for them
     finish_reason: str | None = None
     error: APIError | None = None
     metrics: object = None
@@ -256,7 +257,8 @@ class Worker:
                     job.first_token_s = time.perf_counter() - job.t0
                     if self.metrics is not None:
                         self.metrics.ttft.observe(job.first_token_s)
-                job.deliver(Event("delta", "".join(c.text for c in chunks), tokens))
+                lps = [(c.token_id, c.logprobs) for c in chunks if c.logprobs is not None and c.token_id is not None]
+                job.deliver(Event("delta", "".join(c.text for c in chunks), tokens, lps))
             if req.finished:
                 if job.aborted:
                     continue  # already answered by _finish("abort")
