@@ -75,6 +75,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                None),
     "prompt": (dict(help="prompt text (or give it as the command's last argument)"), None),
     "system": (dict(help="system message for the chat template"), None),
+    "chat_template": (dict(metavar="FILE", help="a Jinja chat template file to use instead of the model's (the"
+                                                " server reads its tool-call syntax from it)"), None),
     "max_tokens": (dict(type=int, default=config.DEFAULT_MAX_TOKENS,
                         help=f"maximum tokens to generate (default {config.DEFAULT_MAX_TOKENS})"), None),
     "temperature": (dict(type=float, default=0.0, help="sampling temperature; 0 = greedy (default)"), None),
@@ -216,12 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # none: the help (main)
     run = sub.add_parser("run", help="generate a reply to one prompt")
     run.add_argument("text", nargs="?", metavar="PROMPT", help="prompt text (the same as --prompt)")
-    add(run, *COMMON, *ENGINE, *KV, "prompt", "system", *SAMPLING, "raw", "json", "verbose")
+    add(run, *COMMON, *ENGINE, *KV, "prompt", "system", "chat_template", *SAMPLING, "raw", "json", "verbose")
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
-    add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
+    add(chat, *COMMON, *ENGINE, *KV, "system", "chat_template", *SAMPLING, "stats", "kv_dir", "session")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name", "ray",
-        "replicas")
+    add(srv, *COMMON, *ENGINE, *KV, "chat_template", "host", "port", "api_key", "max_queue", "shutdown_grace",
+        "model_name", "ray", "replicas")
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
     add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING, "ray", "replicas",
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'

@@ -41,7 +41,8 @@ class EngineConfig:
     predict the next layer's experts with its router and read them early (never changes tokens).
     lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group
     (every native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md);
-    process-wide once set (colibri.kernels)."""
+    process-wide once set (colibri.kernels). chat_template: a Jinja file that replaces the model's chat template
+    (None: the model's own)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
@@ -62,6 +63,7 @@ class EngineConfig:
     ngram_cache_size: int = DEFAULT_NGRAM_CACHE
     lookahead: bool = True
     lossy_int8_activations: bool = False
+    chat_template: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_sequences", "io_threads"):

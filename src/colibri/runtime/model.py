@@ -240,7 +240,14 @@ class Model:
         eos = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         eos = list(eos) or self.args.eos_token_id
         strings = {k: sp.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return Tokenizer(ckpt.tokenizer, eos, sp.get("bos_token_id"), ckpt.chat_template, strings)
+        template = ckpt.chat_template
+        if self.config.chat_template is not None:
+            path = Path(self.config.chat_template)
+            try:
+                template = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"--chat-template {path}: cannot be read ({e}); give a Jinja template file")
+        return Tokenizer(ckpt.tokenizer, eos, sp.get("bos_token_id"), template, strings)
 
     # -- forward passes --------------------------------------------------------------------------------
 

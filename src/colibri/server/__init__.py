@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import sys
+from pathlib import Path
 from typing import Callable
 
 from colibri.core.config import EngineConfig
@@ -46,6 +47,8 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
     from colibri.runtime.model import open_model
     ckpt, _, _ = open_model(config.model_path())  # a wrong path or architecture: one line, before the socket
     ckpt.close()
+    if config.chat_template is not None and not Path(config.chat_template).is_file():
+        raise InputError(f"--chat-template {config.chat_template}: no such file; give a Jinja template file")
     metrics = ServerMetrics()
     worker = Worker(config, max_queue, metrics, load)
     settings = Settings(model_id=name or model_id(config), api_key=api_key)

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from colibri.core.errors import InputError
-from colibri.engine.sampling import SamplingParams
+from colibri.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 Number = Union[StrictInt, StrictFloat]
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (send 0 for greedy)
@@ -229,6 +229,9 @@ def refuse_unsupported(req: Sampling) -> None:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
     if req.top_logprobs is not None and not (isinstance(req, ChatRequest) and req.logprobs):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
+                       param="top_logprobs", code="invalid_value")
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
         raise APIError(400, "response_format json_schema needs its json_schema: {name, schema}",
