@@ -13,6 +13,7 @@ import json
 import weakref
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from colibri.core.errors import InputError
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from colibri.formats.tokenizer import Tokenizer
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Tokenizer -> llguidance LLTokenizer
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def available() -> bool:
@@ -97,12 +97,14 @@ class Constraint:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         m = self.bitmask
         self.matcher.unsafe_compute_mask_ptr(m.data_ptr(), m.numel() * m.element_size())
-        allowed = ((m.unsqueeze(1) >> _BITS) & 1).flatten().bool()  # [32 * words]
-        V = logits.shape[0]
-        keep = torch.zeros(V, dtype=torch.bool)
-        n = min(V, allowed.shape[0])
-        keep[:n] = allowed[:n]  # tokens past the tokenizer's vocabulary (padding rows) are never allowed
-        return logits.masked_fill(~keep, float("-inf"))
+        # in numpy: unpackbits is ~1000x faster than torch's broadcast int32 shift, and these [V] element-wise
+        # steps stay off torch's thread pool (whose waits cost tens of ms on a busy machine)
+        allowed = np.unpackbits(m.numpy().view(np.uint8), bitorder="little").view(np.bool_)  # [32 * words]
+        out = logits.numpy().copy()
+        n = min(out.shape[0], allowed.shape[0])
+        out[:n][~allowed[:n]] = -np.inf
+        out[n:] = -np.inf  # tokens past the tokenizer's vocabulary (padding rows) are never allowed
+        return torch.from_numpy(out)
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token) and not self.matcher.is_stopped():
