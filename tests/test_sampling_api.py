@@ -167,3 +167,21 @@ def test_a_grammar_that_does_not_compile_is_an_input_error(byte_model):
         byte_model.generate("x", max_tokens=3, grammar="start: ( unbalanced")
     with pytest.raises(InputError):
         json_schema_grammar(["not", "an", "object"])
+
+
+# -- embeddings ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+def test_embeddings_are_the_last_hidden_state_of_the_model_math(tiny_model_dir, family):
+    """Model.embed: transformers' last_hidden_state (after the final norm) at the last token, unit length; the
+    40-token input runs in two passes of 24."""
+    path = tiny_model_dir(family)
+    ids = tiny_models.token_ids(40, 384, seed=5)
+    with colibri.load(path, dtype="float32", batch_size=24, kv_block=BLOCK) as m:
+        got = m.embed(ids)
+    ref = tiny_models.load_reference(path)
+    with torch.no_grad():
+        hidden = ref.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    assert got.shape == hidden.shape
+    assert torch.allclose(got, torch.nn.functional.normalize(hidden, dim=0), atol=1e-5)
+    assert float(got.norm()) == pytest.approx(1.0, abs=1e-5)

@@ -178,3 +178,20 @@ def test_forced_tool_calls_follow_the_tools_schema(server, choice):
         assert r.choices[0].finish_reason == "tool_calls"
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_embeddings_route_returns_model_embed(server, model):
+    import base64
+    import numpy as np
+    client = server.openai()
+    texts = ["The capital of France is Paris.", "def add(a, b): return a + b"]
+    r = client.embeddings.create(model="smollm2", input=texts)
+    assert [d.index for d in r.data] == [0, 1]
+    assert r.usage.prompt_tokens == sum(len(model.prompt_ids(t)) for t in texts)
+    for d, t in zip(r.data, texts):
+        assert d.embedding == pytest.approx(model.embed(t).tolist(), abs=1e-5)
+    raw = post(server, "/v1/embeddings", {"model": "smollm2", "input": texts[0], "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert vec.tolist() == pytest.approx(r.data[0].embedding, abs=1e-6)
+    bad = post(server, "/v1/embeddings", {"model": "smollm2", "input": "x", "dimensions": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"

@@ -416,9 +416,10 @@ class Engine:
     # -- whole sequences, outside the step loop --------------------------------------------------------------
 
     @torch.inference_mode()
-    def score(self, ids: list[int], chunk: int | None = None) -> Iterator[torch.Tensor]:
-        """Logits of every position of `ids` (float32 [n, V] per chunk of at most `chunk` tokens), in a fresh
-        cache of its own that is released afterwards; steps of other requests may run between chunks."""
+    def score(self, ids: list[int], chunk: int | None = None, hidden: bool = False) -> Iterator[torch.Tensor]:
+        """Logits of every position of `ids` (float32 [n, V] per chunk of at most `chunk` tokens; hidden: the
+        final norm's output [n, D] instead), in a fresh cache of its own that is released afterwards; steps of
+        other requests may run between chunks."""
         if len(ids) > self.context:
             raise InputError(f"input is {len(ids)} tokens but the context holds {self.context}")
         cache = self.space.new_cache()
@@ -431,7 +432,7 @@ class Engine:
                     self.memory.make_room(cache.grow_bytes(len(part)),
                                           PassShape(len(part), cache.length + len(part), 1))
                     cache.reserve(len(part))
-                    logits = self.decoder.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]))
+                    logits = self.decoder.forward(self.store, Batch.pack([(part, cache.length, cache, 0)]), hidden)
                     cache.advance(len(part), part)
                 yield logits.float()
         finally:

@@ -326,8 +326,9 @@ class DecoderModel:
     def norm(self, x: torch.Tensor, store: "WeightStore", name: str) -> torch.Tensor:
         return rms_norm(x, store.get(name), self.args.rms_norm_eps, self.args.gemma_norm)
 
-    def forward(self, store: "WeightStore", batch: "Batch") -> torch.Tensor:
-        """One pass over the packed tokens of several sequences -> logits [R, V] of `batch.logit_rows`.
+    def forward(self, store: "WeightStore", batch: "Batch", hidden: bool = False) -> torch.Tensor:
+        """One pass over the packed tokens of several sequences -> logits [R, V] of `batch.logit_rows` (hidden:
+        the final norm's output [R, D] there instead, the hidden states the head would read: embeddings).
 
         Embedding, norms, projections, the FFN and MoE routing run over all T packed tokens at once, so each
         weight is fetched once per pass whatever the number of sequences (for MoE, the union of the experts the
@@ -346,6 +347,8 @@ class DecoderModel:
         x = x[batch.logit_rows]  # [R, D]
         with store.layer(a.num_layers):  # the head's scope
             x = self.norm(x, store, "model.norm.weight")
+            if hidden:
+                return x
             parts = [linear(x, w) for w in store.row_blocks(self.lm_head_name())]  # vocab blocks when streamed
             logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if a.final_softcap is not None:

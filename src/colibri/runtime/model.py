@@ -270,6 +270,15 @@ class Model:
         """float32 [len(token_ids), vocab]: one fresh full forward, no cached state kept."""
         return torch.cat(list(self.engine.score(self.prompt_ids(token_ids))))
 
+    @torch.inference_mode()
+    def embed(self, prompt) -> torch.Tensor:
+        """float32 [D]: the prompt's embedding, the last token's final hidden state (after the model's last norm,
+        the vector the LM head reads) scaled to length 1. The last token, not a mean: under causal attention it
+        is the only one that has read the whole input (as decoder embedding models such as Qwen3-Embedding and
+        e5-mistral pool); unit length, as OpenAI's embeddings have, so a dot product is the cosine."""
+        last = list(self.engine.score(self.prompt_ids(prompt), hidden=True))[-1][-1]
+        return torch.nn.functional.normalize(last.float(), dim=0)
+
     # -- generation ------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:

@@ -9,6 +9,7 @@ request aborted. Every error is OpenAI's shape with its status.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hmac
 import json
@@ -28,12 +29,13 @@ from colibri.engine.sampling import SamplingParams
 from colibri.server import schema, tools
 from colibri.server.metrics import ServerMetrics
 from colibri.server.replies import ChatReply, CompletionReply, Logprobs
-from colibri.server.schema import APIError, ChatRequest, CompletionRequest
+from colibri.server.schema import APIError, ChatRequest, CompletionRequest, EmbeddingRequest
 from colibri.server.worker import Event, Job, Worker
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413 before it is read whole
 # names the body's parameters this server does not know and ignored (schema.ignored), comma-separated
 IGNORED_HEADER = "X-Colibri-Ignored-Parameters"
+MAX_EMBEDDING_INPUTS = 256  # inputs of one /v1/embeddings request (each is a pass of its own)
 KEEPALIVE_S = 5.0  # an SSE comment goes out after this long without a token (long prefills, a full queue)
 
 
@@ -126,7 +128,8 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         if request.state.ignored:
             print(f"colibri serve: {request.url.path}: ignored parameters this server does not know:"
                   f" {', '.join(request.state.ignored)}", file=sys.stderr, flush=True)
-        schema.refuse_unsupported(req)
+        if isinstance(req, schema.Sampling):
+            schema.refuse_unsupported(req)
         check_model(req.model)
         worker.check_ready()
         return req
@@ -196,6 +199,37 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         echo = prompts if req.echo else None
         reply = CompletionReply(settings.model_id, [len(i) for i in encoded], echo, n, token_logprobs(jobs[0].params))
         return await answer(request, req, jobs, queue, reply)
+
+    @app.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingRequest, components))
+    async def embeddings(request: Request) -> Response:
+        """The last token's final hidden state of each input, unit length (Model.embed says why)."""
+        req = await parse(request, EmbeddingRequest)
+        model = worker.model
+        width = model.args.hidden_size
+        if req.dimensions is not None and req.dimensions != width:
+            raise APIError(400, f"dimensions must be this model's hidden size, {width} (got {req.dimensions})",
+                           param="dimensions", code="invalid_value")
+        inputs = _prompts(req.input)
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"{len(inputs)} inputs in one request, at most {MAX_EMBEDDING_INPUTS}; split the list",
+                           param="input", code="too_many_inputs")
+
+        def embed() -> tuple[list, int]:
+            encoded = [model.prompt_ids(x) for x in inputs]
+            return [model.embed(ids) for ids in encoded], sum(len(ids) for ids in encoded)
+
+        try:  # the engine's lock lets these passes run between the engine thread's steps
+            vectors, tokens = await asyncio.to_thread(embed)
+        except InputError as e:
+            raise APIError(400, str(e), param="input", code="invalid_input") from None
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+                 if req.encoding_format == "base64" else v.tolist()} for i, v in enumerate(vectors)]
+        response = JSONResponse({"object": "list", "data": data, "model": settings.model_id,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        if request.state.ignored:
+            response.headers[IGNORED_HEADER] = ", ".join(request.state.ignored)
+        return response
 
     def token_logprobs(params) -> Logprobs | None:
         tok = worker.model.tokenizer
@@ -384,7 +418,7 @@ class _CountResponses:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         route = path if path in ("/health", "/metrics", "/v1/models", "/v1/chat/completions",
-                                 "/v1/completions") else "other"
+                                 "/v1/completions", "/v1/embeddings") else "other"
 
         async def counted(message):
             if message["type"] == "http.response.start":

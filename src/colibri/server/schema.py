@@ -162,6 +162,14 @@ class CompletionRequest(Sampling):
     best_of: StrictInt | None = None
 
 
+class EmbeddingRequest(Strict):
+    model: StrictStr
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: StrictInt | None = None  # only the model's own: the vectors are not truncated
+    user: StrictStr | None = None
+
+
 def parse(model: type[Strict], body: bytes) -> Any:
     """The request body as `model`, or an APIError(400) naming the first bad parameter."""
     if _depth(body) > MAX_DEPTH:  # before the parser, whose recursion a deep body exhausts
