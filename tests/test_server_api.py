@@ -195,3 +195,24 @@ def test_embeddings_route_returns_model_embed(server, model):
     assert vec.tolist() == pytest.approx(r.data[0].embedding, abs=1e-6)
     bad = post(server, "/v1/embeddings", {"model": "smollm2", "input": "x", "dimensions": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize("syntax", ["mistral", "llama3"])
+def test_forced_calls_in_the_other_syntaxes_follow_the_schema(model, syntax):
+    """What the server does for a template of that syntax: the forced start in the prompt, the grammar for the
+    rest, the reply parsed back into a call whose arguments validate."""
+    from colibri.server import tools
+    from colibri.server.schema import ChatRequest
+    s = {"mistral": tools.MISTRAL, "llama3": tools.LLAMA3}[syntax]
+    req = ChatRequest.model_validate({"model": "smollm2", "tools": [WEATHER], "tool_choice": "required",
+                                      "messages": [{"role": "user", "content": "Is it raining in Paris?"}]})
+    forced = tools.forced_start(req, s)
+    grammar = tools.call_grammar(req, forced, s)
+    tok = model.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(tools.template_messages(req.messages)) + forced,
+                        add_special_tokens=False)
+    for seed in range(2):
+        r = model.generate(prompt, temperature=1.0, seed=seed, max_tokens=60, grammar=grammar)
+        assert r.finish_reason == "stop", r.text
+        (call,) = tools.parse(forced + r.text, frozenset({"get_weather"}), ended=True).tool_calls
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])

@@ -169,3 +169,56 @@ def test_qwen_calls_a_tool_and_reads_its_result(qwen_server):
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and "rome" in json.loads(call.function.arguments)["city"].lower()
+
+
+# -- the Mistral and Llama 3.x syntaxes (issue 26 item 1) ---------------------------------------------------------
+
+# what the templates render, in short: Mistral v0.3's calls and Llama 3.1's JSON call instruction
+MISTRAL_TEMPLATE = ('{%- for m in messages %}{%- if m.tool_calls %}{{- "[TOOL_CALLS] [" }}{%- for c in m.tool_calls %}'
+                    '{{- c.function | tojson }}{%- endfor %}{{- "]" + eos_token }}{%- endif %}{%- endfor %}'
+                    '{{ tools }}')
+LLAMA_TEMPLATE = ('<|start_header_id|>system<|end_header_id|>{{ tools }} Respond in the format {"name": function'
+                  ' name, "parameters": dictionary of argument name and its value}<|eot_id|>')
+
+
+def test_the_syntax_comes_from_the_template():
+    from colibri.formats.tokenizer import ChatTemplate
+    assert tools.syntax_of(ChatTemplate(MISTRAL_TEMPLATE, {})) is tools.MISTRAL
+    assert tools.syntax_of(ChatTemplate(LLAMA_TEMPLATE, {})) is tools.LLAMA3
+    assert tools.syntax_of(ChatTemplate("{{ tools }}<tool_call>", {})) is tools.HERMES
+    assert tools.syntax_of(ChatTemplate("{{ tools }} call them", {})) is None
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    ' [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}\n{"name": "get_weather", "parameters": {"city": "Rome"}}',
+])
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_mistral_and_llama_calls_parse_whole_and_streamed(text, step):
+    expected = [("tool_call", "get_weather", {"city": "Paris"}), ("tool_call", "get_weather", {"city": "Rome"})]
+    assert merged(streamed(text, step)) == expected
+    p = tools.parse(text, frozenset({"get_weather"}), ended=True)
+    assert p.content is None and len(p.tool_calls) == 2
+    # an array or object that is not calls of the given tools stays text
+    other = text.replace("get_weather", "launch")
+    assert tools.parse(other, frozenset({"get_weather"}), ended=True).content == other
+
+
+@pytest.mark.parametrize("syntax, forced", [
+    (tools.MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": '),
+    (tools.LLAMA3, '{"name": "get_weather", "parameters": '),
+    (tools.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": '),
+])
+def test_forced_starts_follow_the_syntax(syntax, forced):
+    from colibri.server.schema import ChatRequest
+    req = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "weather?"}],
+                                      "tools": [WEATHER],
+                                      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert tools.forced_start(req, syntax) == forced
+    whole = forced + '{"city": "Oslo"}}' + syntax.close
+    (call,) = tools.parse(whole, frozenset({"get_weather"}), ended=True).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}

@@ -156,7 +156,8 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         if tok is None or tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
         tool_list = tools.template_tools(req, tok.chat_template)
-        forced = tools.forced_start(req) if tool_list else ""
+        syntax = tools.syntax_of(tok.chat_template) if tool_list else None
+        forced = tools.forced_start(req, syntax) if tool_list else ""
         messages = tools.template_messages(req.messages)
 
         def render() -> list[int]:
@@ -170,7 +171,7 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         # a forced call follows its tool's schema where llguidance is installed (else the model writes it freely,
         # as before structured output); response_format's JSON cannot do without it (a 400 then)
         if forced and grammars_available():
-            grammar = await compiled(lambda: tools.call_grammar(req, forced), "tools")
+            grammar = await compiled(lambda: tools.call_grammar(req, forced, syntax), "tools")
         else:
             grammar = await compiled(lambda: response_grammar(req), "response_format")
         params = schema.sampling_params(req, len(ids), worker.model.context_length, grammar)

@@ -1,13 +1,22 @@
 """Tool calls: OpenAI messages into a chat template's variables, and the model's tool-call blocks back out.
 
 The tools reach the model through its own chat template (`tools=[...]`), so the prompt is the one the model was
-trained on; a template that never reads `tools` cannot be given any. Replies are parsed for the block syntax of
-the template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes and the templates that
-copied them). A complete block with valid JSON becomes a `tool_calls` entry; a block whose JSON does not parse is
-left in the text, and so is a block cut off by max_tokens: nothing the model wrote is dropped (a block the model
-ended itself, with EOS instead of the closing tag, is a call when its JSON is whole). Small models of
-those families often write the call's JSON bare, without the tags (Qwen2.5-Coder-0.5B does, greedy): a reply
-that is nothing but such objects, one per line, each naming one of the request's tools, is read as those calls.
+trained on; a template that never reads `tools` cannot be given any. The template also says which call syntax
+the model writes (`syntax_of`, by what its source renders):
+
+- Hermes / Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, anywhere in the reply;
+- Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, a JSON array opening the reply;
+- Llama 3.x: `{"name": ..., "parameters": {...}}`, bare JSON opening the reply (after `<|python_tag|>`), several
+  separated by `;` or new lines.
+
+The parser reads all three (their shapes do not overlap): a complete Hermes block with valid JSON becomes a
+`tool_calls` entry; a block whose JSON does not parse is left in the text, and so is a block cut off by
+max_tokens: nothing the model wrote is dropped (a block the model ended itself, with EOS instead of the closing
+tag, is a call when its JSON is whole). A reply that opens with `{`, `[` or a call marker while tools are given
+is held to its end and read as calls when it is nothing but call objects (or one array of them), each naming
+one of the request's tools: the Mistral and Llama syntaxes, and the bare JSON small Hermes-family models often
+write without the tags (Qwen2.5-Coder-0.5B does, greedy). Special tokens such as `[TOOL_CALLS]` and
+`<|python_tag|>` are usually dropped from the decoded text; where they are not, they are skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +28,35 @@ from dataclasses import dataclass
 from colibri.server.schema import APIError, ChatRequest, Message
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")  # what may open a reply of bare calls when the tokens decode as text
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How a template's model writes one call: `open` + {"name": ..., `args`: {...}} + `close` (what tool_choice
+    writes into the prompt and the grammar completes)."""
+
+    name: str
+    open: str
+    args: str
+    close: str
+
+
+HERMES = Syntax("hermes", OPEN + "\n", "arguments", "\n" + CLOSE)
+MISTRAL = Syntax("mistral", "[TOOL_CALLS] [", "arguments", "]")
+LLAMA3 = Syntax("llama3", "", "parameters", "")
+
+
+def syntax_of(template) -> Syntax | None:
+    """The call syntax a chat template renders (None: none this server parses)."""
+    src = template.source
+    if OPEN in src:
+        return HERMES
+    if "[TOOL_CALLS]" in src:
+        return MISTRAL
+    if "<|start_header_id|>" in src and '"parameters"' in src:
+        return LLAMA3
+    return None
 
 
 def call_id() -> str:
@@ -62,40 +100,41 @@ def template_tools(req: ChatRequest, template) -> list[dict] | None:
     if template is None or not template.supports_tools:
         raise APIError(400, "this model's chat template does not support tools (it never renders a `tools`"
                             " list); send the request without `tools`", param="tools", code="tools_unsupported")
-    if OPEN not in template.source:
+    if syntax_of(template) is None:
         raise APIError(400, "this model's chat template renders tools, but its tool-call syntax is not one this"
-                            " server parses (<tool_call>{json}</tool_call>)", param="tools",
-                       code="tools_unsupported")
+                            " server parses (Hermes <tool_call>, Mistral [TOOL_CALLS], Llama 3 JSON); give one"
+                            " with --chat-template", param="tools", code="tools_unsupported")
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def forced_start(req: ChatRequest) -> str:
+def forced_start(req: ChatRequest, syntax: Syntax = HERMES) -> str:
     """The start of the reply that tool_choice imposes, written into the prompt for the model to continue:
-    "required" opens a call block (the model picks the tool), a named function opens that function's call
-    (the model writes its arguments); "" for "auto" / "none"."""
+    "required" opens a call (the model picks the tool), a named function opens that function's call (the model
+    writes its arguments); "" for "auto" / "none"."""
     choice = req.tool_choice
     if choice in (None, "auto", "none"):
         return ""
     if choice == "required":
-        return OPEN + '\n{"name": "'
+        return syntax.open + '{"name": "'
     names = [t.function.name for t in req.tools]
     if choice.function.name not in names:
         raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools ({', '.join(names)})",
                        param="tool_choice", code="invalid_value")
-    return OPEN + "\n" + json.dumps({"name": choice.function.name})[:-1] + ', "arguments": '
+    return syntax.open + json.dumps({"name": choice.function.name})[:-1] + f', "{syntax.args}": '
 
 
-def call_grammar(req: ChatRequest, forced: str) -> str | None:
+def call_grammar(req: ChatRequest, forced: str, syntax: Syntax = HERMES) -> str | None:
     """The grammar the rest of a forced call follows (None when tool_choice forces none): the tool's name among
     the request's tools ("required"), then arguments matching that tool's `parameters` schema, then the block's
     end. The reply then ends (EOS)."""
     if not forced:
         return None
     from colibri.engine.grammar import choice_grammar
-    end = "}\n" + CLOSE
+    end = "}" + syntax.close
     schemas = {t.function.name: t.function.parameters for t in req.tools}
     if req.tool_choice == "required":
-        return choice_grammar([(json.dumps(name)[1:] + ', "arguments": ', schema) for name, schema in schemas.items()], end)
+        return choice_grammar([(json.dumps(name)[1:] + f', "{syntax.args}": ', schema)
+                               for name, schema in schemas.items()], end)
     return choice_grammar([("", schemas[req.tool_choice.function.name])], end)
 
 
@@ -148,7 +187,10 @@ class StreamFilter:
         self.buf += delta
         out: list[tuple[str, object]] = []
         if self.bare is None and self.buf.strip():
-            self.bare = self.buf.lstrip().startswith("{")
+            head = self.buf.lstrip()
+            if any(m.startswith(head) for m in MARKERS if len(head) < len(m)):
+                return out  # may still become a marker
+            self.bare = head.startswith(("{", "[") + MARKERS)
         if self.bare is not False:
             return out
         while True:
@@ -192,15 +234,20 @@ class StreamFilter:
 
 
 def bare_calls(text: str, names) -> list[dict] | None:
-    """Calls written as bare JSON objects (the whole text, or one per line), each naming a known tool; None if
-    the text is not that."""
-    try:
-        objs = [json.loads(text)]
-    except json.JSONDecodeError:
+    """Calls written as bare JSON (one object, an array of them, or objects one per line or separated by `;`),
+    after a call marker or none, each naming a known tool; None if the text is not that."""
+    text = text.strip()
+    for marker in MARKERS:
+        text = text.removeprefix(marker).strip()
+    objs, i, decoder = [], 0, json.JSONDecoder()
+    while i < len(text):
         try:
-            objs = [json.loads(line) for line in text.splitlines() if line.strip()]
+            obj, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
             return None
+        objs += obj if isinstance(obj, list) and len(objs) == 0 and i == len(text) else [obj]
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
     calls = [as_call(o) if isinstance(o, dict) and o.get("name") in names else None for o in objs]
     return calls if calls and all(calls) else None
 
