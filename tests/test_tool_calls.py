@@ -192,7 +192,8 @@ def test_the_syntax_comes_from_the_template():
 @pytest.mark.parametrize("text", [
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
     '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
-    ' [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+    ' [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
     '{"name": "get_weather", "parameters": {"city": "Rome"}}',
     '{"name": "get_weather", "parameters": {"city": "Paris"}}\n{"name": "get_weather", "parameters": {"city": "Rome"}}',

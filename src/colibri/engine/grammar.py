@@ -42,7 +42,10 @@ def _ll_tokenizer(tokenizer: "Tokenizer"):
     """The tokenizer as llguidance reads it (built once per tokenizer: about a second for a 50k vocabulary)."""
     ll = _TOKENIZERS.get(tokenizer)
     if ll is None:
-        ll = _llguidance().LLTokenizer(tokenizer.tk.to_str(), eos_token=list(tokenizer.eos_ids))
+        try:
+            ll = _llguidance().LLTokenizer(tokenizer.tk.to_str(), eos_token=list(tokenizer.eos_ids))
+        except (ValueError, TypeError, RuntimeError) as e:  # e.g. a word-level vocabulary that cannot spell bytes
+            raise InputError(f"this model's tokenizer cannot drive constrained sampling ({e})") from None
         _TOKENIZERS[tokenizer] = ll
     return ll
 
