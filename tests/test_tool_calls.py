@@ -223,3 +223,23 @@ def test_forced_starts_follow_the_syntax(syntax, forced):
     whole = forced + '{"city": "Oslo"}}' + syntax.close
     (call,) = tools.parse(whole, frozenset({"get_weather"}), ended=True).tool_calls
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_replayed_conversation_renders_with_mistral_call_ids():
+    """Mistral's templates refuse a call id that is not 9 letters and digits; the server's own ids (call_...)
+    are mapped, the same id to the same 9, in the assistant's calls and in the tool's answer alike."""
+    from colibri.formats.tokenizer import ChatTemplate
+    from colibri.server.schema import Message
+    template = ChatTemplate(MISTRAL_TEMPLATE.replace("{{- c.function | tojson }}", '{%- if c.id | length != 9 %}'
+                                                     '{{- raise_exception("ids of 9") }}{%- endif %}{{ c.id }}')
+                            + "{% for m in messages %}{{ m.tool_call_id }}{% endfor %}", {"eos_token": "</s>"})
+    call = {"id": "call_0123456789abcdef01234567", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}
+    msgs = [Message.model_validate(m) for m in ({"role": "user", "content": "weather?"},
+                                                {"role": "assistant", "content": None, "tool_calls": [call]},
+                                                {"role": "tool", "tool_call_id": call["id"], "content": "sunny"})]
+    out = tools.template_messages(msgs, tools.MISTRAL)
+    short = out[1]["tool_calls"][0]["id"]
+    assert len(short) == 9 and short.isalnum() and out[2]["tool_call_id"] == short
+    assert template.render(out).count(short) == 2
+    assert tools.template_messages(msgs)[1]["tool_calls"][0]["id"] == call["id"]  # other syntaxes: kept

@@ -156,9 +156,9 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
         if tok is None or tok.chat_template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
         tool_list = tools.template_tools(req, tok.chat_template)
-        syntax = tools.syntax_of(tok.chat_template) if tool_list else None
+        syntax = tools.syntax_of(tok.chat_template)  # None only where no tools can be given (template_tools)
         forced = tools.forced_start(req, syntax) if tool_list else ""
-        messages = tools.template_messages(req.messages)
+        messages = tools.template_messages(req.messages, syntax)
 
         def render() -> list[int]:
             extra = {"tools": tool_list} if tool_list else {}

@@ -21,6 +21,7 @@ write without the tags (Qwen2.5-Coder-0.5B does, greedy). Special tokens such as
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ def call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
+def template_messages(messages: list[Message], syntax: "Syntax | None" = None) -> list[dict]:
     """OpenAI messages as chat templates read them: text parts joined, `developer` as `system`, an assistant's
-    tool-call arguments as objects (templates serialize them with `tojson`)."""
+    tool-call arguments as objects (templates serialize them with `tojson`). For the Mistral syntax, call ids
+    become 9 letters and digits (its templates refuse any other id; the same id maps to the same 9)."""
+    ident = _mistral_id if syntax is MISTRAL else str
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(
@@ -74,13 +77,19 @@ def template_messages(messages: list[Message]) -> list[dict]:
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
+            msg["tool_call_id"] = ident(m.tool_call_id)
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
+            msg["tool_calls"] = [{"id": ident(c.id), "type": "function",
                                   "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
                                  for c in m.tool_calls]
         out.append(msg)
     return out
+
+
+def _mistral_id(call_id: str) -> str:
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _loads(text: str):
