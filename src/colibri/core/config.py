@@ -41,7 +41,9 @@ class EngineConfig:
     predict the next layer's experts with its router and read them early (never changes tokens).
     lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group
     (every native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md);
-    process-wide once set (colibri.kernels)."""
+    process-wide once set (colibri.kernels). sparse_ffn: LOSSY, None (off) or the sparse-FFN sidecar of
+    `colibri calibrate` ("default": the container's own): a dense FFN neuron whose |act(gate)| is at or below its
+    layer's calibrated threshold is skipped for that token (runtime/sparsity.py; cost in docs/quality.md)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
@@ -62,6 +64,7 @@ class EngineConfig:
     ngram_cache_size: int = DEFAULT_NGRAM_CACHE
     lookahead: bool = True
     lossy_int8_activations: bool = False
+    sparse_ffn: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_sequences", "io_threads"):
