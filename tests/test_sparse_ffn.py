@@ -169,3 +169,15 @@ def test_calibrate_and_run_on_the_command_line(tiny_model_dir, containers, tmp_p
     r = here(capsys, "run", "--model", str(paths["qwen2"]), "--sparse-ffn", str(c / sparsity.SIDECAR),
              "--prompt", "x")
     assert r.returncode == 2 and "another container" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_bench_reports_the_sparse_ffn(calibrated, capsys):
+    path, out, _ = calibrated
+    r = here(capsys, "bench", "--model", str(path), "--sparse-ffn", str(out), "--tokens", "3", "--probe-seconds",
+             "0.05", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["sparse_ffn"]
+    assert 0 < s["ffn_sparsity"] < 1 and s["ffn_bytes_needed_per_token"] <= s["ffn_dense_bytes_per_token"]
+    r = here(capsys, "bench", "--model", str(path), "--sparse-ffn", str(out), "--tokens", "3", "--probe-seconds",
+             "0.05")
+    assert r.returncode == 0 and "LOSSY sparse FFN" in r.stdout

@@ -128,6 +128,64 @@ def text_ids(model, files: list[str] | None, tokens: int) -> tuple[list[int], st
     return ids, hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class Calibration:
+    """One recorded pass over the calibration ids on a loaded model (`m`, no hook set): what any target's
+    sidecar is chosen from, and the perplexity on these ids with a given sidecar."""
+
+    def __init__(self, m, ids: list[int], text: str):
+        require_container(m.checkpoint, m.args, "colibri calibrate")
+        self.m, self.ids, self.text = m, ids, text
+        self.chunk = chunk_size(m.checkpoint, m.args)
+        self.rec = _Recorder(self.chunk)
+        self.dense_ppl = self._ppl(self.rec)
+        self.layers = sorted(self.rec.errors)
+
+    def _ppl(self, hook) -> float:
+        self.m.decoder.ffn_hook = hook
+        try:
+            return perplexity(self.m, self.ids, chunk=len(self.ids))[0]
+        finally:
+            self.m.decoder.ffn_hook = None
+
+    def sidecar(self, level: dict[int, int], info: dict | None = None) -> Sidecar:
+        """The sidecar of a level (index into LEVELS) per dense layer."""
+        a, rec = self.m.args, self.rec
+        thr = [rec.thresholds[i][level[i]] if i in level else 0.0 for i in range(a.num_layers)]
+        order = [rec.order.get(i, torch.arange(a.intermediate_size)) for i in range(a.num_layers)]
+        return Sidecar(ExpertUsage.identity_of(self.m.checkpoint), self.chunk, thr, order, info or {})
+
+    def sparse_ppl(self, side: Sidecar) -> float:
+        return self._ppl(SparseFFN(side, ffn_bytes(self.m.checkpoint, self.m.args)))
+
+    def choose(self, target: float | None, max_ppl_increase: float | None,
+               progress: Callable[[int, int], None] | None = None) -> Sidecar:
+        """The sidecar at a mean sparsity `target`, or the highest of TARGETS within +max_ppl_increase % of the
+        dense perplexity on the calibration ids; its info filled in."""
+        rec = self.rec
+        if target is not None:
+            level = allocate(rec.errors, target)
+            ppl = self.sparse_ppl(self.sidecar(level))
+        else:
+            level, ppl, target = allocate(rec.errors, 0.0), self.dense_ppl, 0.0
+            for k, t in enumerate(TARGETS):
+                lv = allocate(rec.errors, t)
+                p = self.sparse_ppl(self.sidecar(lv))
+                if progress:
+                    progress(1 + k, len(TARGETS))
+                if p > self.dense_ppl * (1 + max_ppl_increase / 100):
+                    break
+                level, ppl, target = lv, p, t
+        chosen = {i: rec.thresholds[i][level[i]] for i in self.layers}
+        info = {"tokens": len(self.ids), "text": self.text, "target_sparsity": target,
+                "max_ppl_increase_percent": max_ppl_increase,
+                "layer_sparsity": [LEVELS[level[i]] for i in self.layers],
+                "perplexity_dense": round(self.dense_ppl, 4), "perplexity_sparse": round(ppl, 4),
+                "chunk_sparsity_stored_order": round(_chunk_sparsity(rec.mag, chosen, None, self.chunk), 4),
+                "chunk_sparsity_coactivation_order": round(_chunk_sparsity(rec.mag, chosen, rec.order, self.chunk),
+                                                           4)}
+        return self.sidecar(level, info)
+
+
 def calibrate(path: str | Path, files: list[str] | None = None, target: float | None = None,
               max_ppl_increase: float | None = None, tokens: int = DEFAULT_TOKENS, output: str | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, Sidecar]:
@@ -141,58 +199,16 @@ def calibrate(path: str | Path, files: list[str] | None = None, target: float | 
     if target is None and max_ppl_increase is None:
         max_ppl_increase = DEFAULT_PPL_INCREASE
     tokens = max(16, tokens)
+    steps = 1 + (len(TARGETS) if target is None else 1)
     with load(str(path), batch_size=tokens, max_sequences=1) as m:
         require_container(m.checkpoint, m.args, "colibri calibrate")
         ids, digest = text_ids(m, files, tokens)
-        chunk = chunk_size(m.checkpoint, m.args)
-        rec = _Recorder(chunk)
-        steps = 1 + (len(TARGETS) if target is None else 0)
-        m.decoder.ffn_hook = rec
-        try:
-            dense_ppl = perplexity(m, ids, chunk=len(ids))[0]
-        finally:
-            m.decoder.ffn_hook = None
+        cal = Calibration(m, ids, digest if files else "builtin")
         if progress:
             progress("calibrating", 1, steps)
-        layers = sorted(rec.errors)
-
-        def thresholds(level: dict[int, int]) -> dict[int, float]:
-            return {i: rec.thresholds[i][level[i]] for i in layers}
-
-        def sidecar(thr: dict[int, float], info: dict) -> Sidecar:
-            full = [thr.get(i, 0.0) for i in range(m.args.num_layers)]
-            order = [rec.order.get(i, torch.arange(m.args.intermediate_size)) for i in range(m.args.num_layers)]
-            return Sidecar(ExpertUsage.identity_of(m.checkpoint), chunk, full, order, info)
-
-        def sparse_ppl(side: Sidecar) -> float:
-            m.decoder.ffn_hook = SparseFFN(side, ffn_bytes(m.checkpoint, m.args))
-            try:
-                return perplexity(m, ids, chunk=len(ids))[0]
-            finally:
-                m.decoder.ffn_hook = None
-
-        if target is not None:
-            level = allocate(rec.errors, target)
-            ppl = sparse_ppl(sidecar(thresholds(level), {}))
-        else:
-            level, ppl, target = allocate(rec.errors, 0.0), dense_ppl, 0.0
-            for k, t in enumerate(TARGETS):
-                lv = allocate(rec.errors, t)
-                p = sparse_ppl(sidecar(thresholds(lv), {}))
-                if progress:
-                    progress("calibrating", 2 + k, steps)
-                if p > dense_ppl * (1 + max_ppl_increase / 100):
-                    break
-                level, ppl, target = lv, p, t
+        side = cal.choose(target, max_ppl_increase, progress and (lambda k, n: progress("calibrating", 1 + k, steps)))
         if progress:
             progress("calibrating", steps, steps)
-        chosen = thresholds(level)
-        info = {"tokens": len(ids), "text": digest if files else "builtin", "target_sparsity": target,
-                "max_ppl_increase_percent": max_ppl_increase, "layer_sparsity": [LEVELS[level[i]] for i in layers],
-                "perplexity_dense": round(dense_ppl, 4), "perplexity_sparse": round(ppl, 4),
-                "chunk_sparsity_stored_order": round(_chunk_sparsity(rec.mag, chosen, None, chunk), 4),
-                "chunk_sparsity_coactivation_order": round(_chunk_sparsity(rec.mag, chosen, rec.order, chunk), 4)}
-        side = sidecar(chosen, info)
         out = sidecar_path(m.checkpoint, output)
         side.save(out)
     return out, side
