@@ -55,7 +55,8 @@ def main() -> None:
 
         def run(name: str) -> tuple[dict, list[int]]:
             t0 = time.perf_counter()
-            row = {"setting": name, **{f"ppl_{k}": round(perplexity(m, v, chunk=len(v))[0], 4) for k, v in ids.items()}}
+            row = {"setting": name}
+            row.update({f"ppl_{k}": round(perplexity(m, v, chunk=len(v))[0], 4) for k, v in ids.items()})
             got = m.generate(PROMPT, max_tokens=a.greedy, temperature=0.0, ignore_eos=True).token_ids
             row["seconds"] = round(time.perf_counter() - t0, 1)
             return row, got

@@ -625,8 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
-               "calibrate": cmd_calibrate, "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
-               "kernels": cmd_kernels}[args.command]
+               "calibrate": cmd_calibrate, "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench,
+               "swap": cmd_swap, "kernels": cmd_kernels}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
