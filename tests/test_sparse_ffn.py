@@ -181,3 +181,13 @@ def test_bench_reports_the_sparse_ffn(calibrated, capsys):
     r = here(capsys, "bench", "--model", str(path), "--sparse-ffn", str(out), "--tokens", "3", "--probe-seconds",
              "0.05")
     assert r.returncode == 0 and "LOSSY sparse FFN" in r.stdout
+
+
+def test_allocations_reach_the_mean_target():
+    # layer 0's error grows fast, layer 1's slowly: the greedy allocation sparsifies layer 1 first
+    n = len(sparse_calibrate.LEVELS)
+    errors = {0: [i * 1.0 for i in range(n)], 1: [i * 0.01 for i in range(n)]}
+    uniform = sparse_calibrate.allocate(errors, 0.3)
+    assert uniform[0] == uniform[1] and sparse_calibrate.LEVELS[uniform[0]] >= 0.3
+    greedy = sparse_calibrate.allocate(errors, 0.3, "greedy")
+    assert greedy[1] > greedy[0] and sum(sparse_calibrate.LEVELS[v] for v in greedy.values()) / 2 >= 0.3

@@ -84,6 +84,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "target_sparsity": (dict(type=float, help="the layers' mean FFN sparsity to reach (0 to 0.95)"), None),
     "max_ppl_increase": (dict(type=float, help="the largest perplexity increase on the calibration text, in percent"
                                                " (default 2): the highest mean sparsity within it is chosen"), None),
+    "allocation": (dict(choices=["uniform", "greedy"], default="uniform",
+                        help="how the sparsity is spread over the layers: 'uniform' (every layer at the target, as"
+                             " CATS; default) or 'greedy' (TEAL's allocation by each layer's FFN-output error;"
+                             " measured worse, docs/quality.md)"), None),
     "prompt": (dict(help="prompt text (or give it as the command's last argument)"), None),
     "system": (dict(help="system message for the chat template"), None),
     "max_tokens": (dict(type=int, default=config.DEFAULT_MAX_TOKENS,
@@ -240,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bits_per_weight", "mix", "requantize", "force", "debug")
     cal = sub.add_parser("calibrate", help="calibrate a container's LOSSY sparse FFN (--sparse-ffn): per-layer"
                                            " thresholds and the neurons' co-activation order, in a sidecar")
-    add(cal, "model", "text", "target_sparsity", "max_ppl_increase", "calibration_tokens", "output", "debug",
+    add(cal, "model", "text", "target_sparsity", "max_ppl_increase", "allocation", "calibration_tokens", "output",
+        "debug",
         model=dict(help="container directory (default: the embedded model's container)"),
         calibration_tokens=dict(help="tokens of the text calibrated on, in one pass (default 512)", default=512),
         output=dict(required=False, help="the sidecar to write (default: sparse_ffn.safetensors in the"
@@ -512,7 +517,8 @@ def cmd_calibrate(args) -> int:
 
     try:
         out, side = sparse_calibrate.calibrate(model_path(args), args.text, args.target_sparsity,
-                                               args.max_ppl_increase, args.calibration_tokens, args.output, progress)
+                                               args.max_ppl_increase, args.calibration_tokens, args.output, progress,
+                                               args.allocation)
     finally:
         bar.close()
     i = side.info

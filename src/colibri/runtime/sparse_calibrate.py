@@ -3,9 +3,9 @@ calibration text run through the container's own weights (runtime/sparsity.py ha
 
 One pass over the text (at most `tokens` tokens, one forward pass) with a recording hook: per dense FFN layer, the
 |act(gate)| thresholds of each sparsity step of LEVELS, the relative error ||FFN_s(x) - FFN(x)||^2 / ||FFN(x)||^2
-each step costs on these tokens, and the co-activation order at the layer's median threshold. Then TEAL's greedy
-allocation: from 0 everywhere, the layer whose error grows least takes the next step, until the layers' mean
-sparsity reaches the target; with --max-ppl-increase the targets of TARGETS are tried in order and the last whose
+each step costs on these tokens, and the co-activation order at the layer's median threshold. Then the allocation
+(`allocate`): every layer at the target (uniform, the default) or TEAL's greedy one (the layer whose error grows
+least takes the next step, until the layers' mean sparsity reaches the target; measured worse); with --max-ppl-increase the targets of TARGETS are tried in order and the last whose
 perplexity on the calibration text stays within the budget is kept. Deterministic for a fixed text.
 """
 
@@ -83,11 +83,20 @@ class _Recorder:
         return h
 
 
-def allocate(errors: dict[int, list[float]], target: float) -> dict[int, int]:
-    """TEAL's greedy allocation: from 0 everywhere, raise by one step of LEVELS the layer whose output error grows
-    least, until the layers' mean sparsity reaches `target`. -> level index per layer."""
-    level = {i: 0 for i in errors}
+ALLOCATIONS = ("uniform", "greedy")
+
+
+def allocate(errors: dict[int, list[float]], target: float, how: str = "uniform") -> dict[int, int]:
+    """Per layer, the step of LEVELS reaching a mean sparsity `target`. uniform (CATS; the default): every layer at
+    the first step at or above it. greedy (TEAL's allocation with a layer-local cost): from 0 everywhere, raise by
+    one step the layer whose relative FFN-output error grows least, until the mean reaches `target`; measured
+    worse than uniform on SmolLM2 (docs/quality.md): a layer's relative FFN error does not say what it costs
+    downstream."""
     top = len(LEVELS) - 1
+    if how == "uniform":
+        step = min(top, math.ceil(target * (len(LEVELS)) - 1e-9))
+        return {i: step for i in errors}
+    level = {i: 0 for i in errors}
     while level and sum(LEVELS[v] for v in level.values()) / len(level) < target - 1e-9:
         grow = [(errors[i][v + 1] - errors[i][v], i) for i, v in level.items() if v < top]
         if not grow:
@@ -158,17 +167,17 @@ class Calibration:
         return self._ppl(SparseFFN(side, ffn_bytes(self.m.checkpoint, self.m.args)))
 
     def choose(self, target: float | None, max_ppl_increase: float | None,
-               progress: Callable[[int, int], None] | None = None) -> Sidecar:
+               progress: Callable[[int, int], None] | None = None, allocation: str = "uniform") -> Sidecar:
         """The sidecar at a mean sparsity `target`, or the highest of TARGETS within +max_ppl_increase % of the
         dense perplexity on the calibration ids; its info filled in."""
         rec = self.rec
         if target is not None:
-            level = allocate(rec.errors, target)
+            level = allocate(rec.errors, target, allocation)
             ppl = self.sparse_ppl(self.sidecar(level))
         else:
-            level, ppl, target = allocate(rec.errors, 0.0), self.dense_ppl, 0.0
+            level, ppl, target = allocate(rec.errors, 0.0, allocation), self.dense_ppl, 0.0
             for k, t in enumerate(TARGETS):
-                lv = allocate(rec.errors, t)
+                lv = allocate(rec.errors, t, allocation)
                 p = self.sparse_ppl(self.sidecar(lv))
                 if progress:
                     progress(1 + k, len(TARGETS))
@@ -176,7 +185,7 @@ class Calibration:
                     break
                 level, ppl, target = lv, p, t
         chosen = {i: rec.thresholds[i][level[i]] for i in self.layers}
-        info = {"tokens": len(self.ids), "text": self.text, "target_sparsity": target,
+        info = {"tokens": len(self.ids), "text": self.text, "target_sparsity": target, "allocation": allocation,
                 "max_ppl_increase_percent": max_ppl_increase,
                 "layer_sparsity": [LEVELS[level[i]] for i in self.layers],
                 "perplexity_dense": round(self.dense_ppl, 4), "perplexity_sparse": round(ppl, 4),
@@ -188,7 +197,8 @@ class Calibration:
 
 def calibrate(path: str | Path, files: list[str] | None = None, target: float | None = None,
               max_ppl_increase: float | None = None, tokens: int = DEFAULT_TOKENS, output: str | None = None,
-              progress: Callable[[str, int, int], None] | None = None) -> tuple[Path, Sidecar]:
+              progress: Callable[[str, int, int], None] | None = None,
+              allocation: str = "uniform") -> tuple[Path, Sidecar]:
     """Calibrate a container's sparse FFN and write its sidecar -> (its path, the sidecar). target: the layers'
     mean sparsity; max_ppl_increase (percent, the default when neither is given): the highest mean sparsity of
     TARGETS whose perplexity on the calibration text stays within it."""
@@ -198,6 +208,8 @@ def calibrate(path: str | Path, files: list[str] | None = None, target: float | 
         raise InputError(f"--target-sparsity must be between 0 and {LEVELS[-1]} (got {target})")
     if target is None and max_ppl_increase is None:
         max_ppl_increase = DEFAULT_PPL_INCREASE
+    if allocation not in ALLOCATIONS:
+        raise InputError(f"--allocation must be one of {', '.join(ALLOCATIONS)} (got {allocation!r})")
     tokens = max(16, tokens)
     steps = 1 + (len(TARGETS) if target is None else 1)
     with load(str(path), batch_size=tokens, max_sequences=1) as m:
@@ -206,7 +218,8 @@ def calibrate(path: str | Path, files: list[str] | None = None, target: float | 
         cal = Calibration(m, ids, digest if files else "builtin")
         if progress:
             progress("calibrating", 1, steps)
-        side = cal.choose(target, max_ppl_increase, progress and (lambda k, n: progress("calibrating", 1 + k, steps)))
+        side = cal.choose(target, max_ppl_increase, progress and (lambda k, n: progress("calibrating", 1 + k, steps)),
+                          allocation)
         if progress:
             progress("calibrating", steps, steps)
         out = sidecar_path(m.checkpoint, output)
