@@ -5,8 +5,9 @@ One pass over the text (at most `tokens` tokens, one forward pass) with a record
 |act(gate)| thresholds of each sparsity step of LEVELS, the relative error ||FFN_s(x) - FFN(x)||^2 / ||FFN(x)||^2
 each step costs on these tokens, and the co-activation order at the layer's median threshold. Then the allocation
 (`allocate`): every layer at the target (uniform, the default) or TEAL's greedy one (the layer whose error grows
-least takes the next step, until the layers' mean sparsity reaches the target; measured worse); with --max-ppl-increase the targets of TARGETS are tried in order and the last whose
-perplexity on the calibration text stays within the budget is kept. Deterministic for a fixed text.
+least takes the next step, until the layers' mean sparsity reaches the target; measured worse); with
+--max-ppl-increase the targets of TARGETS are tried in order and the last whose perplexity on the calibration text
+stays within the budget is kept. Deterministic for a fixed text.
 """
 
 from __future__ import annotations
