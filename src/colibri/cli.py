@@ -73,6 +73,21 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                          " activations (every native tier), faster prefill and batches at a small"
                                          " quality cost (docs/performance.md; COLIBRI_LOSSY_INT8=1 does the same)"),
                                None),
+    "sparse_ffn": (dict(nargs="?", const="default", metavar="SIDECAR",
+                        help="LOSSY: skip the dense FFN neurons whose |act(gate)| is at or below their layer's"
+                             " threshold, calibrated by `colibri calibrate` (SIDECAR: its file; default the"
+                             " container's own sparse_ffn.safetensors). Its quality cost is in docs/quality.md"),
+                   None),
+    "text": (dict(action="append", metavar="FILE", help="calibration text, UTF-8 (repeatable; default: CPython's"
+                                                        " own prose and source, as convert --calibration builtin)"),
+             None),
+    "target_sparsity": (dict(type=float, help="the layers' mean FFN sparsity to reach (0 to 0.95)"), None),
+    "max_ppl_increase": (dict(type=float, help="the largest perplexity increase on the calibration text, in percent"
+                                               " (default 2): the highest mean sparsity within it is chosen"), None),
+    "allocation": (dict(choices=["uniform", "greedy"], default="uniform",
+                        help="how the sparsity is spread over the layers: 'uniform' (every layer at the target, as"
+                             " CATS; default) or 'greedy' (TEAL's allocation by each layer's FFN-output error;"
+                             " measured worse, docs/quality.md)"), None),
     "prompt": (dict(help="prompt text (or give it as the command's last argument)"), None),
     "system": (dict(help="system message for the chat template"), None),
     "chat_template": (dict(metavar="FILE", help="a Jinja chat template file to use instead of the model's (the"
@@ -152,6 +167,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
     "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
+    "target_sparsity": (0, 0.95), "max_ppl_increase": (0, 1000),
     "draft_tokens": (0, config.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
@@ -173,7 +189,7 @@ def check_bounds(args) -> None:
 
 COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_depth", "ctx_length", "batch_size",
           "lossy_int8_activations", "debug"]
-ENGINE = ["max_sequences", "draft_tokens", "ngram", "ngram_cache_size", "lookahead"]
+ENGINE = ["max_sequences", "draft_tokens", "ngram", "ngram_cache_size", "lookahead", "sparse_ffn"]
 KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
 SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
@@ -245,13 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
                                           " container into a GGUF (--output NAME.gguf)")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
         "bits_per_weight", "mix", "requantize", "force", "debug")
+    cal = sub.add_parser("calibrate", help="calibrate a container's LOSSY sparse FFN (--sparse-ffn): per-layer"
+                                           " thresholds and the neurons' co-activation order, in a sidecar")
+    add(cal, "model", "text", "target_sparsity", "max_ppl_increase", "allocation", "calibration_tokens", "output",
+        "debug",
+        model=dict(help="container directory (default: the embedded model's container)"),
+        calibration_tokens=dict(help="tokens of the text calibrated on, in one pass (default 512)", default=512),
+        output=dict(required=False, help="the sidecar to write (default: sparse_ffn.safetensors in the"
+                                         " container)"))
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
     ver.add_argument("dir", nargs="?", metavar="DIR", help="container directory (as --model; DIR wins over it)")
     add(ver, "model", "debug", model=dict(help="container directory (default: the embedded model's container)"))
     pl = sub.add_parser("plan", help="placement, bytes read per token and predicted decode speed, without loading")
     add(pl, *COMMON, "probe_seconds", "json", json=JSON_REPORT)
     be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
-    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "json", json=JSON_REPORT,
+    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "sparse_ffn", "json", json=JSON_REPORT,
         prompt=dict(required=False, help="prompt text, sent without the chat template (default: a fixed sentence)"))
     sw = sub.add_parser("swap", help="manage KV swap files")
     swsub = sw.add_subparsers(dest="swap_command", required=True)
@@ -518,6 +542,30 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from tqdm import tqdm
+
+    from colibri.runtime import sparse_calibrate
+    bar = tqdm(desc="calibrating", unit="step", file=sys.stderr, disable=None)  # None: no bar off a terminal
+
+    def progress(phase: str, done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        out, side = sparse_calibrate.calibrate(model_path(args), args.text, args.target_sparsity,
+                                               args.max_ppl_increase, args.calibration_tokens, args.output, progress,
+                                               args.allocation)
+    finally:
+        bar.close()
+    i = side.info
+    print(f"wrote {out}: mean FFN sparsity {i['target_sparsity']:.2f}, perplexity on the calibration text"
+          f" {i['perplexity_dense']:.3f} dense -> {i['perplexity_sparse']:.3f} sparse; chunks of {side.chunk}"
+          f" neurons skipped per token: {i['chunk_sparsity_coactivation_order']:.1%} in co-activation order"
+          f" ({i['chunk_sparsity_stored_order']:.1%} in the stored order)", file=sys.stderr)
+    return 0
+
+
 def cmd_stage(args) -> int:
     from colibri import cluster
     cluster.stage(model_path(args), args.output, args.ray,
@@ -560,7 +608,7 @@ def cmd_plan(args) -> int:
 def cmd_bench(args) -> int:
     from colibri.perf import runner
     report = runner.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
-                              **streaming_options(args))
+                              sparse_ffn=args.sparse_ffn, **streaming_options(args))
     print(json.dumps(report.as_dict()) if args.json else runner.format_bench(report))
     return 0
 
@@ -627,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
-               "info": cmd_info, "convert": cmd_convert,
+               "info": cmd_info, "convert": cmd_convert, "calibrate": cmd_calibrate,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
                "kernels": cmd_kernels}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message

@@ -58,13 +58,18 @@ def builtin_text() -> tuple[str, str]:
     return prose, "\n\n".join(code)
 
 
+def encode_text(tokenizer, vocab_size: int, text: str) -> list[int]:
+    """Token ids of a calibration text; a checkpoint without a tokenizer (test models) reads its bytes as ids."""
+    if tokenizer is None:
+        return [b % vocab_size for b in text.encode("utf-8")]
+    return [i for i in tokenizer.encode(text).ids if i < vocab_size]
+
+
 def calibration_ids(tokenizer, vocab_size: int, text_file: str | None, tokens: int) -> list[int]:
     """Token ids of the calibration text: `text_file`'s first `tokens`, or half prose and half code built in.
     A checkpoint without a tokenizer (test models) reads the text's bytes as ids."""
     def encode(text: str) -> list[int]:
-        if tokenizer is None:
-            return [b % vocab_size for b in text.encode("utf-8")]
-        return [i for i in tokenizer.encode(text).ids if i < vocab_size]
+        return encode_text(tokenizer, vocab_size, text)
 
     if text_file:
         try:

@@ -42,7 +42,9 @@ class EngineConfig:
     lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group
     (every native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md);
     process-wide once set (colibri.kernels). chat_template: a Jinja file that replaces the model's chat template
-    (None: the model's own)."""
+    (None: the model's own). sparse_ffn: LOSSY, None (off) or the sparse-FFN sidecar of `colibri calibrate`
+    ("default": the container's own): a dense FFN neuron whose |act(gate)| is at or below its layer's calibrated
+    threshold is skipped for that token (runtime/sparsity.py; cost in docs/quality.md)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None
@@ -64,6 +66,7 @@ class EngineConfig:
     lookahead: bool = True
     lossy_int8_activations: bool = False
     chat_template: str | os.PathLike | None = None
+    sparse_ffn: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_sequences", "io_threads"):

@@ -247,11 +247,25 @@ class Batch:
         return cls(as_long(tokens), as_long(positions), spans, kvs, as_long(rows))
 
 
+# ---------------------------------------------------------------------------------------------- the FFN's hook
+
+
+class FFNHook(Protocol):
+    """What a dense FFN layer's hidden product goes through when a hook is set (`DecoderModel.ffn_hook`): the
+    LOSSY sparse FFN (runtime/sparsity.py) masks it, its calibration records it."""
+
+    def hidden(self, layer: int, a: torch.Tensor, u: torch.Tensor, down) -> torch.Tensor:
+        """a = act(gate x), u = up x: [T, I] -> the hidden product [T, I] that `down` [D, I] is applied to. Row t
+        of the result must depend on row t of a and u alone (batch invariance)."""
+
+
 # ---------------------------------------------------------------------------------------------- the decoder
 
 
 class DecoderModel:
     """A pre-norm decoder-only transformer covering every supported family through ModelArgs flags."""
+
+    ffn_hook: FFNHook | None = None  # the dense FFN layers' hidden product goes through it when set
 
     def __init__(self, args: ModelArgs):
         self.args = args
@@ -362,11 +376,11 @@ class DecoderModel:
             h = self.norm(h, store, p + "post_attention_layernorm.weight")
             x = x + h
             h = self.norm(x, store, p + "pre_feedforward_layernorm.weight")
-            h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+            h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h, i)
             return x + self.norm(h, store, p + "post_feedforward_layernorm.weight")
         x = x + h
         h = self.norm(x, store, p + "post_attention_layernorm.weight")
-        h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h)
+        h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h, i)
         return x + h
 
     def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
@@ -399,10 +413,14 @@ class DecoderModel:
         o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 
-    def mlp(self, store, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, store, prefix: str, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """The gated FFN; `layer`: a dense model's FFN layer (not a shared expert), which the hook sees."""
         g = linear(x, store.get(prefix + "gate_proj.weight"))
         u = linear(x, store.get(prefix + "up_proj.weight"))
-        return linear(self.act(g) * u, store.get(prefix + "down_proj.weight"))
+        down = store.get(prefix + "down_proj.weight")
+        if layer is not None and self.ffn_hook is not None:
+            return linear(self.ffn_hook.hidden(layer, self.act(g), u, down), down)
+        return linear(self.act(g) * u, down)
 
     def expert(self, store, names: list[str], x: torch.Tensor) -> torch.Tensor:
         g, u, d = names

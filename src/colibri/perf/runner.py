@@ -146,6 +146,7 @@ class BenchReport:
     runtime_baseline_rss_bytes: int
     generation: dict  # the run's GenerationMetrics
     plan: Plan
+    sparse_ffn: dict | None = None  # --sparse-ffn (LOSSY): FFN sparsity and bytes per token, prefill included
 
     def as_dict(self) -> dict:
         """The JSON report (`colibri bench --json`)."""
@@ -182,7 +183,7 @@ def drop_page_cache(files: list[Path]) -> int:
 def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str = "", dtype=None,
               threads: int | None = None, io_threads: int = 2, prefetch_depth: int | None = None,
               ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH,
-              probe_seconds: float = 1.0) -> BenchReport:
+              probe_seconds: float = 1.0, sparse_ffn: str | None = None) -> BenchReport:
     """Cold-start decode benchmark: drop the model's files from the page cache, load under the limit, generate
     `tokens` tokens greedily (EOS ignored), and set the decode phase's measured speed and I/O beside the plan's
     prediction. The probes run after the model is closed, so they neither warm its pages nor count in its RSS."""
@@ -199,7 +200,7 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
     dropped = drop_page_cache(model_files(path))
     t0 = time.perf_counter()
     m = load(path, memory_limit=memory_limit, dtype=dtype, io_threads=io_threads, prefetch_depth=prefetch_depth,
-             ctx_length=ctx_length, batch_size=batch_size)
+             ctx_length=ctx_length, batch_size=batch_size, sparse_ffn=sparse_ffn)
     load_s = time.perf_counter() - t0
     m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
     try:
@@ -215,6 +216,7 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
         placed = m.store.placement  # None: all in RAM, as the layout planned
         same = lay is None or placed is None or lay.placement.pinned == placed.pinned
         baseline = m.baseline_rss_bytes
+        sparse = m.sparse.counters() if m.sparse is not None else None
     finally:
         m.close()
     steps = metrics.generated_tokens - 1
@@ -249,7 +251,8 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
         ratio_to_bound=round(tps / best, 6) if best else None, predicted_tokens_per_s=predicted,
         prediction_error_pct=error_pct(tps, predicted), model_at_run_bandwidth_tokens_per_s=at_run,
         model_at_run_bandwidth_error_pct=error_pct(tps, at_run), placement_as_planned=same,
-        peak_rss_bytes=stats["peak_rss_bytes"], runtime_baseline_rss_bytes=baseline, generation=stats, plan=pred)
+        peak_rss_bytes=stats["peak_rss_bytes"], runtime_baseline_rss_bytes=baseline, generation=stats, plan=pred,
+        sparse_ffn=sparse)
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -334,6 +337,11 @@ def format_bench(r: BenchReport) -> str:
              f"read {_mib(r.load_bytes_read + r.prefill_bytes_read + r.decode_bytes_read)}"
              + (f" (decode hit rate {100 * r.decode_hit_rate_bytes:.0f} %)" if r.decode_bytes_read else ""),
              f"peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB (baseline {r.runtime_baseline_rss_bytes / 2**20:.0f})"]
+    if r.sparse_ffn:
+        s = r.sparse_ffn
+        parts.append(f"LOSSY sparse FFN {100 * s['ffn_sparsity']:.0f} % of neurons skipped, FFN bytes needed"
+                     f" {s['ffn_bytes_needed_per_token'] / 1e6:.1f} of {s['ffn_dense_bytes_per_token'] / 1e6:.1f} MB"
+                     " per token")
     huge = r.generation.get("staging_huge_fraction")
     if huge is not None and huge < 0.9:  # reads into 4 KiB pages can be much slower (io.AlignedBuffer)
         parts.append(f"only {100 * huge:.0f} % of the staging buffers in huge pages")

@@ -217,6 +217,10 @@ class Model:
             self.pass_bytes = functools.partial(budget.pass_bytes, self.args, self.dtype, quantized(ckpt))
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
+        self.sparse = None  # --sparse-ffn's hook (LOSSY), counting what it kept
+        if config.sparse_ffn is not None:
+            from colibri.runtime import sparsity
+            self.sparse = sparsity.attach(self, str(config.sparse_ffn))
         self.eos_ids = set(self.tokenizer.eos_ids if self.tokenizer else self.args.eos_token_id)
         self.engine = Engine(self.decoder, self.store, self.kv, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                              context=self.context_length, pass_tokens=self.pass_tokens,
@@ -263,6 +267,8 @@ class Model:
         if self.store.placement is not None:
             out.update(self.store.placement.as_dict())
         out.update(self.store.counters())  # {} when all is in RAM
+        if self.sparse is not None:
+            out.update(self.sparse.counters())
         return out
 
     @torch.inference_mode()
