@@ -1,4 +1,4 @@
-"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench, swap, kernels. Each option
+"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench, swap, kernels, doctor. Each option
 is defined once, in OPTIONS."""
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
     "build": (dict(action="store_true", help="build (or load) the kernels COLIBRI_KERNELS picks and report the"
                                              " time"), None),
+    "dir": (dict(help="directory whose filesystem the disk checks test (default: the model's, else Colibri's cache"
+                      " directory, where KV swap files go)"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
     "output": (dict(required=True, help="container directory to create"), None),
     "quant": (dict(default="q4", help="q4 (alias q4_k_m), q8 (alias q8_0), bf16, f16 or f32 (default q4)"), None),
@@ -241,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     kern = sub.add_parser("kernels", help="the native kernel tiers: which this CPU runs, which are built, which one"
                                           " is used and why (COLIBRI_KERNELS)")
     add(kern, "build", "json", "debug", json=dict(help="print one JSON object instead of the listing"))
+    doc = sub.add_parser("doctor", help="check this machine for streaming a model: O_DIRECT, disk speed, huge pages,"
+                                        " memory, CPU, kernels, swap room, the container; each with what to do")
+    add(doc, "model", "dir", "probe_seconds", "json", "debug",
+        model=dict(help="model whose filesystem, read speed, size and container to check (default: none; those"
+                        " checks are skipped)"),
+        json=dict(help="print one JSON object instead of the listing"))
     return p
 
 
@@ -440,6 +448,13 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from colibri.perf import doctor
+    checks = doctor.diagnose(args.model, args.dir, probe_seconds=args.probe_seconds)
+    print(json.dumps(doctor.as_json(checks)) if args.json else doctor.format_checks(checks))
+    return 1 if any(c.status == doctor.FAIL for c in checks) else 0
+
+
 def cmd_info(args) -> int:
     from colibri.runtime.model import describe
     for key, value in describe(model_path(args, engine=False)).items():
@@ -584,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
-               "kernels": cmd_kernels}[args.command]
+               "kernels": cmd_kernels, "doctor": cmd_doctor}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None
