@@ -33,6 +33,7 @@ class ChatReply:
         self.finish_reason: str | None = None
         self.error: APIError | None = None
         self.calls = 0
+        self.metrics = None
 
     def add(self, index: int, event: Event) -> None:
         if event.kind == "delta":
@@ -46,6 +47,7 @@ class ChatReply:
         if event.metrics is not None:
             self.completion_tokens = event.metrics.generated_tokens
             self.cached = event.metrics.prefix_tokens
+            self.metrics = event.metrics
 
     def whole(self) -> dict:
         if self.error is not None:
@@ -93,8 +95,16 @@ class ChatReply:
         return out
 
     def usage_chunk(self) -> dict:
+        body = usage(self.prompt_tokens, self.completion_tokens, self.cached)
+        m = self.metrics
+        if m is not None:  # the engine's own figures for this reply (the chat page shows them); clients ignore it
+            steps = m.generated_tokens - 1
+            body["colibri"] = {"ttft_s": round(m.ttft_s, 4), "prefill_s": round(m.prefill_s, 4),
+                               "decode_tok_s": round(steps / m.decode_s, 2) if steps > 0 and m.decode_s > 0 else None,
+                               "disk_bytes_read": m.disk_bytes_read, "draft_tokens": m.draft_tokens,
+                               "accepted_tokens": m.accepted_tokens}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens, self.cached)}
+                "choices": [], "usage": body}
 
 
 class CompletionReply:
