@@ -4,10 +4,15 @@ open in headless Chromium on the same machine (that cost plus a browser drawing 
 engine, on the same cores). Optionally saves a screenshot of the dashboard under load.
 
     python benchmarks/dashboard.py --model DIR [--memory-limit 150M] [--rounds 4] [--tokens 64] [--clients 2]
-                                   [--threads 1] [--screenshot docs/img/dashboard.png]
+                                   [--threads 1] [--screenshot docs/img/dashboard.png] [--ids]
 
-Each round runs the conditions in turn (none, sse, browser), so drift on a shared machine spreads over all of
-them; per condition the decode rate is the median over rounds of `clients` concurrent greedy completions of
+`--ids` sends token-id prompts (a container without a tokenizer: benchmarks/synth.py's; it streams no text, so
+there is no rate to take: use it with `--rounds 0`, which only takes the screenshot). docs/img/dashboard.png is SmolLM2-135M at 120M, dashboard-moe.png the Mixtral-8x7B shape cut to 4
+layers (benchmarks/synth.py --shape mixtral-8x7b --layers 4) at 1200M.
+
+Each round runs the conditions in turn, starting one further along each round (none, sse, browser; sse,
+browser, none; ...), so drift on a shared machine and what earlier requests leave behind (the prefix cache, the
+n-gram drafts) spread over all of them; per condition the decode rate is the median over rounds of `clients` concurrent greedy completions of
 `tokens` tokens each (ignore_eos): tokens that arrived after the last first token, over that time. Prints one
 line per round and a JSON summary (the drop of each condition against `none`, in %).
 """
@@ -32,12 +37,13 @@ sys.path.insert(0, str(HERE))
 from serve import colibri, prompt  # noqa: E402
 
 
-def decode_rate(url: str, count: int, tokens: int) -> float:
+def decode_rate(url: str, count: int, tokens: int, ids: bool = False) -> float:
     """Aggregate decode tok/s of `count` concurrent streamed completions, counted after the last first token."""
     arrivals: list[list[float]] = [[] for _ in range(count)]
 
     def one(i: int) -> None:
-        body = {"model": "m", "prompt": prompt(i), "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+        text = [1] + [100 + 7 * i + k for k in range(16)] if ids else prompt(i)
+        body = {"model": "m", "prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             r.raise_for_status()
@@ -50,6 +56,8 @@ def decode_rate(url: str, count: int, tokens: int) -> float:
         t.start()
     for t in threads:
         t.join()
+    if not all(arrivals):  # no text came (a container without a tokenizer streams no text): no rate
+        return float("nan")
     lo = max(a[0] for a in arrivals)
     hi = max(a[-1] for a in arrivals)
     inside = sum(1 for a in arrivals for t in a if t > lo)
@@ -87,10 +95,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--screenshot", help="save a screenshot of the dashboard under load here (needs chromium)")
+    ap.add_argument("--ids", action="store_true", help="token-id prompts (a container without a tokenizer)")
     a = ap.parse_args()
     url = f"http://127.0.0.1:{a.port}"
+    # no speculation: its n-gram drafts learn the repeated prompts, so later runs would decode faster whatever
+    # the condition
     cmd = colibri() + ["serve", "--model", a.model, "--model-name", "m", "--port", str(a.port), "--threads",
-                       str(a.threads), "--max-sequences", str(max(a.clients, 4))]
+                       str(a.threads), "--max-sequences", str(max(a.clients, 4)), "--draft-tokens", "0"]
     if a.memory_limit:
         cmd += ["--memory-limit", a.memory_limit]
     log = tempfile.TemporaryFile(mode="w+")
@@ -106,7 +117,7 @@ def main() -> int:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        decode_rate(url, a.clients, 8)  # warm-up
+        decode_rate(url, a.clients, 8, a.ids)  # warm-up
         conditions = ["none", "sse"]
         if chromium:
             from playwright.sync_api import sync_playwright
@@ -115,14 +126,14 @@ def main() -> int:
             conditions.append("browser")
         rates: dict[str, list[float]] = {c: [] for c in conditions}
         for r in range(a.rounds):
-            for c in conditions:
+            for c in conditions[r % len(conditions):] + conditions[:r % len(conditions)]:  # no order bias
                 watcher = SSEWatcher(url) if c == "sse" else None
                 page = browser.new_page(viewport={"width": 1280, "height": 900}) if c == "browser" else None
                 if page is not None:
                     page.goto(url + "/")
                     page.wait_for_function("document.getElementById('model').textContent.includes('ready')")
                 time.sleep(0.5)
-                rates[c].append(decode_rate(url, a.clients, a.tokens))
+                rates[c].append(decode_rate(url, a.clients, a.tokens, a.ids))
                 if page is not None:
                     page.close()
                 if watcher is not None:
@@ -132,7 +143,7 @@ def main() -> int:
         if a.screenshot and browser is not None:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(url + "/")
-            load = threading.Thread(target=decode_rate, args=(url, a.clients, a.tokens * 4))
+            load = threading.Thread(target=decode_rate, args=(url, a.clients, a.tokens * 4, a.ids))
             load.start()
             page.wait_for_function("[...document.querySelectorAll('#requests td')].filter(td => td.textContent"
                                    " === 'running').length >= 1")
@@ -140,6 +151,8 @@ def main() -> int:
             page.screenshot(path=a.screenshot, full_page=True)
             load.join()
             page.close()
+        if not a.rounds:
+            return 0
         base = statistics.median(rates["none"])
         summary = {c: {"median_tok_s": round(statistics.median(v), 3), "all": [round(x, 3) for x in v],
                        "drop_pct": round(100 * (1 - statistics.median(v) / base), 2)} for c, v in rates.items()}
