@@ -96,6 +96,8 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
     "build": (dict(action="store_true", help="build (or load) the kernels COLIBRI_KERNELS picks and report the"
                                              " time"), None),
+    "plot": (dict(help="also draw a picture into this file (.png, .svg, .pdf; needs matplotlib: pip install"
+                       " 'colibri[plots]')"), None),
     "dir": (dict(help="directory whose filesystem the disk checks test (default: the model's, else Colibri's cache"
                       " directory, where KV swap files go)"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
@@ -232,9 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("dir", nargs="?", metavar="DIR", help="container directory (as --model; DIR wins over it)")
     add(ver, "model", "debug", model=dict(help="container directory (default: the embedded model's container)"))
     pl = sub.add_parser("plan", help="placement, bytes read per token and predicted decode speed, without loading")
-    add(pl, *COMMON, "probe_seconds", "json", json=JSON_REPORT)
+    add(pl, *COMMON, "probe_seconds", "json", "plot", json=JSON_REPORT,
+        plot=dict(help="also draw the placement (page bytes per layer: pinned, streamed, read by rows) into this file"
+                       " (.png, .svg, .pdf; needs matplotlib: pip install 'colibri[plots]')"))
     be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
-    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "json", json=JSON_REPORT,
+    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "json", "plot", json=JSON_REPORT,
+        plot=dict(help="also draw the per-layer timeline of the first passes (each scope's wait for reads and its"
+                       " compute, the bytes read on demand) into this file (.png, .svg, .pdf; needs matplotlib: pip"
+                       " install 'colibri[plots]')"),
         prompt=dict(required=False, help="prompt text, sent without the chat template (default: a fixed sentence)"))
     sw = sub.add_parser("swap", help="manage KV swap files")
     swsub = sw.add_subparsers(dest="swap_command", required=True)
@@ -525,14 +532,26 @@ def cmd_plan(args) -> int:
         torch.set_num_threads(args.threads)
     report = runner.predict(model_path(args), **streaming_options(args))
     print(json.dumps(report.as_dict()) if args.json else runner.format_plan(report))
+    if args.plot:
+        from colibri.perf import plots
+        if report.layout is None:
+            raise InputError("--plot draws a container's placement; this model is not one (colibri convert it)")
+        print(f"wrote {plots.placement_plot(report.layout, args.plot)}", file=sys.stderr)
     return 0
 
 
 def cmd_bench(args) -> int:
     from colibri.perf import runner
+    if args.plot:
+        from colibri.perf import plots
+        plots.pyplot()  # no matplotlib: say so before the run, not after it
     report = runner.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
-                              **streaming_options(args))
+                              timeline_passes=VERBOSE_PASSES if args.plot else 0, **streaming_options(args))
     print(json.dumps(report.as_dict()) if args.json else runner.format_bench(report))
+    if args.plot:
+        title = f"{os.path.basename(report.model)}: first {VERBOSE_PASSES} passes under --memory-limit" \
+                f" {(report.memory_limit_bytes or 0) / 2**20:.0f} MiB"
+        print(f"wrote {plots.timeline_plot(report.timeline, args.plot, title)}", file=sys.stderr)
     return 0
 
 
