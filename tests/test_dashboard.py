@@ -103,7 +103,9 @@ def test_dashboard_and_chat_in_headless_chromium(server, tmp_path):
 
     def load() -> None:  # a few concurrent requests while the dashboard watches
         def one(i: int) -> None:
-            httpx.post(server.url + "/v1/chat/completions", json=chat_body(f"Count to {10 + i}.", 24),
+            # long enough (EOS ignored) that a frame 4 times a second sees them running on a fast machine too
+            httpx.post(server.url + "/v1/chat/completions", json={**chat_body(f"Count to {10 + i}.", 96),
+                                                                  "ignore_eos": True},
                        headers=server.headers, timeout=300)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
         for t in threads:
