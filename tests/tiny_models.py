@@ -315,13 +315,14 @@ def _check_legacy_roundtrip(path: Path, expected_rope) -> None:
         raise AssertionError(f"legacy config for {path.name} reads back as {got}, expected {expected_rope}")
 
 
-def with_chat(src: Path, outdir) -> Path:
-    """A copy of the tiny checkpoint `src` under `outdir/hf` with a word-level tokenizer.json (w0 .. w31, [UNK])
-    and a one-line chat template beside it: a model that chat, the server and batch can drive."""
+def with_chat(src: Path, outdir, words: int = 32) -> Path:
+    """A copy of the tiny checkpoint `src` under `outdir/hf` with a word-level tokenizer.json (w0 .. w31, [UNK];
+    `words`: w0 .. w{words-1}, and words = vocab_size - 1 makes every id a word, so the text is the tokens) and a
+    one-line chat template beside it: a model that chat, the server and batch can drive."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     hf = Path(outdir) / "hf"
     shutil.copytree(src, hf)
-    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(32)}, "[UNK]": 32}, unk_token="[UNK]"))
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(words)}, "[UNK]": words}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(hf / "tokenizer.json"))
     (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"

@@ -26,7 +26,7 @@ from pathlib import Path
 from colibri.core.errors import ColibriError, InputError, OutputError
 from colibri.engine.sampling import SamplingParams
 
-RECORD_START = b'{"id": '  # the bytes every result line starts with (_write: json.dumps of a dict, "id" first)
+RECORD_START = b'{"id": '  # the bytes every result line starts with (Output.write: json.dumps of a dict, "id" first)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")
 
@@ -172,73 +172,95 @@ def check_writable(path: Path) -> None:
         raise OutputError(f"{path}: cannot write the results ({e.strerror}); give a writable --output") from None
 
 
+def line_ids(model, line: Line) -> list[int]:
+    """The prompt's token ids: the raw prompt, or the messages through the chat template."""
+    if line.prompt is not None:
+        return model.prompt_ids(line.prompt)
+    return model.chat_ids(line.messages)
+
+
+def record(line: Line, req, start: float) -> dict:
+    """The result line of a finished request (`start`: when it was added; perf_counter)."""
+    r, m = req.result(), req.metrics
+    return {"id": line.id, "text": r.text, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+            "cached_prompt_tokens": m.prefix_tokens, "ttft_s": round(m.ttft_s, 4),
+            "duration_s": round(time.perf_counter() - start, 4),
+            "decode_tokens_per_s": round(m.decode_tokens_per_s, 3)}
+
+
+class Output:
+    """The results file, open for appending: each record one whole line, flushed and fsynced (a device or pipe,
+    /dev/stdout, has nothing to sync)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.written = 0
+        self.tokens = 0  # completion tokens of the lines written
+        self._sync = path.is_file()
+        self._f = open(path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing pending
+
+    def write(self, rec: dict) -> None:
+        data = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+        try:
+            while data:  # one write of the whole line, unless the disk takes only part of it
+                data = data[self._f.write(data):]
+            if self._sync:
+                os.fsync(self._f.fileno())
+        except OSError as e:  # disk full, a removed device: what is written stays, a partial line is dropped later
+            raise OutputError(f"{self.path}: cannot write the results ({e.strerror}); {self.written} lines are"
+                              " written; make room and run the same command again to resume") from None
+        self.written += 1
+        self.tokens += rec["completion_tokens"]
+
+    def close(self) -> None:
+        self._f.close()
+
+
 class Batch:
     """Runs lines through a model's engine, at most `window` requests in it at a time."""
 
-    def __init__(self, model, output: Path, report, window: int):
-        self.model, self.output, self.report, self.window = model, output, report, window
-        self.written = self.skipped = self.tokens = 0
-        self._sync = True
-        self.done_tokens = 0  # tokens of the lines written
-
-    def _ids(self, line: Line) -> list[int]:
-        if line.prompt is not None:
-            return self.model.prompt_ids(line.prompt)
-        return self.model.chat_ids(line.messages)
+    def __init__(self, model, out: Output, report, window: int):
+        self.model, self.out, self.report, self.window = model, out, report, window
+        self.skipped = 0
 
     def run(self, lines: list[Line], bar) -> None:
         eng = self.model.engine
         todo, active = deque(lines), {}
         t0 = time.perf_counter()
-        self._sync = self.output.is_file()  # a device or pipe (/dev/stdout) has nothing to sync
-        with open(self.output, "ab", buffering=0) as out:  # unbuffered: a failed write leaves nothing pending
-            while todo or active:
-                while todo and len(active) < self.window:
-                    line = todo.popleft()
-                    try:
-                        req = eng.add_request(self._ids(line), SamplingParams(**line.sampling))
-                    except ColibriError as e:
-                        self._skip(line, e, bar)
-                        continue
-                    active[req] = (line, time.perf_counter())
-                eng.step()
-                for req in [r for r in active if r.finished]:
-                    line, start = active.pop(req)
-                    if req.error is not None:
-                        self._skip(line, req.error, bar)
-                        continue
-                    self._write(out, line, req, start)
-                    bar.update(1)
-                self.tokens = sum(r.metrics.generated_tokens for r in active) + self.done_tokens
-                bar.set_postfix_str(f"{self.tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
+        while todo or active:
+            while todo and len(active) < self.window:
+                line = todo.popleft()
+                try:
+                    req = eng.add_request(line_ids(self.model, line), SamplingParams(**line.sampling))
+                except ColibriError as e:
+                    self.skip(line, e, bar)
+                    continue
+                active[req] = (line, time.perf_counter())
+            eng.step()
+            for req in [r for r in active if r.finished]:
+                line, start = active.pop(req)
+                if req.error is not None:
+                    self.skip(line, req.error, bar)
+                    continue
+                self.out.write(record(line, req, start))
+                bar.update(1)
+            tokens = sum(r.metrics.generated_tokens for r in active) + self.out.tokens
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
 
-    def _write(self, out, line: Line, req, start: float) -> None:
-        r, m = req.result(), req.metrics
-        record = {"id": line.id, "text": r.text, "finish_reason": r.finish_reason,
-                  "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
-                  "cached_prompt_tokens": m.prefix_tokens, "ttft_s": round(m.ttft_s, 4),
-                  "duration_s": round(time.perf_counter() - start, 4),
-                  "decode_tokens_per_s": round(m.decode_tokens_per_s, 3)}
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        try:
-            while data:  # one write of the whole line, unless the disk takes only part of it
-                data = data[out.write(data):]
-            if self._sync:
-                os.fsync(out.fileno())
-        except OSError as e:  # disk full, a removed device: what is written stays, a partial line is dropped later
-            raise OutputError(f"{self.output}: cannot write the results ({e.strerror}); {self.written} lines are"
-                              " written; make room and run the same command again to resume") from None
-        self.written += 1
-        self.done_tokens += len(r.token_ids)
-
-    def _skip(self, line: Line, error: BaseException, bar) -> None:
+    def skip(self, line: Line, error, bar) -> None:
         self.report(f"line {line.number} (id {line.id!r}): skipped: {error}")
         self.skipped += 1
         bar.update(1)
 
+    def close(self) -> None:
+        self.model.close()
 
-def run(args, load_model, sampling_defaults: dict) -> int:
-    """The `colibri batch` command: 0 when every line has its result, 1 when some were skipped."""
+
+def run(args, sampling_defaults: dict, start) -> int:
+    """The `colibri batch` command: 0 when every line has its result, 1 when some were skipped. `start(out,
+    report)` makes the job once the input and output are checked: a Batch on one engine, or the cluster's
+    (colibri.cluster); it has run(lines, bar), skipped and close()."""
     from tqdm import tqdm
 
     def report(text: str) -> None:
@@ -257,17 +279,28 @@ def run(args, load_model, sampling_defaults: dict) -> int:
         report("nothing to do")
         return 1 if bad else 0
     check_writable(dst)
-    model = load_model(args)
-    job = Batch(model, dst, report, window=2 * model.max_sequences)
-    with tqdm(total=len(todo), unit="line", desc="batch", file=sys.stderr, dynamic_ncols=True) as bar:
-        try:
-            job.run(todo, bar)
-        except BaseException:  # Ctrl-C, SIGTERM or an error: what is written stays, complete
-            bar.close()
-            report(f"stopped after {job.written} of {len(todo)} lines; run the same command again to resume")
-            raise
-        finally:
-            model.close()
+    out = Output(dst)
+    try:
+        job = start(out, report)
+        with tqdm(total=len(todo), unit="line", desc="batch", file=sys.stderr, dynamic_ncols=True) as bar:
+            try:
+                job.run(todo, bar)
+            except BaseException:  # Ctrl-C, SIGTERM or an error: what is written stays, complete
+                bar.close()
+                report(f"stopped after {out.written} of {len(todo)} lines; run the same command again to resume")
+                raise
+            finally:
+                job.close()
+    finally:
+        out.close()
     skipped = bad + job.skipped
-    report(f"wrote {job.written} lines to {dst}" + (f"; {skipped} lines skipped (see above)" if skipped else ""))
+    report(f"wrote {out.written} lines to {dst}" + (f"; {skipped} lines skipped (see above)" if skipped else ""))
     return 1 if skipped else 0
+
+
+def local(args, load_model):
+    """`start` for run(): one engine in this process, with twice its sequences in flight."""
+    def start(out: Output, report) -> Batch:
+        model = load_model(args)
+        return Batch(model, out, report, window=2 * model.max_sequences)
+    return start

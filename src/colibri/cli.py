@@ -1,5 +1,5 @@
-"""The `colibri` command: run, chat, serve, batch, info, convert, verify, plan, bench, swap, kernels, doctor. Each option
-is defined once, in OPTIONS."""
+"""The `colibri` command: run, chat, serve, batch, stage, info, convert, verify, plan, bench, swap, kernels, doctor.
+Each option is defined once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -131,6 +131,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                             help="seconds requests in flight get to finish after SIGTERM / Ctrl-C; new ones get 503"
                                  " meanwhile, and those still running then end with a 503 'shutting_down' error"
                                  " (default 10)"), None),
+    "ray": (dict(nargs="?", const="", metavar="ADDRESS",
+                 help="run on a Ray cluster (pip install 'colibri[ray]'): ADDRESS as `ray start` printed it, or"
+                      " none for RAY_ADDRESS, the cluster started on this machine, else a new local one"), None),
+    "replicas": (dict(type=int, help="--ray: engines to start, spread over the nodes (default: one per node),"
+                                     " each on its node's copy of --model"), None),
     "model_name": (dict(help="the model id clients send and /v1/models lists (default: the checkpoint's file or"
                              " directory name)"), None),
     "bits_per_weight": (dict(type=float, help="q4 size budget in bits per weight, spent on q8 for the most"
@@ -145,7 +150,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
-    "port": (0, 65535), "max_queue": (0, None), "shutdown_grace": (0, 3600),
+    "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
     "draft_tokens": (0, config.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
 }
 
@@ -216,15 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", *SAMPLING, "stats", "kv_dir", "session")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name")
+    add(srv, *COMMON, *ENGINE, *KV, "host", "port", "api_key", "max_queue", "shutdown_grace", "model_name", "ray",
+        "replicas")
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
-    add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING,
+    add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING, "ray", "replicas",
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
                         " optionally with sampling fields (max_tokens, temperature, ...)"),
         output=dict(help="JSONL results, one line per id, appended as each finishes; ids already there are"
                          " skipped (resume)"),
         max_tokens=dict(help="maximum tokens per line unless the line says (default"
                              f" {config.DEFAULT_MAX_TOKENS})"))
+    stg = sub.add_parser("stage", help="copy a container onto this machine's disk, or every node's of a Ray cluster"
+                                       " (--ray), and verify it there")
+    add(stg, "model", "output", "ray", "debug",
+        model=dict(help="container directory to copy (default: the embedded model's container)"),
+        output=dict(required=True, help="directory to create on each node (the same path everywhere: give it as"
+                                        " --model to batch --ray and serve --ray); one already holding this"
+                                        " container is verified, not copied"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
@@ -271,9 +284,11 @@ def model_path(args, engine: bool = True) -> str:
     return str(default_model_path())
 
 
-def engine_config(args) -> config.EngineConfig:
-    """The EngineConfig of a subcommand's options (the model path resolved)."""
-    return config.EngineConfig.from_args(args).replace(model=model_path(args))
+def engine_config(args, resolve: bool = True) -> config.EngineConfig:
+    """The EngineConfig of a subcommand's options, the model path resolved (`resolve=False`: as given, None for
+    the embedded default, which each node of a cluster resolves to its own copy)."""
+    cfg = config.EngineConfig.from_args(args)
+    return cfg.replace(model=model_path(args)) if resolve else cfg
 
 
 def load_model(args):
@@ -404,6 +419,12 @@ def cmd_serve(args) -> int:
     if name is None and not args.model:  # the embedded default: its own name, not its cached container's
         from colibri.core.defaults import default_model_path
         name = default_model_path().stem
+    if args.ray is not None:
+        from colibri import router
+        from colibri.server import model_id
+        name = name or model_id(config.EngineConfig.from_args(args))
+        router.serve(args, engine_config(args, resolve=False), name)
+        return 0
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
           name=name, shutdown_grace_s=args.shutdown_grace)
     return 0
@@ -411,7 +432,10 @@ def cmd_serve(args) -> int:
 
 def cmd_batch(args) -> int:
     from colibri import batch
-    return batch.run(args, load_model, sampling(args))
+    if args.ray is None:
+        return batch.run(args, sampling(args), batch.local(args, load_model))
+    from colibri import cluster
+    return batch.run(args, sampling(args), cluster.batch_job(args, engine_config(args, resolve=False)))
 
 
 def cmd_swap(args) -> int:
@@ -500,6 +524,13 @@ def cmd_convert(args) -> int:
     resumed = f", resumed {report.resumed_pages} pages" if report.resumed_pages else ""
     print(f"wrote {report.output} ({report.total_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s{resumed}",
           file=sys.stderr)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from colibri import cluster
+    cluster.stage(model_path(args), args.output, args.ray,
+                  lambda text: print(f"colibri stage: {text}", file=sys.stderr))
     return 0
 
 
@@ -616,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     quiet_openmp(args)
-    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "info": cmd_info, "convert": cmd_convert,
+    handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
+               "info": cmd_info, "convert": cmd_convert,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
                "kernels": cmd_kernels, "doctor": cmd_doctor}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message

@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-# the ops every native tier registers (same names and signatures in each); a build that lacks one failed
-OPS = ("q4_linear", "q8_linear", "dense_linear", "q4k_linear", "q8k_linear", "q6k_linear", "q3k_linear",
-       "iq4_xs_linear", "q5_0_linear", "iq4_nl_linear", "q4_1_linear", "attend", "pointwise", "q4_linear_i8",
-       "q8_linear_i8", "q4k_linear_i8", "q8k_linear_i8")
+# the ops every native tier registers (same names and signatures in each: registry.cpp, the last source of every
+# tier, lists them once); a build that lacks one failed
+OPS = tuple(re.findall(r"^  X\((\w+), ", (HERE / "registry.cpp").read_text(), re.M))
 # -fopenmp: at::parallel_for is a header template whose OpenMP region compiles to a serial loop without it (the
 # kernels then used one core of two); the library links the libgomp.so.1 torch has already loaded.
 _LDFLAGS = ("-fopenmp",)

@@ -36,6 +36,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "library.h"
+#include "tiles.h"
 #include "generic/int8_decode.h"
 #include "stream.h"
 #include <immintrin.h>
@@ -62,16 +63,7 @@ enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
 
 inline __m512 x16(const void* x, bool bf, int64_t i) {
   if (!bf) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-float scalar_of(const void* p, int64_t i, at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return static_cast<const float*>(p)[i];
-    case at::kBFloat16: return static_cast<float>(static_cast<const at::BFloat16*>(p)[i]);
-    default: return static_cast<float>(static_cast<const at::Half*>(p)[i]);
-  }
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i)));
 }
 
 // Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse (fresh ones
@@ -298,67 +290,18 @@ struct Weight {
   const uint16_t* sup = nullptr;
 };
 
-// q4k: (s, z) of group gi for the 64 columns at n0 (zero past the last column), s = d * sc, z = 8 * s - dmin * m
-// (the q4 codes count from 8: z folds in the 8 * s that the K-quant's q in [0, 15] has over them).
-void q4k_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
-  const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
-  const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2;
-  const uint16_t* q = w.sup + (gi / 8 * w.cols + n0) * 2;
-  prefetch_span(p + 2 * kCols, 2 * kCols);  // the next tile's, used a tile from now
-  if (gi % 8 == 0) prefetch_span(q + 2 * kCols, 4 * kCols);
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512 eight = _mm512_set1_ps(8.f);
-  for (int c = 0; c < 4; ++c) {
-    if (16 * c >= cols) {
-      prm[c] = prm[4 + c] = _mm512_setzero_ps();
-      continue;
-    }
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));  // (sc, m) of 16 columns
-    const __m512i lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, even, hi));
-    const __m512 m = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, odd, hi));
-    const __m512 e0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
-    const __m512 e1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c + 16)));
-    const __m512 d = _mm512_permutex2var_ps(e0, even, e1), dmin = _mm512_permutex2var_ps(e0, odd, e1);
-    const __m512 s = _mm512_mul_ps(d, sc);
-    prm[c] = s;
-    prm[4 + c] = _mm512_sub_ps(_mm512_mul_ps(eight, s), _mm512_mul_ps(dmin, m));
-  }
-}
-
 // q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
 inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
-  if (!w.sup) return scalar_of(w.sc, n * groups + gi, w.st);
+  if (!w.sup) return load1(w.sc, n * groups + gi, w.st);
   return _cvtsh_ss(w.sup[n * (groups / 16) + gi / 16]) *
          static_cast<float>(static_cast<const int8_t*>(w.sc)[n * groups + gi]);
 }
 
-// (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column).
+// (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column): the exact kernels' own
+// (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
-  if (w.sup) return q4k_params(w, gi, n0, prm);
-  alignas(64) float buf[2 * kCols] = {};
-  const int64_t cols = std::min(kCols, w.cols - n0);  // a multiple of 16
-  const uint8_t* p = static_cast<const uint8_t*>(w.sc) + (gi * w.cols + n0) * 2 * w.esz;
-  prefetch_span(p + 2 * kCols * w.esz, 2 * kCols * w.esz);  // the next tile's, used a tile from now
-  for (int64_t c = 0; c < 2 * cols / 16; ++c) {
-    if (w.st == at::kFloat) {
-      _mm512_store_ps(buf + 16 * c, _mm512_loadu_ps(p + 16 * c * 4));
-      continue;
-    }
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c * 2));
-    _mm512_store_ps(buf + 16 * c, w.st == at::kBFloat16
-                                      ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                      : _mm512_cvtph_ps(h));
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int c = 0; c < 4; ++c) {
-    const __m512 a = _mm512_load_ps(buf + 32 * c), b = _mm512_load_ps(buf + 32 * c + 16);
-    prm[c] = _mm512_permutex2var_ps(a, even, b);
-    prm[4 + c] = _mm512_permutex2var_ps(a, odd, b);
-  }
+  if (w.sup) return q4k_params(static_cast<const uint8_t*>(w.sc), w.sup, w.cols, gi, n0, true, prm, prm + 4);
+  q4_group_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, gi, n0, prm, prm + 4);
 }
 
 // ---- q8, small passes: the dot form ---------------------------------------------------------------------------
@@ -448,7 +391,7 @@ __attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, c
 // q8 per channel: acc[r][j] *= the scale of column n0 + j, for cols columns of t rows (row stride lda).
 void scale_columns(const Weight& w, int64_t n0, int64_t cols, int64_t t, float* acc, int64_t lda) {
   for (int64_t j = 0; j < cols; ++j) {
-    const float s = scalar_of(w.sc, n0 + j, w.st);
+    const float s = load1(w.sc, n0 + j, w.st);
     for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
   }
 }
@@ -694,10 +637,3 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
 }  // namespace
 
 #pragma GCC pop_options
-
-COLIBRI_LIBRARY(m) {
-  m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
-  m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
-  m.def("q4k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear_i8);
-  m.def("q8k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear_i8);
-}

@@ -19,30 +19,6 @@
 
 namespace {
 
-// (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column). signed_codes: z for
-// w ~ (q - 8) * s + z (the bf16 path), else z = -dmin * m for w = q * s + z (the f32 path, exact).
-inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
-                       __m512 s[4], __m512 z[4]) {
-  const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;  // (sc | m << 8) per column
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
-  prefetch_span(pm + kTile, 2 * kTile);  // the next tile's codes of this group, used a tile from now
-  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
-  const __m512i lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
-  for (int c = 0; c < 4; ++c) {
-    const int64_t left = cols - 16 * c;
-    const __mmask16 m = left <= 0 ? 0 : tail_mask16(left);
-    const __m512i codes = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, pm + 16 * c));
-    const __m512i halves = _mm512_maskz_loadu_epi32(m, pd + 16 * c);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(halves, lo16)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
-    s[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(codes, lo8)));
-    const __m512 mm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 8)));
-    z[c] = signed_codes ? _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s[c]), mm)
-                        : _mm512_sub_ps(_mm512_setzero_ps(), mm);
-  }
-}
-
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   check_q4k(x, qweight, scales, supers);
@@ -199,11 +175,3 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
-  m.def("q3k_linear(Tensor x, Tensor blocks) -> Tensor", &q3k_linear);
-  m.def("iq4_xs_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_xs_linear);
-  m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
-  m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
-}

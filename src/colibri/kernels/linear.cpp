@@ -214,12 +214,3 @@ at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q5_0_linear(Tensor x, Tensor blocks) -> Tensor", &q5_0_linear);
-  m.def("iq4_nl_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_nl_linear);
-  m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales_mins) -> Tensor", &q4_1_linear);
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
-  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
-  m.def("dense_linear(Tensor x, Tensor w) -> Tensor", &dense_linear);
-}

@@ -44,7 +44,3 @@ at::Tensor pointwise(const at::Tensor& x_in, c10::string_view fn, int64_t piece)
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("pointwise(Tensor x, str fn, int piece) -> Tensor", &pointwise);
-}

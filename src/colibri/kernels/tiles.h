@@ -86,6 +86,31 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __
   }
 }
 
+// q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column), s = d * sc from the u8
+// (sc, m) [G, Np, 2] and f16 (d, dmin) [G/8, Np, 2]. signed_codes: z for w ~ (q - 8) * s + z (the bf16 path and the
+// int8 mode) = 8 s - dmin m, else z = -dmin * m for w = q * s + z (the f32 path, exact).
+inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
+                       __m512 s[4], __m512 z[4]) {
+  const int64_t cols = std::min<int64_t>(kTile, np - n0);
+  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;  // (sc | m << 8) per column
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
+  prefetch_span(pm + kTile, 2 * kTile);  // the next tile's codes of this group, used a tile from now
+  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
+  const __m512i lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
+  for (int c = 0; c < 4; ++c) {
+    const int64_t left = cols - 16 * c;
+    const __mmask16 m = left <= 0 ? 0 : tail_mask16(left);
+    const __m512i codes = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, pm + 16 * c));
+    const __m512i halves = _mm512_maskz_loadu_epi32(m, pd + 16 * c);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(halves, lo16)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
+    s[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(codes, lo8)));
+    const __m512 mm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 8)));
+    z[c] = signed_codes ? _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s[c]), mm)
+                        : _mm512_sub_ps(_mm512_setzero_ps(), mm);
+  }
+}
+
 // The code q of column j, row k, of the tile at column n0 (full tiles and the row-pair tail tile).
 inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {
   const uint8_t* base = w.qw + n0 * (w.k / 2);

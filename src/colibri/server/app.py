@@ -333,11 +333,11 @@ async def _sse(events: AsyncIterator, reply, usage: bool) -> Response:
         finally:
             await events.aclose()
 
-    return _Stream(body(), events, media_type="text/event-stream",
+    return ClosingStream(body(), events, media_type="text/event-stream",
                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-class _Stream(StreamingResponse):
+class ClosingStream(StreamingResponse):
     """A streaming response that closes its event source however the response ends (also when the client
     left before the body began: the body's own `finally` would never run then)."""
 

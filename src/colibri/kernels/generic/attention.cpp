@@ -306,8 +306,3 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap) -> Tensor",
-        &attend);
-}

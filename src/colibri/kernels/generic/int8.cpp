@@ -41,6 +41,7 @@
 
 #include "../library.h"
 #include "int8_decode.h"
+#include "tiles.h"
 
 namespace {
 
@@ -342,47 +343,15 @@ void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float* out) {
 // group scales [64]; q8 per channel scales [64].
 template <int K>
 void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, float* prm) {
-  if constexpr (K == kQ4) {  // (scale, zero) pairs [G, Np, 2]
-    if (w.sup) {  // q4k: (sc, m) codes [G, Np, 2], (d, dmin) [G / 8, Np, 2]; cols is a multiple of 16
-      const uint8_t* scm = static_cast<const uint8_t*>(w.sc);
-      const uint16_t* dd = static_cast<const uint16_t*>(w.sup);
-      const f8 eight = simd::set1(8.f);
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        float* o = prm + gi * 2 * kCols;
-        const uint8_t* c = scm + (gi * w.cols + n0) * 2;
-        const uint16_t* h = dd + ((gi / 8) * w.cols + n0) * 2;
-        for (int64_t j = 0; j < cols; j += 8) {
-          simd::h8 cm;  // 8 columns' (sc, m) byte pairs
-          std::memcpy(&cm, c + 2 * j, 16);
-          const simd::u8 cw = __builtin_convertvector(cm, simd::u8);
-          const simd::u8 hw = simd::loadu(reinterpret_cast<const uint32_t*>(h + 2 * j));  // (d, dmin) half pairs
-          const f8 d = simd::f16x8(hw), dmin = simd::f16x8(hw >> 16);
-          const f8 s = d * simd::to_f(reinterpret_cast<i32x8>(cw & 0xffu));
-          const f8 z = eight * s - dmin * simd::to_f(reinterpret_cast<i32x8>(cw >> 8));
-          simd::store(o + j, s);
-          simd::store(o + kCols + j, z);
-        }
-        std::fill(o + cols, o + kCols, 0.f);
-        std::fill(o + kCols + cols, o + 2 * kCols, 0.f);
-      }
-      return;
-    }
-    alignas(32) float buf[2 * kCols];
+  if constexpr (K == kQ4) {  // the exact kernels' (tiles.h): q4 (scale, zero) pairs, q4k's with codes from 8
+    const Q4 q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.cols, w.k, w.g};
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
-      to_f32(w.sc, w.st, (gi * w.cols + n0) * 2, 2 * cols, buf);
-      if (cols == kCols) {
-        for (int j = 0; j < kCols; j += 8) {
-          const simd::Pair sz = simd::f32_pairs(buf + 2 * j);
-          simd::store(o + j, sz.even);
-          simd::store(o + kCols + j, sz.odd);
-        }
-        continue;
-      }
-      for (int64_t j = 0; j < kCols; ++j) {
-        o[j] = j < cols ? buf[2 * j] : 0.f;
-        o[kCols + j] = j < cols ? buf[2 * j + 1] : 0.f;
-      }
+      if (w.sup)
+        q4k_params(static_cast<const uint8_t*>(w.sc), static_cast<const uint16_t*>(w.sup), w.cols, gi, n0, true, o,
+                   o + kCols);
+      else
+        q4_group_params(q4, gi, n0, o, o + kCols);
     }
   } else if constexpr (K == kQ8Grouped) {  // [N, G]
     std::vector<float> row(groups);
@@ -401,17 +370,6 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
     std::fill(prm, prm + kCols, 0.f);
     to_f32(w.sc, w.st, n0, cols, prm);
   }
-}
-
-// The q4 (scale, zero) / q4k (sc, m) and (d, dmin) rows of the tile at n0: one short run per group, Np * 2 values
-// apart, each on its own page: fetched while the tile before it is computed, they do not stall its start.
-inline void prefetch_q4_params(const Weight& w, int64_t groups, int64_t n0) {
-  const int64_t esz = w.sup ? 1 : (w.st == at::kFloat ? 4 : 2);
-  const char* sc = static_cast<const char*>(w.sc);
-  for (int64_t gi = 0; gi < groups; ++gi) prefetch_span(sc + (gi * w.cols + n0) * 2 * esz, kCols * 2 * esz);
-  if (w.sup)
-    for (int64_t gi = 0; gi < groups / 8; ++gi)
-      prefetch_span(static_cast<const char*>(w.sup) + (gi * w.cols + n0) * 4, kCols * 4);
 }
 
 template <int K>
@@ -438,7 +396,6 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       const bool direct = t <= kDirectRows && (K != kQ4 || cols == kCols);
-      if (K == kQ4 && direct && tile + 1 < e) prefetch_q4_params(w, groups, n0 + kCols);
       if (!q8k_direct) tile_params<K>(w, groups, n0, cols, prm.data());
       std::fill(tot.begin(), tot.end(), 0.f);
       if (direct) {
@@ -578,10 +535,3 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q4_linear_i8(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear_i8);
-  m.def("q8_linear_i8(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear_i8);
-  m.def("q4k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear_i8);
-  m.def("q8k_linear_i8(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear_i8);
-}

@@ -6,34 +6,6 @@
 
 namespace {
 
-// (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes: z for
-// w ~ (q - 8) * s + z (the bf16 path) = 8 s - dmin m, else z = 0 - dmin m for w = q * s + z (the f32 path).
-inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
-                       float* s, float* z) {
-  const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
-  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  prefetch_span(pm + kTile, 2 * kTile);
-  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
-  for (int64_t j = 0; j < kTile; j += 8) {
-    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-      simd::store(s + j, simd::zero());
-      simd::store(z + j, simd::zero());
-      continue;
-    }
-    const simd::u8 halves = simd::loadu(pd + j);
-    simd::h8 m16;
-    std::memcpy(&m16, pm + j, 16);
-    const simd::u8 codes = __builtin_convertvector(m16, simd::u8);
-    const f8 d = simd::f16x8(halves), dmin = simd::f16x8(halves >> 16);
-    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(codes & 0xffu));
-    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(codes >> 8));
-    simd::store(s + j, sv);
-    simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
-  }
-}
-
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   check_q4k(x, qweight, scales, supers);
@@ -136,11 +108,3 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor", &q6k_linear);
-  m.def("q3k_linear(Tensor x, Tensor blocks) -> Tensor", &q3k_linear);
-  m.def("iq4_xs_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_xs_linear);
-  m.def("q4k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q4k_linear);
-  m.def("q8k_linear(Tensor x, Tensor qweight, Tensor scales, Tensor supers) -> Tensor", &q8k_linear);
-}

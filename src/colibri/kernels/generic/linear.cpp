@@ -7,39 +7,13 @@
 
 namespace {
 
-// (scale, zero) of group gi for the 64 columns of the tile at n0, from the stored pairs of w's dtype (0 past the
-// last column).
-inline void q4_params(const Q4& w, int64_t gi, int64_t n0, float* s, float* z) {
-  const int64_t cols = std::min<int64_t>(kTile, w.np - n0), base = (gi * w.np + n0) * 2;
-  const int64_t esz = w.st == at::kFloat ? 4 : 2;
-  prefetch_span(w.sz + (base + 2 * kTile) * esz, 2 * kTile * esz);  // the next tile's, used a tile from now
-  for (int64_t j = 0; j < kTile; j += 8) {
-    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-      simd::store(s + j, simd::zero());
-      simd::store(z + j, simd::zero());
-      continue;
-    }
-    if (w.st == at::kFloat) {
-      const simd::Pair p = simd::f32_pairs(reinterpret_cast<const float*>(w.sz) + base + 2 * j);
-      simd::store(s + j, p.even);
-      simd::store(z + j, p.odd);
-      continue;
-    }
-    // 16-bit dtypes: one 32-bit lane per column holds (scale, zero), widened in place
-    const simd::u8 h = simd::loadu(reinterpret_cast<const uint32_t*>(w.sz) + (base + 2 * j) / 2);
-    const bool bf = w.st == at::kBFloat16;
-    simd::store(s + j, bf ? simd::as_f(h << 16) : simd::f16x8(h));
-    simd::store(z + j, bf ? simd::as_f(h & 0xffff0000u) : simd::f16x8(h >> 16));
-  }
-}
-
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                      int64_t group_size) {
   check_q4(x, qweight, scales_zeros, group_size);
   const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
              scales_zeros.scalar_type(), np, k, g};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) { q4_params(w, gi, n0, s, z); };
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) { q4_group_params(w, gi, n0, s, z); };
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
@@ -50,7 +24,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, np, k, 32};
   auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
-    q4_params(w, gi, n0, s, z);
+    q4_group_params(w, gi, n0, s, z);
     for (int64_t j = 0; j < kTile; j += 8) simd::store(z + j, simd::load(z + j) + simd::set1(8.f) * simd::load(s + j));
   };
   return q4_tiles_linear(x, w, params, params, -8);
@@ -162,12 +136,3 @@ at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
-
-COLIBRI_LIBRARY(m) {
-  m.def("q5_0_linear(Tensor x, Tensor blocks) -> Tensor", &q5_0_linear);
-  m.def("iq4_nl_linear(Tensor x, Tensor blocks) -> Tensor", &iq4_nl_linear);
-  m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales_mins) -> Tensor", &q4_1_linear);
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size) -> Tensor", &q4_linear);
-  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int group_size) -> Tensor", &q8_linear);
-  m.def("dense_linear(Tensor x, Tensor w) -> Tensor", &dense_linear);
-}

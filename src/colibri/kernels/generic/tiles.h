@@ -105,6 +105,61 @@ inline float group_sum(const uint16_t* x, int64_t g) {
   return simd::reduce16(a);
 }
 
+// (scale, zero) of group gi for the 64 columns of the tile at n0, from the stored pairs of w's dtype (0 past the
+// last column).
+inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float* z) {
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0), base = (gi * w.np + n0) * 2;
+  const int64_t esz = w.st == at::kFloat ? 4 : 2;
+  prefetch_span(w.sz + (base + 2 * kTile) * esz, 2 * kTile * esz);  // the next tile's, used a tile from now
+  for (int64_t j = 0; j < kTile; j += 8) {
+    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+      simd::store(s + j, simd::zero());
+      simd::store(z + j, simd::zero());
+      continue;
+    }
+    if (w.st == at::kFloat) {
+      const simd::Pair p = simd::f32_pairs(reinterpret_cast<const float*>(w.sz) + base + 2 * j);
+      simd::store(s + j, p.even);
+      simd::store(z + j, p.odd);
+      continue;
+    }
+    // 16-bit dtypes: one 32-bit lane per column holds (scale, zero), widened in place
+    const simd::u8 h = simd::loadu(reinterpret_cast<const uint32_t*>(w.sz) + (base + 2 * j) / 2);
+    const bool bf = w.st == at::kBFloat16;
+    simd::store(s + j, bf ? simd::as_f(h << 16) : simd::f16x8(h));
+    simd::store(z + j, bf ? simd::as_f(h & 0xffff0000u) : simd::f16x8(h >> 16));
+  }
+}
+
+// q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
+// z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
+// w = q * s + z (the f32 path).
+inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
+                       float* s, float* z) {
+  const int64_t cols = std::min<int64_t>(kTile, np - n0);
+  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
+  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
+  prefetch_span(pm + kTile, 2 * kTile);
+  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
+  for (int64_t j = 0; j < kTile; j += 8) {
+    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+      simd::store(s + j, simd::zero());
+      simd::store(z + j, simd::zero());
+      continue;
+    }
+    const simd::u8 halves = simd::loadu(pd + j);
+    simd::h8 m16;
+    std::memcpy(&m16, pm + j, 16);
+    const simd::u8 codes = __builtin_convertvector(m16, simd::u8);
+    const f8 d = simd::f16x8(halves), dmin = simd::f16x8(halves >> 16);
+    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(codes & 0xffu));
+    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(codes >> 8));
+    simd::store(s + j, sv);
+    simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
+  }
+}
+
 // The code q (0..15) of column j, row k, of the tile at n0 (full tiles: 32 bytes a row, byte j holding columns j
 // and j + 32; the tail tile: cols / 2 bytes a row, column pairs in a byte).
 inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {

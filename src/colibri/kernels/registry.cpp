@@ -1,0 +1,29 @@
+// Every op a native tier registers, with its schema: one list for all tiers (each tier's sources define a
+// function of every op's name; this file, the last of each tier's translation unit, registers them under the
+// tier's namespace) and for Python (colibri/kernels/build.py reads the names from here: a library that lacks
+// one failed its build). X(name, "arguments"): every op returns one Tensor.
+
+#define COLIBRI_OPS(X)                                                                                            \
+  X(dense_linear, "Tensor x, Tensor w")                                                                           \
+  X(q4_linear, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                   \
+  X(q4_1_linear, "Tensor x, Tensor qweight, Tensor scales_mins")                                                  \
+  X(q8_linear, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                         \
+  X(q4k_linear, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                         \
+  X(q8k_linear, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                         \
+  X(q6k_linear, "Tensor x, Tensor blocks")                                                                        \
+  X(q3k_linear, "Tensor x, Tensor blocks")                                                                        \
+  X(iq4_xs_linear, "Tensor x, Tensor blocks")                                                                     \
+  X(q5_0_linear, "Tensor x, Tensor blocks")                                                                       \
+  X(iq4_nl_linear, "Tensor x, Tensor blocks")                                                                     \
+  X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \
+  X(pointwise, "Tensor x, str fn, int piece")                                                                     \
+  X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \
+  X(q8_linear_i8, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                      \
+  X(q4k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
+  X(q8k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")
+
+#include "library.h"
+
+#define COLIBRI_DEF(name, args) m.def(#name "(" args ") -> Tensor", &name);
+COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
+#undef COLIBRI_DEF
