@@ -10,6 +10,11 @@ engine, on the same cores). Optionally saves a screenshot of the dashboard under
 there is no rate to take: use it with `--rounds 0`, which only takes the screenshot). docs/img/dashboard.png is SmolLM2-135M at 120M, dashboard-moe.png the Mixtral-8x7B shape cut to 4
 layers (benchmarks/synth.py --shape mixtral-8x7b --layers 4) at 1200M.
 
+`--paired sse|browser` measures differently: `clients` long streams (EOS ignored, `--tokens` each) decode while the
+dashboard is switched on and off every `--window` seconds (an SSE reader, or the page in headless Chromium
+navigated to it and away); each "on" window's tok/s is set against the mean of the "off" windows beside it, so
+slow drift in the machine's load cancels; prints the median of those ratios as the drop, in %.
+
 Each round runs the conditions in turn, starting one further along each round (none, sse, browser; sse,
 browser, none; ...), so drift on a shared machine and what earlier requests leave behind (the prefix cache, the
 n-gram drafts) spread over all of them; per condition the decode rate is the median over rounds of `clients` concurrent greedy completions of
@@ -85,6 +90,60 @@ class SSEWatcher:
         self.thread.join(timeout=5)
 
 
+def paired(url: str, a, browser) -> dict:
+    """Decode while the dashboard is switched on and off every a.window seconds; the drop per on-window against
+    the mean of its neighbouring off-windows (see the module docstring)."""
+    arrivals: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        body = {"model": "m", "prompt": prompt(i), "max_tokens": a.tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    with lock:
+                        arrivals.append(time.perf_counter())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(a.clients)]
+    for t in threads:
+        t.start()
+    page = browser.new_page(viewport={"width": 1280, "height": 900}) if a.paired == "browser" else None
+    time.sleep(3)  # every stream past its prefill
+    windows: list[tuple[bool, float, float]] = []  # (dashboard on, start, end)
+    on = False
+    while any(t.is_alive() for t in threads):
+        watcher = None
+        if on and page is not None:
+            page.goto(url + "/")
+        elif on:
+            watcher = SSEWatcher(url)
+        start = time.perf_counter()
+        time.sleep(a.window)
+        windows.append((on, start, time.perf_counter()))
+        if watcher is not None:
+            watcher.close()
+        if on and page is not None:
+            page.goto("about:blank")
+        on = not on
+    rates = []
+    for w0, w1 in [(w[1], w[2]) for w in windows]:
+        n = sum(1 for t in arrivals if w0 <= t < w1)
+        rates.append(n / (w1 - w0))
+    for t in threads:
+        t.join()
+    end = sorted(arrivals)[-1] if arrivals else 0
+    # only windows while every stream decoded (the streams end one by one in the last window or so)
+    full = [i for i, w in enumerate(windows) if w[2] <= end - a.window]
+    ratios = [rates[i] / ((rates[i - 1] + rates[i + 1]) / 2) for i in full
+              if windows[i][0] and 0 < i < len(windows) - 1 and i + 1 in full and rates[i - 1] + rates[i + 1] > 0]
+    if page is not None:
+        page.close()
+    return {"mode": a.paired, "window_s": a.window, "windows": len(full), "pairs": len(ratios),
+            "drop_pct_median": round(100 * (1 - statistics.median(ratios)), 2) if ratios else None,
+            "ratios": [round(r, 4) for r in ratios]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -96,6 +155,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--screenshot", help="save a screenshot of the dashboard under load here (needs chromium)")
     ap.add_argument("--ids", action="store_true", help="token-id prompts (a container without a tokenizer)")
+    ap.add_argument("--paired", choices=["sse", "browser"], help="switch the dashboard on and off during long streams")
+    ap.add_argument("--window", type=float, default=2.0, help="--paired: seconds per on or off window")
     a = ap.parse_args()
     url = f"http://127.0.0.1:{a.port}"
     # no speculation: its n-gram drafts learn the repeated prompts, so later runs would decode faster whatever
@@ -118,6 +179,14 @@ def main() -> int:
                 pass
             time.sleep(0.2)
         decode_rate(url, a.clients, 8, a.ids)  # warm-up
+        if a.paired:
+            if a.paired == "browser":
+                from playwright.sync_api import sync_playwright
+                pw = sync_playwright().start()
+                browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+            print(json.dumps({"model": a.model, "memory_limit": a.memory_limit, "clients": a.clients,
+                              "tokens": a.tokens, "threads": a.threads, **paired(url, a, browser)}))
+            return 0
         conditions = ["none", "sse"]
         if chromium:
             from playwright.sync_api import sync_playwright
