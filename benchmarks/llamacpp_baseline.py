@@ -89,7 +89,8 @@ def model(work: Path) -> Path:
     return out
 
 
-def build(work: Path, version: str, names: list[str]) -> None:
+def llama_source(work: Path, version: str) -> Path:
+    """llama.cpp's source tree as the llama-cpp-python sdist vendors it (downloaded and unpacked under WORKDIR/src)."""
     src = work / "src"
     sdist = src / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
@@ -99,7 +100,11 @@ def build(work: Path, version: str, names: list[str]) -> None:
     if not tree.exists():
         with tarfile.open(sdist) as t:
             t.extractall(src)
-    llama = tree / "vendor" / "llama.cpp"
+    return tree / "vendor" / "llama.cpp"
+
+
+def build(work: Path, version: str, names: list[str]) -> None:
+    llama = llama_source(work, version)
     for name in names:
         flags, b = BUILDS[name], work / name
         sh(NICE + ["cmake", "-S", str(llama), "-B", str(b)] + COMMON + flags)

@@ -101,8 +101,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "repeats": (dict(type=int, default=3, help="measurements of each candidate setting (default 3)"), None),
     "dir": (dict(help="directory whose filesystem the disk checks test (default: the model's, else Colibri's cache"
                       " directory, where KV swap files go)"), None),
-    "input": (dict(required=True, help="HF model directory or .gguf file to convert"), None),
-    "output": (dict(required=True, help="container directory to create"), None),
+    "input": (dict(required=True, help="HF model directory or .gguf file to convert (or a container, to export it"
+                                       " with --output NAME.gguf)"), None),
+    "output": (dict(required=True, help="container directory to create, or a NAME.gguf file: the --input container"
+                                        " written back as a GGUF that llama.cpp loads (docs/format.md, \"Export to"
+                                        " GGUF\")"), None),
     "quant": (dict(default="q4", help="q4 (alias q4_k_m), q8 (alias q8_0), bf16, f16 or f32 (default q4)"), None),
     "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
@@ -241,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         " container is verified, not copied"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
-    conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container")
+    conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container, or a"
+                                          " container into a GGUF (--output NAME.gguf)")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
         "bits_per_weight", "mix", "requantize", "force", "debug")
     ver = sub.add_parser("verify", help="recompute every checksum of a container")
@@ -538,14 +542,15 @@ def cmd_convert(args) -> int:
     from tqdm import tqdm
 
     from colibri.convert.pipeline import ConvertOptions, convert, progress_lines
-    opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
-                          calibration=args.calibration, bits_per_weight=args.bits_per_weight,
-                          calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
+    export = args.output.lower().endswith(".gguf")  # a container written back as a GGUF
+    if not export:
+        opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
+                              calibration=args.calibration, bits_per_weight=args.bits_per_weight,
+                              calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
+    bars: dict[str, tqdm] = {}
     if not sys.stderr.isatty():  # a log file or a pipe: whole lines
-        report = convert(args.input, args.output, opts, force=args.force, progress=progress_lines(args.input))
+        progress = progress_lines(args.input)
     else:
-        bars: dict[str, tqdm] = {}
-
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in bars:
                 for b in bars.values():
@@ -557,11 +562,17 @@ def cmd_convert(args) -> int:
             bar.total = total or None
             bar.update(done - bar.n)
 
-        try:
-            report = convert(args.input, args.output, opts, force=args.force, progress=progress)
-        finally:
-            for b in bars.values():
-                b.close()
+    try:
+        if export:
+            from colibri.convert.export import export_gguf
+            done = export_gguf(args.input, args.output, force=args.force, progress=progress)
+            print(f"wrote {done.output} ({done.bytes_written / 2**20:.1f} MiB of tensors) in {done.seconds:.1f} s",
+                  file=sys.stderr)
+            return 0
+        report = convert(args.input, args.output, opts, force=args.force, progress=progress)
+    finally:
+        for b in bars.values():
+            b.close()
     resumed = f", resumed {report.resumed_pages} pages" if report.resumed_pages else ""
     print(f"wrote {report.output} ({report.total_bytes / 2**20:.1f} MiB) in {report.seconds:.1f} s{resumed}",
           file=sys.stderr)

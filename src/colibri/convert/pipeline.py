@@ -183,8 +183,13 @@ def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
 
 
 def tokenizer_files(ckpt, out: Path) -> dict:
-    """Write tokenizer.json and chat_template.jinja beside the manifest; return the manifest's tokenizer entry."""
+    """Write tokenizer.json and chat_template.jinja beside the manifest (and a GGUF source's metadata: what an
+    export to GGUF writes back); return the manifest's tokenizer entry."""
     entry = {"file": None, "chat_template_file": None, "special": ckpt.special}
+    if ckpt.format == "gguf":
+        ckpt.write_metadata(out / container.GGUF_METADATA)
+        data = (out / container.GGUF_METADATA).read_bytes()
+        entry.update(gguf_metadata_file=container.GGUF_METADATA, gguf_metadata_checksum=checksum_str(crc32(data)))
     if getattr(ckpt, "tokenizer", None) is not None:
         data = ckpt.tokenizer.to_str().encode("utf-8")
         (out / "tokenizer.json").write_bytes(data)
@@ -214,7 +219,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     if isinstance(ckpt, ContainerCheckpoint):
         ckpt.close()
         raise InputError(f"{src} is already a Colibri container; convert from the HF directory or GGUF file it was "
-                         "made from")
+                         "made from (or give --output NAME.gguf to write it back as a GGUF)")
     shapes = decoder.weight_shapes()
     check_tensors(ckpt, shapes, src)
     gguf = ckpt.format == "gguf"

@@ -31,6 +31,9 @@ READS = (1, 2, 3)
 ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
+# A container converted from a GGUF keeps the file's metadata (every key-value, no tensors) beside the manifest:
+# what `colibri convert --output model.gguf` writes back. Optional: older containers have none.
+GGUF_METADATA = "gguf_metadata.gguf"
 FLOAT_KINDS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 QUANT_KINDS = quant.QUANT_KINDS_ALL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
@@ -359,7 +362,8 @@ def check_manifest(m: dict, mf: Path) -> None:
     files = entries("files", _FILE_KEYS)
     tok = m.get("tokenizer") or {}
     names = [(f"files[{i}].name", f["name"]) for i, f in enumerate(files)]
-    names += [(f"tokenizer.{k}", tok[k]) for k in ("file", "chat_template_file") if isinstance(tok, dict) and tok.get(k)]
+    names += [(f"tokenizer.{k}", tok[k]) for k in ("file", "chat_template_file", "gguf_metadata_file")
+              if isinstance(tok, dict) and tok.get(k)]
     for where, name in names:  # confined to the container's directory (a symlink inside it may point anywhere)
         p = PurePosixPath(name) if isinstance(name, str) else None
         if p is None or not name or p.is_absolute() or ".." in p.parts or "\\" in name:
@@ -477,6 +481,19 @@ class ContainerCheckpoint:
         if checksum is not None and checksum_str(crc32(data)) != checksum:
             raise ModelLoadError(f"{path}: fails its checksum (the file was changed or damaged); reconvert the model")
         return data
+
+    def gguf_metadata(self) -> Path | None:
+        """The source GGUF's metadata file, its checksum checked; None for a container converted from HF weights or
+        by a Colibri that did not keep it."""
+        tok = self.manifest.get("tokenizer") or {}
+        name = tok.get("gguf_metadata_file")
+        if not name:
+            return None
+        try:
+            self._side_file(name, tok.get("gguf_metadata_checksum"), required=True)
+        except OSError as e:
+            raise self._side_file_error(e) from None
+        return self.path / name
 
     @property
     def quantized(self) -> bool:

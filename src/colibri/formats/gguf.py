@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 from colibri.core.errors import ModelLoadError, UnsupportedModelError
@@ -78,6 +78,11 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _MIXTRAL_LAYER_NAMES = _LAYER_NAMES | {"ffn_gate_inp": "block_sparse_moe.gate"}
+def _layer_names(model_type: str) -> dict[str, str]:
+    """`blk.{i}.<key>` -> `model.layers.{i}.<value>` for a model_type."""
+    return {"gemma3_text": _GEMMA3_LAYER_NAMES, "mixtral": _MIXTRAL_LAYER_NAMES}.get(model_type, _LAYER_NAMES)
+
+
 _EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _MIXTRAL_EXPERT_PROJ = {"gate": "w1", "down": "w2", "up": "w3"}
 # llama.cpp-only tensors with no HF counterpart that change the math: refuse rather than drop.
@@ -107,7 +112,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
+        self._reader = open_reader(self.path)
         self.metadata: dict[str, Any] = {k: _field_value(f) for k, f in self._reader.fields.items()}
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.arch: str = self.metadata.get("general.architecture", "")
@@ -216,6 +221,16 @@ class GGUFCheckpoint:
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(t.data_offset + t.n_bytes, len(mm))
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def write_metadata(self, path: Path) -> None:
+        """Every key-value of the file (architecture, hyperparameters, tokenizer, chat template), with its own GGUF
+        type, into a GGUF at `path` holding no tensors: what an export needs to write a file llama.cpp loads."""
+        w = GGUFWriter(path, self.arch)
+        copy_metadata(self._reader, w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
 
     def close(self) -> None:
         """Drop the memory map (released once no loaded view refers to it)."""
@@ -359,7 +374,7 @@ class GGUFCheckpoint:
     def _map_tensors(self) -> dict[str, _Source]:
         cfg = self.config
         mt = cfg["model_type"]
-        layer_names = {"gemma3_text": _GEMMA3_LAYER_NAMES, "mixtral": _MIXTRAL_LAYER_NAMES}.get(mt, _LAYER_NAMES)
+        layer_names = _layer_names(mt)
         gemma = mt == "gemma3_text"
         out: dict[str, _Source] = {}
         for gname, t in self._tensors.items():
@@ -425,7 +440,8 @@ class _Reader(GGUFReader):
         self._array = v.view(np.ndarray)
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def open_reader(path: Path) -> GGUFReader:
+    """A reader of the GGUF at `path` (metadata parsed, tensors mapped), or ModelLoadError naming what is wrong."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file; check the path")
     with open(path, "rb") as f:
@@ -480,6 +496,67 @@ def _field_value(field) -> Any:
     if types[0] == GGUFValueType.BOOL:
         return bool(part[0])
     return part[0].item()
+
+
+# Keys a GGUFWriter writes itself: the architecture, and the data alignment it pads the file to.
+_WRITER_KEYS = ("general.architecture", "general.alignment")
+
+
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+    """Add every key-value of `reader`'s file to `writer`, each with its own GGUF type (not the header's virtual
+    `GGUF.*` fields, nor the keys the writer writes itself)."""
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in _WRITER_KEYS:
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
+
+
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def gguf_tensor_name(name: str, model_type: str) -> tuple[str, int | None]:
+    """Where HF tensor `name` of a `model_type` model goes in a GGUF (the inverse of the names `load` reads): the
+    GGUF tensor's name, and for an expert's projection its index in the fused `[n_expert, out, in]` tensor."""
+    for gguf_base, hf in _GLOBAL_NAMES.items():
+        if name.startswith(hf + "."):
+            return gguf_base + name[len(hf):], None
+    if (m := _HF_EXPERT.fullmatch(name)) is not None:
+        proj = _MIXTRAL_EXPERT_PROJ if model_type == "mixtral" else _EXPERT_PROJ
+        kind = next((k for k, v in proj.items() if v == m.group(3)), None)
+        if kind is not None:
+            return f"blk.{m.group(1)}.ffn_{kind}_exps.weight", int(m.group(2))
+    layer_names = _layer_names(model_type)
+    m = _HF_LAYER.fullmatch(name)
+    kind = next((k for k, v in layer_names.items() if m and v == m.group(2)), None)
+    if kind is None:
+        raise UnsupportedModelError(f"tensor {name!r} has no GGUF name in a {model_type} model")
+    return f"blk.{m.group(1)}.{kind}.{m.group(3)}", None
+
+
+def gguf_tensor_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The GGUF shape (numpy order) of a tensor whose HF shape is `shape` (a shared-expert gate is 1-D there)."""
+    return shape[1:] if re.search(r"\.ffn_gate_inp_shexp\.", gguf_name) else shape
+
+
+def rope_permuted_heads(name: str, config: dict[str, Any]) -> int | None:
+    """For the q/k projections (and biases) of a llama-arch model: the head count whose rows llama.cpp stores
+    permuted (see _unpermute_rows); else None."""
+    if config.get("model_type") not in ("llama", "mixtral"):  # GGUF architecture "llama"
+        return None
+    if ".self_attn.q_proj." in name:
+        return config["num_attention_heads"]
+    if ".self_attn.k_proj." in name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (the inverse of _unpermute_rows): HF's rotary halves interleaved per head."""
+    half = w.shape[0] // heads // 2
+    return np.ascontiguousarray(w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 def _hf_shape(t, expert: int | None) -> tuple[int, ...]:

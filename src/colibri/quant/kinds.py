@@ -996,3 +996,99 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight}[name]
         return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")
+
+
+# ---- back to GGUF blocks --------------------------------------------------------------------------------------
+#
+# The inverse of from_gguf: each kind kept from a GGUF gives back the file's blocks, byte for byte (rows in HF
+# order, [N, K / block values * block bytes]); `colibri convert --output model.gguf` writes them.
+
+def stored_kind(name: str, group_size: int | None, scale_dtype: torch.dtype | None) -> QuantKind:
+    """The QuantKind of a stored weight from what a manifest records: its kind, group size and (q4, q8) the dtype of
+    its scales part."""
+    if name in ("q4", "q8"):
+        return QuantKind(name, group_size or 0, scale_dtype)
+    return _kind(name, group_size)
+
+
+def gguf_type(kind: QuantKind) -> str | None:
+    """The GGUF type `to_gguf` writes a weight of `kind` as: the type it was imported from, Q6_K for q8k (Q6_K with
+    its codes widened), Q8_0 for q8 per channel or in groups of a multiple of 32 (exact where its scales fit f16);
+    None where no GGUF type holds it (Colibri's own q4: a bf16 scale and zero per group)."""
+    t = next((t for t, k in {**GGUF_EXACT, **GGUF_K_EXACT}.items() if k == kind), None)
+    if t is not None:
+        return t
+    if kind.name == "q8k":
+        return "Q6_K"
+    if kind.name == "q8" and (kind.group_size == 0 or kind.group_size % 32 == 0):
+        return "Q8_0"
+    return None
+
+
+def to_gguf(w: _QuantWeight) -> np.ndarray:
+    """The GGUF blocks (uint8 [N, row bytes], rows in HF order) of type `gguf_type(w.kind)` holding exactly `w`'s
+    values. Kinds imported from a GGUF give back the imported bytes: to_gguf(from_gguf(raw, t, shape)) == raw.
+    ValueError where that type cannot hold them exactly (q8 scales below f16's range)."""
+    n, k = w.shape
+    t = gguf_type(w.kind)
+    b = w.buffers()
+    if isinstance(w, _BlocksWeight):  # the file's blocks as they are
+        return b["qweight"].numpy()
+    if t == "Q4_K":
+        return _q4k_blocks(b, n, k)
+    if t == "Q6_K":
+        return _q6k_blocks(b, n, k)
+    if t == "Q4_0" and not b["scales_zeros"][..., 1].view(torch.int16).any():  # Q4_0: d, and a zero of +0.0
+        return _g32_nibble_blocks(b["qweight"], b["scales_zeros"][..., :1], n, k)
+    if t == "Q4_1":
+        return _g32_nibble_blocks(b["qweight"], b["scales_mins"], n, k)
+    if t == "Q8_0":
+        s = b["scales"].view(n, -1)
+        d = s.to(torch.float16)
+        if not torch.equal(d.to(s.dtype), s):
+            raise ValueError("to_gguf: a q8 scale is outside f16's range (Q8_0 stores d in f16)")
+        d = d.repeat_interleave(k // 32 // d.shape[1], dim=1)  # [N, K/32]: one d per 32-value block
+        codes = b["qweight"].view(n, k // 32, 32).view(torch.uint8)
+        return torch.cat([d.unsqueeze(-1).view(torch.uint8), codes], dim=-1).reshape(n, -1).numpy()
+    raise ValueError(f"to_gguf: no GGUF type holds a {w.kind.name} weight (group {w.group_size}, "
+                     f"{w.kind.scale_dtype} scales) exactly")
+
+
+def _g32_nibble_blocks(qweight: torch.Tensor, params: torch.Tensor, n: int, k: int) -> np.ndarray:
+    """Q4_0 / Q4_1 blocks from q4 tiles and f16 params [K/32, Np, 1 or 2] ((d) or (d, m)): per 32 values the
+    params, then byte j = q[j] | q[j + 16] << 4."""
+    q = (_unpack_q4(qweight)[:n] + 8).view(torch.uint8).view(n, k // 32, 2, 16)
+    nib = q[:, :, 0] | (q[:, :, 1] << 4)  # [N, K/32, 16]
+    p = params[:, :n].transpose(0, 1).contiguous().view(torch.uint8)  # [N, K/32, 2 or 4] bytes
+    return torch.cat([p, nib], dim=-1).reshape(n, -1).numpy()
+
+
+def _q4k_blocks(b: dict[str, torch.Tensor], n: int, k: int) -> np.ndarray:
+    """Q4_K blocks from q4k's buffers: d, dmin; the 12-byte packing of the 8 + 8 6-bit (sc, m) codes; the codes,
+    value 64 j + i in byte 32 j + i's low nibble (i < 32) or byte 32 j + i - 32's high nibble."""
+    nb = k // SUPER
+    out = np.empty((n, nb, 144), dtype=np.uint8)
+    out[..., 0:4] = b["supers"][:, :n].transpose(0, 1).contiguous().view(torch.uint8).numpy()  # [N, nb, 4]
+    sm = b["scales"][:, :n].transpose(0, 1).reshape(n, nb, 8, 2).numpy()
+    sc, mn = sm[..., 0], sm[..., 1]  # [N, nb, 8]
+    out[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[..., 8:12] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    out[..., 12:16] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    q = (_unpack_q4(b["qweight"])[:n] + 8).view(torch.uint8).numpy().reshape(n, nb, 4, 2, 32)
+    out[..., 16:] = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, nb, 128)
+    return out.reshape(n, -1)
+
+
+def _q6k_blocks(b: dict[str, torch.Tensor], n: int, k: int) -> np.ndarray:
+    """Q6_K blocks from q8k's widened codes (the inverse of Q6KWeight._codes: value 128 h + 32 j + l has its low 4
+    bits in ql byte 64 h + 32 (j % 2) + l, nibble j // 2, and its high 2 in qh byte 32 h + l, bits 2 j)."""
+    nb = k // SUPER
+    q = (b["qweight"].view(n, nb, 2, 4, 32) + 32).view(torch.uint8).numpy()  # [N, nb, half, j, l]
+    lo, hi = q & 0x0F, q >> 4
+    out = np.empty((n, nb, Q6K_BLOCK), dtype=np.uint8)
+    out[..., 0:128] = (lo[:, :, :, 0:2] | (lo[:, :, :, 2:4] << 4)).reshape(n, nb, 128)
+    out[..., 128:192] = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4)
+                         | (hi[:, :, :, 3] << 6)).reshape(n, nb, 64)
+    out[..., 192:208] = b["scales"].view(n, nb, 16).view(torch.uint8).numpy()
+    out[..., 208:210] = b["supers"].view(n, nb, 1).view(torch.uint8).numpy()
+    return out.reshape(n, -1)
