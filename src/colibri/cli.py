@@ -1,5 +1,5 @@
-"""The `colibri` command: run, chat, serve, batch, stage, info, convert, verify, plan, bench, swap, kernels. Each option
-is defined once, in OPTIONS."""
+"""The `colibri` command: run, chat, serve, batch, stage, info, convert, verify, plan, bench, swap, kernels, doctor,
+tune. Each option is defined once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -113,6 +113,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
     "build": (dict(action="store_true", help="build (or load) the kernels COLIBRI_KERNELS picks and report the"
                                              " time"), None),
+    "plot": (dict(help="also draw a picture into this file (.png, .svg, .pdf; needs matplotlib: pip install"
+                       " 'colibri[plots]')"), None),
+    "repeats": (dict(type=int, default=3, help="measurements of each candidate setting (default 3)"), None),
+    "dir": (dict(help="directory whose filesystem the disk checks test (default: the model's, else Colibri's cache"
+                      " directory, where KV swap files go)"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert (or a container, to export it"
                                        " with --output NAME.gguf)"), None),
     "output": (dict(required=True, help="container directory to create, or a NAME.gguf file: the --input container"
@@ -164,7 +169,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "threads": (1, None), "io_threads": (1, 64), "prefetch_depth": (0, None), "ctx_length": (1, None),
     "batch_size": (1, None), "max_sequences": (1, 4096), "max_tokens": (0, None), "temperature": (0, None),
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
-    "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "probe_seconds": (0, 3600), "group_size": (1, None),
+    "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "repeats": (1, 20), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
     "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
     "target_sparsity": (0, 0.95), "max_ppl_increase": (0, 1000),
@@ -273,9 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("dir", nargs="?", metavar="DIR", help="container directory (as --model; DIR wins over it)")
     add(ver, "model", "debug", model=dict(help="container directory (default: the embedded model's container)"))
     pl = sub.add_parser("plan", help="placement, bytes read per token and predicted decode speed, without loading")
-    add(pl, *COMMON, "probe_seconds", "json", json=JSON_REPORT)
+    add(pl, *COMMON, "probe_seconds", "json", "plot", json=JSON_REPORT,
+        plot=dict(help="also draw the placement (page bytes per layer: pinned, streamed, read by rows) into this file"
+                       " (.png, .svg, .pdf; needs matplotlib: pip install 'colibri[plots]')"))
     be = sub.add_parser("bench", help="decode benchmark from a cold start, measured against the plan's prediction")
-    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "sparse_ffn", "json", json=JSON_REPORT,
+    add(be, *COMMON, "tokens", "prompt", "probe_seconds", "sparse_ffn", "json", "plot", json=JSON_REPORT,
+        plot=dict(help="also draw the per-layer timeline of the first passes (each scope's wait for reads and its"
+                       " compute, the bytes read on demand) into this file (.png, .svg, .pdf; needs matplotlib: pip"
+                       " install 'colibri[plots]')"),
         prompt=dict(required=False, help="prompt text, sent without the chat template (default: a fixed sentence)"))
     sw = sub.add_parser("swap", help="manage KV swap files")
     swsub = sw.add_subparsers(dest="swap_command", required=True)
@@ -284,6 +294,20 @@ def build_parser() -> argparse.ArgumentParser:
     kern = sub.add_parser("kernels", help="the native kernel tiers: which this CPU runs, which are built, which one"
                                           " is used and why (COLIBRI_KERNELS)")
     add(kern, "build", "json", "debug", json=dict(help="print one JSON object instead of the listing"))
+    tun = sub.add_parser("tune", help="measure settings (io threads, prefetch depth, threads) under a memory limit"
+                                      " and keep a profile beside the container only when one wins by 3 %%")
+    add(tun, "model", "memory_limit", "tokens", "repeats", "json", "debug",
+        model=dict(required=True, help="Colibri container to tune (the profile is written into it)"),
+        memory_limit=dict(required=True, help="the memory limit the profile is for, e.g. 400M (run, chat, serve"
+                                              " and batch use the profile at exactly this limit)"),
+        tokens=dict(help="tokens each measurement decodes, EOS ignored (default 32)"),
+        json=dict(help="print the report as one JSON object"))
+    doc = sub.add_parser("doctor", help="check this machine for streaming a model: O_DIRECT, disk speed, huge pages,"
+                                        " memory, CPU, kernels, swap room, the container; each with what to do")
+    add(doc, "model", "dir", "probe_seconds", "json", "debug",
+        model=dict(help="model whose filesystem, read speed, size and container to check (default: none; those"
+                        " checks are skipped)"),
+        json=dict(help="print one JSON object instead of the listing"))
     return p
 
 
@@ -303,7 +327,27 @@ def engine_config(args, resolve: bool = True) -> config.EngineConfig:
     """The EngineConfig of a subcommand's options, the model path resolved (`resolve=False`: as given, None for
     the embedded default, which each node of a cluster resolves to its own copy)."""
     cfg = config.EngineConfig.from_args(args)
-    return cfg.replace(model=model_path(args)) if resolve else cfg
+    return tuned(args, cfg.replace(model=model_path(args))) if resolve else cfg
+
+
+def tuned(args, cfg: config.EngineConfig) -> config.EngineConfig:
+    """`cfg` with the settings of a `colibri tune` profile beside its container for this memory limit, where no
+    option sets them (said on stderr). Not for a cluster's nodes: a profile is measured on one machine."""
+    from colibri.perf.tune import PROFILE, profile_for
+    profile = profile_for(cfg.model, cfg.memory_limit) if os.path.isdir(cfg.model) else None
+    if profile is None:
+        return cfg
+    given = {"threads": getattr(args, "threads", None) is not None,
+             "prefetch_depth": getattr(args, "prefetch_depth", None) is not None,
+             # an explicit --io-threads equal to the default cannot be told from none
+             "io_threads": getattr(args, "io_threads", config.DEFAULT_IO_THREADS) != config.DEFAULT_IO_THREADS}
+    taken = {k: v for k, v in profile["settings"].items() if not given[k]}
+    if taken:
+        print(f"colibri: tuned profile {os.path.join(cfg.model, PROFILE)}: "
+              + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
+              + f" ({profile['gain_pct']:+.1f} % decode tok/s measured by colibri tune; an option given overrides"
+                " it)", file=sys.stderr)
+    return cfg.replace(**taken)
 
 
 def load_model(args):
@@ -494,6 +538,25 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from colibri.perf import tune
+    from colibri.perf.runner import is_container
+    from pathlib import Path
+    if not is_container(Path(args.model)):
+        raise InputError(f"--model {args.model}: tune measures a Colibri container; convert the model first")
+    report = tune.tune(args.model, args.memory_limit, tokens=args.tokens, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from colibri.perf import doctor
+    checks = doctor.diagnose(args.model, args.dir, probe_seconds=args.probe_seconds)
+    print(json.dumps(doctor.as_json(checks)) if args.json else doctor.format_checks(checks))
+    return 1 if any(c.status == doctor.FAIL for c in checks) else 0
+
+
 def cmd_info(args) -> int:
     from colibri.runtime.model import describe
     for key, value in describe(model_path(args, engine=False)).items():
@@ -602,14 +665,27 @@ def cmd_plan(args) -> int:
         torch.set_num_threads(args.threads)
     report = runner.predict(model_path(args), **streaming_options(args))
     print(json.dumps(report.as_dict()) if args.json else runner.format_plan(report))
+    if args.plot:
+        from colibri.perf import plots
+        if report.layout is None:
+            raise InputError("--plot draws a container's placement; this model is not one (colibri convert it)")
+        print(f"wrote {plots.placement_plot(report.layout, args.plot)}", file=sys.stderr)
     return 0
 
 
 def cmd_bench(args) -> int:
     from colibri.perf import runner
+    if args.plot:
+        from colibri.perf import plots
+        plots.pyplot()  # no matplotlib: say so before the run, not after it
     report = runner.run_bench(model_path(args), tokens=args.tokens, prompt=args.prompt, threads=args.threads,
-                              sparse_ffn=args.sparse_ffn, **streaming_options(args))
+                              sparse_ffn=args.sparse_ffn, timeline_passes=VERBOSE_PASSES if args.plot else 0,
+                              **streaming_options(args))
     print(json.dumps(report.as_dict()) if args.json else runner.format_bench(report))
+    if args.plot:
+        title = f"{os.path.basename(report.model)}: first {VERBOSE_PASSES} passes under --memory-limit" \
+                f" {(report.memory_limit_bytes or 0) / 2**20:.0f} MiB"
+        print(f"wrote {plots.timeline_plot(report.timeline, args.plot, title)}", file=sys.stderr)
     return 0
 
 
@@ -677,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
                "info": cmd_info, "convert": cmd_convert, "calibrate": cmd_calibrate,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
-               "kernels": cmd_kernels}[args.command]
+               "kernels": cmd_kernels, "doctor": cmd_doctor, "tune": cmd_tune}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
         else None

@@ -147,6 +147,7 @@ class BenchReport:
     generation: dict  # the run's GenerationMetrics
     plan: Plan
     sparse_ffn: dict | None = None  # --sparse-ffn (LOSSY): FFN sparsity and bytes per token, prefill included
+    timeline: list[dict] | None = None  # the store's per-scope records of the first `timeline_passes` passes
 
     def as_dict(self) -> dict:
         """The JSON report (`colibri bench --json`)."""
@@ -183,10 +184,11 @@ def drop_page_cache(files: list[Path]) -> int:
 def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str = "", dtype=None,
               threads: int | None = None, io_threads: int = 2, prefetch_depth: int | None = None,
               ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH,
-              probe_seconds: float = 1.0, sparse_ffn: str | None = None) -> BenchReport:
+              probe_seconds: float = 1.0, sparse_ffn: str | None = None, timeline_passes: int = 0) -> BenchReport:
     """Cold-start decode benchmark: drop the model's files from the page cache, load under the limit, generate
     `tokens` tokens greedily (EOS ignored), and set the decode phase's measured speed and I/O beside the plan's
-    prediction. The probes run after the model is closed, so they neither warm its pages nor count in its RSS."""
+    prediction. The probes run after the model is closed, so they neither warm its pages nor count in its RSS.
+    `timeline_passes`: keep the streaming store's per-scope timeline of that many first passes (`timeline`)."""
     from colibri.runtime.model import load
 
     path = Path(path)
@@ -203,6 +205,8 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
              ctx_length=ctx_length, batch_size=batch_size, sparse_ffn=sparse_ffn)
     load_s = time.perf_counter() - t0
     m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
+    if m.store.timeline is not None:
+        m.store.timeline_passes = timeline_passes
     try:
         ids = m.prompt_ids(prompt or (PROMPT if m.tokenizer else PROMPT_IDS))
         c0 = m.store.counters() or None  # None: all in RAM, nothing read
@@ -217,6 +221,7 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
         same = lay is None or placed is None or lay.placement.pinned == placed.pinned
         baseline = m.baseline_rss_bytes
         sparse = m.sparse.counters() if m.sparse is not None else None
+        timeline = list(m.store.timeline) if timeline_passes and m.store.timeline is not None else None
     finally:
         m.close()
     steps = metrics.generated_tokens - 1
@@ -252,7 +257,7 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
         prediction_error_pct=error_pct(tps, predicted), model_at_run_bandwidth_tokens_per_s=at_run,
         model_at_run_bandwidth_error_pct=error_pct(tps, at_run), placement_as_planned=same,
         peak_rss_bytes=stats["peak_rss_bytes"], runtime_baseline_rss_bytes=baseline, generation=stats, plan=pred,
-        sparse_ffn=sparse)
+        sparse_ffn=sparse, timeline=timeline)
 
 
 # ---------------------------------------------------------------------------------------------- text

@@ -60,8 +60,9 @@ def serve(config: EngineConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
               " can use the model", file=sys.stderr)
     sock = listen(host, port)
     port = sock.getsockname()[1]
-    print(f"colibri serve: {settings.model_id} on http://{_url_host(host)}:{port}/v1 (the model is loading;"
-          " GET /health)", file=sys.stderr, flush=True)
+    base = f"http://{_url_host(host)}:{port}"
+    print(f"colibri serve: {settings.model_id} on {base}/v1, dashboard {base}/, chat {base}/chat (the model is"
+          " loading; GET /health)", file=sys.stderr, flush=True)
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             worker.drain(shutdown_grace_s)

@@ -1,4 +1,6 @@
-"""The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, with /health and /metrics.
+"""The HTTP routes: OpenAI's /v1/models, /v1/chat/completions and /v1/completions, with /health and /metrics, and
+the pages: the dashboard at / (its frames over SSE at /dashboard/events, one frame at /dashboard/state) and the
+chat page at /chat (dashboard.py; the files in static/).
 
 A handler validates the body, renders and tokenizes the prompt, hands the engine thread a job and then only
 waits on the job's asyncio queue: text deltas go out as SSE chunks (or are gathered for one JSON answer), an SSE
@@ -20,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from colibri.core.errors import InputError
 from colibri.engine.grammar import available as grammars_available
 from colibri.engine.sampling import SamplingParams
-from colibri.server import schema, tools
+from colibri.server import dashboard, schema, tools
 from colibri.server.metrics import ServerMetrics
 from colibri.server.replies import ChatReply, CompletionReply, Logprobs
 from colibri.server.schema import APIError, ChatRequest, CompletionRequest, EmbeddingRequest
@@ -108,6 +110,33 @@ def create_app(settings: Settings, worker: Worker, metrics: ServerMetrics) -> Fa
     async def prometheus(request: Request) -> Response:
         authorize(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    frames = dashboard.Frames(metrics, settings.model_id)
+    pages = {"/": "dashboard.html", "/chat": "chat.html"}
+
+    # the pages and their files are open (they hold no data); what they fetch takes the key like /metrics
+    @app.get("/")
+    @app.get("/chat")
+    async def page(request: Request) -> FileResponse:
+        return FileResponse(dashboard.STATIC / pages[request.url.path], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> FileResponse:
+        path = dashboard.STATIC / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/state")
+    async def dashboard_state(request: Request) -> dict:
+        authorize(request)
+        return {"settings": frames.settings(), **frames.frame()}
+
+    @app.get("/dashboard/events")
+    async def dashboard_events(request: Request) -> StreamingResponse:
+        authorize(request)
+        return StreamingResponse(dashboard.stream(frames, request.is_disconnected), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -78,6 +78,7 @@ class ChatReply:
         self.single = n == 1
         self.lp = logprobs
         self.error: APIError | None = None
+        self.metrics = None  # the last finished choice's engine figures (usage.colibri of a stream's last chunk)
 
     def add(self, index: int, event: Event) -> None:
         c = self.choices[index]
@@ -95,6 +96,7 @@ class ChatReply:
         if event.metrics is not None:
             c.tokens = event.metrics.generated_tokens
             c.cached = event.metrics.prefix_tokens
+            self.metrics = event.metrics
 
     def _usage(self) -> dict:  # the prompt is counted once, as it is computed once (the choices share its KV)
         return usage(self.prompt_tokens, sum(c.tokens for c in self.choices), self.choices[0].cached)
@@ -156,8 +158,16 @@ class ChatReply:
         return out
 
     def usage_chunk(self) -> dict:
+        body = self._usage()
+        m = self.metrics
+        if m is not None:  # the engine's own figures for this reply (the chat page shows them); clients ignore it
+            steps = m.generated_tokens - 1
+            body["colibri"] = {"ttft_s": round(m.ttft_s, 4), "prefill_s": round(m.prefill_s, 4),
+                               "decode_tok_s": round(steps / m.decode_s, 2) if steps > 0 and m.decode_s > 0 else None,
+                               "disk_bytes_read": m.disk_bytes_read, "draft_tokens": m.draft_tokens,
+                               "accepted_tokens": m.accepted_tokens}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                "choices": [], "usage": self._usage()}
+                "choices": [], "usage": body}
 
 
 class CompletionReply:

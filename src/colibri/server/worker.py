@@ -25,6 +25,8 @@ from colibri.server.schema import APIError
 
 LOADING, READY, DRAINING, FAILED, STOPPED = "loading", "ready", "draining", "failed", "stopped"
 RATE_WINDOW_S = 10.0  # tokens/s and read GB/s are averaged over the steps of the last 10 s
+PICTURE_EVERY_S = 0.25  # the store's picture (per-layer tiers, expert heat) is taken at most this often, and only
+# while a dashboard watches: it walks every page, which a step without a watcher should not pay for
 
 
 @dataclass
@@ -93,6 +95,10 @@ class Worker:
         self._durations: deque[float] = deque(maxlen=32)
         self._steps: deque[tuple[float, int, int, float]] = deque()  # (time, tokens, bytes read, read seconds)
         self.snapshot: dict = {}
+        self.last: dict = {}  # the dashboard's figures of the latest finished request (its _row)
+        self.watchers = 0  # dashboards connected (watch(); the engine thread only reads it)
+        self._picture_at = 0.0
+        self._want_picture = False  # a dashboard just connected: publish a picture without waiting for a step
         self.on_failed = None  # called (from the engine thread) when the model failed to load
         self._thread = threading.Thread(target=self._main, name="colibri-engine", daemon=True)
 
@@ -171,6 +177,14 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
+    def watch(self, change: int) -> None:
+        """A dashboard connected (+1) or left (-1); a new one gets the store's picture at once, even when idle."""
+        with self._cond:
+            self.watchers += change
+            if change > 0:
+                self._want_picture = True
+                self._cond.notify()
+
     def rates(self) -> tuple[float, float]:
         """(generated tokens/s, weight read GB/s) over the steps of the last RATE_WINDOW_S seconds."""
         now = time.perf_counter()
@@ -210,7 +224,8 @@ class Worker:
         eng = self.model.engine
         while True:
             with self._cond:
-                while not (self._inbox or self._aborts or self._stop or eng.unfinished or self._cut()):
+                while not (self._inbox or self._aborts or self._stop or eng.unfinished or self._cut() or
+                           self._want_picture):
                     self._cond.wait(None if self._cutoff is None else max(0.0, self._cutoff - time.monotonic()))
                 if self._stop:
                     return
@@ -281,6 +296,8 @@ class Worker:
         duration = time.perf_counter() - job.t0
         if reason != "abort":
             self._durations.append(duration)
+        if job.req is not None and job.req.metrics.generated_tokens:
+            self.last = self._row(job, time.perf_counter())
         if self.metrics is not None:
             self.metrics.finished(reason, duration, metrics)
         job.deliver(Event("done", finish_reason=reason, error=error, metrics=metrics))
@@ -314,9 +331,25 @@ class Worker:
         """A consistent snapshot of the engine's, the store's and the KV space's counters for /metrics (read by
         the HTTP side without touching the engine)."""
         m = self.model
+        now = time.perf_counter()
+        picture = self.snapshot.get("picture") if self.watchers else None
+        want, self._want_picture = self._want_picture, False
+        if self.watchers and (want or now - self._picture_at >= PICTURE_EVERY_S):
+            picture, self._picture_at = m.store.picture(), now
         self.snapshot = {"engine": m.engine.counters(), "store": self._io() or {}, "kv": m.kv.counters(),
                          "kv_pool_capacity_bytes": m.engine.pool_capacity(),
-                         "queued": sum(1 for j in self._jobs if j.queued) + len(self._inbox)}
+                         "queued": sum(1 for j in self._jobs if j.queued) + len(self._inbox),
+                         "requests": [self._row(j, now) for j in self._jobs], "last": self.last, "picture": picture}
+
+    @staticmethod
+    def _row(job: Job, now: float) -> dict:
+        """One line of the dashboard's request table."""
+        req, m = job.req, job.req.metrics
+        decode = (m.generated_tokens - 1) / m.decode_s if m.generated_tokens > 1 and m.decode_s > 0 else None
+        return {"id": req.id, "state": "queued" if job.queued else req.state, "prompt_tokens": len(req.prompt_ids),
+                "reused_tokens": m.prefix_tokens, "generated_tokens": m.generated_tokens,
+                "max_tokens": req.params.max_tokens, "ttft_s": job.first_token_s, "age_s": now - job.t0,
+                "decode_tok_s": decode, "prefill_tok_s": m.prefill_computed / m.prefill_s if m.prefill_s > 0 else None}
 
     def _refuse_all(self, error: APIError) -> None:
         with self._cond:

@@ -73,6 +73,9 @@ class WeightStore(Protocol):
     def counters(self) -> dict:
         """Cumulative I/O counters and resident bytes ({}: nothing is read from disk)."""
 
+    def picture(self) -> dict:
+        """Per layer, page bytes by tier, and the MoE experts' use counts, for a dashboard ({}: nothing streams)."""
+
     def close(self) -> None: ...
 
 
@@ -127,6 +130,9 @@ class RamStore:
 
     def wants_lookahead(self, i: int) -> bool:
         return False  # everything is resident: nothing to read early
+
+    def picture(self) -> dict:
+        return {}  # nothing streams: no tiers or expert heat to draw (StreamingStore.picture)
 
     def peek(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)

@@ -218,6 +218,29 @@ class StreamingStore:
                 "reserve_bytes": pl.reserve, "lookahead_slots": self.lookahead.slots,
                 "lookahead_recall_by_layer": [round(c / r, 4) if r else None for c, r in self.lookahead.recall]}
 
+    def picture(self) -> dict:
+        """What the server's dashboard draws, read at a few Hz only while one is open: per layer, the bytes of its
+        pages by tier now (`layers`: [[pinned, resident, loading, on_disk]] per layer, embedding and head pages
+        counted in `other`); for a MoE model the decayed use count of each (layer, expert) (`heat`: layers x
+        experts) and which experts are pinned (`pinned_experts`: [layer, expert] pairs)."""
+        order = (PageState.PINNED, PageState.RESIDENT, PageState.LOADING, PageState.ON_DISK)
+        layers = [[0, 0, 0, 0] for _ in range(self.num_layers)]
+        other = [0, 0, 0, 0]
+        pinned_experts = []
+        for pid, page in enumerate(self.pages):
+            state = self.state[pid]
+            row = layers[page.layer] if page.layer is not None and page.layer < self.num_layers else other
+            row[order.index(state)] += page.nbytes
+            if page.expert is not None and state is PageState.PINNED:
+                pinned_experts.append([page.layer, page.expert])
+        out = {"layers": layers, "other": other, "tiers": [s.value for s in order]}
+        usage = self.experts.usage
+        if usage is not None:
+            n_layers, n_experts = usage.shape
+            out["heat"] = [[round(usage.score((i, e)), 2) for e in range(n_experts)] for i in range(n_layers)]
+            out["pinned_experts"] = pinned_experts
+        return out
+
     # -- scopes ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
