@@ -148,3 +148,94 @@ def test_a_full_disk_is_a_one_line_error(container, tmp_path, capsys):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: /dev/full: cannot write the results (No space left on device)"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def openai_line(custom_id, body, url="/v1/chat/completions") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "any", **body}}
+
+
+def test_openai_batch_lines_are_checked_by_the_servers_models():
+    """Issue 26, item 4: OpenAI Batch input lines, their bodies checked by server/schema.py's models; a bad field is
+    a one-line message naming it (`"max_tokens": "x"` was a Python comparison error)."""
+    from colibri import batch
+    from colibri.core.errors import InputError
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a color."}]},
+            {"role": "assistant", "content": "Red.", "refusal": None}, {"role": "user", "content": "Another."}]
+    line = batch.parse_line(1, json.dumps(openai_line("c1", {
+        "messages": chat, "max_completion_tokens": 7, "temperature": 0.5, "presence_penalty": 0.5,
+        "frequency_penalty": -0.25, "repeat_penalty": 1.1, "stop": "\n", "frobnicate": 1})), {"max_tokens": 12})
+    assert line.id == "c1" and line.url == "/v1/chat/completions" and line.prompt is None
+    assert line.messages[1] == {"role": "user", "content": "Name a color."} and len(line.messages) == 4
+    assert line.sampling == {"max_tokens": 7, "temperature": 0.5, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                             "repetition_penalty": 1.1, "stop": ["\n"]}
+    assert line.ignored == ("frobnicate",)
+    line = batch.parse_line(2, json.dumps(openai_line(
+        "c2", {"prompt": [1, 2, 3], "seed": 4}, "/v1/completions")), {"max_tokens": 12, "temperature": 0.0})
+    assert line.prompt == [1, 2, 3] and line.sampling == {"max_tokens": 12, "temperature": 0.0, "seed": 4}
+    own = batch.parse_line(3, '{"id": 1, "prompt": "x", "presence_penalty": 1.5, "frequency_penalty": 0.5}', {})
+    assert own.url is None and own.sampling == {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    bad = {
+        "body: invalid value for max_tokens: Input should be a valid integer": openai_line(
+            "a", {"messages": chat, "max_tokens": "x"}),
+        "body: missing required parameter: messages": openai_line("a", {}),
+        "body: max_tokens must be at least 1 (got 0)": openai_line("a", {"messages": chat, "max_tokens": 0}),
+        "body: invalid value for messages.1.role": openai_line("a", {"messages": [chat[0], {"role": "x"}]}),
+        "presence_penalty must be in [-2, 2] (got 3)": openai_line(
+            "a", {"prompt": "x", "presence_penalty": 3}, "/v1/completions"),
+        "body: n > 1, logprobs is not supported by colibri batch": openai_line(
+            "a", {"messages": chat, "n": 2, "logprobs": True}),
+        "body: response_format is not supported": openai_line(
+            "a", {"messages": chat, "response_format": {"type": "json_object"}}),
+        '"prompt" must be one string or one list of token ids': openai_line("a", {"prompt": ["x", "y"]},
+                                                                            "/v1/completions"),
+        '"url" must be one of /v1/chat/completions, /v1/completions': openai_line("a", {}, "/v1/embeddings"),
+        '"method" must be "POST"': {**openai_line("a", {}), "method": "GET"},
+        'needs a "custom_id"': {**openai_line("a", {}), "custom_id": 7},
+        "unknown field(s) extra in an OpenAI Batch line": {**openai_line("a", {}), "extra": 1},
+        "max_tokens must be an integer (got 'x')": {"id": 1, "prompt": "p", "max_tokens": "x"},
+    }
+    for message, obj in bad.items():
+        with pytest.raises(InputError) as e:
+            batch.parse_line(1, json.dumps(obj), {"max_tokens": 12})
+        assert message in str(e.value) and "\n" not in str(e.value), (message, str(e.value))
+    with pytest.raises(InputError, match="presence_penalty must be in"):
+        batch.parse_line(1, json.dumps(openai_line("a", {"messages": chat})), {"presence_penalty": 5})
+
+
+def test_openai_batch_file_gives_openai_batch_output_and_resumes(container, tmp_path, capsys):
+    """Issue 26, item 4: an OpenAI Batch input file (mixed with this command's own lines) gives OpenAI Batch output
+    lines for its lines, greedy replies equal to the same request in colibri's own format, and a rerun resumes."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    msgs = [{"role": "user", "content": "Name a color."}]
+    write_lines(src, [openai_line("chat-1", {"messages": msgs, "max_tokens": 6, "temperature": 0}),
+                      openai_line("text-1", {"prompt": "The capital of France is", "temperature": 0},
+                              "/v1/completions"),
+                      openai_line("bad", {"messages": msgs, "max_tokens": "x"}),
+                      {"id": "own", "messages": msgs, "max_tokens": 6}])
+    args = batch_cmd(container, src, dst)[len(colibri_cmd()):]
+    r = here(capsys, *args)
+    assert r.returncode == 1, r.stderr  # the bad line was skipped, in one line naming it
+    assert "in.jsonl:3: skipped: body: invalid value for max_tokens: Input should be a valid integer" in r.stderr
+    assert "Traceback" not in r.stderr
+    out = {o.get("custom_id", o["id"]): o for o in map(json.loads, dst.read_text().splitlines())}
+    assert sorted(out) == ["chat-1", "own", "text-1"]
+    chat, text = out["chat-1"], out["text-1"]
+    for o, obj in ((chat, "chat.completion"), (text, "text_completion")):
+        assert o["id"].startswith("batch_req_") and o["error"] is None and o["response"]["status_code"] == 200
+        body = o["response"]["body"]
+        assert body["object"] == obj and body["model"] == os.path.basename(container)
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["choices"][0]["index"] == 0
+    message = chat["response"]["body"]["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] == out["own"]["text"]
+    assert chat["response"]["body"]["usage"]["completion_tokens"] == out["own"]["completion_tokens"] <= 6
+    assert 0 < text["response"]["body"]["usage"]["completion_tokens"] <= 12  # --max-tokens 12: the default
+    assert text["response"]["body"]["choices"][0]["text"]
+    src.write_text(src.read_text().replace('"max_tokens": "x"', '"max_tokens": 3'))
+    before = dst.read_text()
+    r = here(capsys, *args)
+    assert r.returncode == 0 and "3 of 4 ids already in" in r.stderr, r.stderr
+    lines = dst.read_text().splitlines()
+    assert dst.read_text().startswith(before) and len(lines) == 4
+    assert json.loads(lines[-1])["custom_id"] == "bad"

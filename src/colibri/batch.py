@@ -1,7 +1,13 @@
 """`colibri batch`: a JSONL file of prompts through one engine, every line sharing the same weight sweeps.
 
 Input lines are `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}` with optional sampling fields
-(those of SamplingParams; the command's options are the defaults). Each result is one output line, written
+(those of SamplingParams; the command's options are the defaults), or lines of OpenAI's Batch input format
+(`{"custom_id", "method": "POST", "url": "/v1/chat/completions" or "/v1/completions", "body"}`), whose body is
+checked by the server's own request models (server/schema.py) and whose result is a line of OpenAI's Batch output
+format (`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, the body a
+chat.completion or text_completion). A body's `model` is not checked: the job runs --model; what the engine
+cannot do one line at a time here (`n` > 1, `logprobs`, `response_format`, `tools`, `stream`, `echo`) is a
+malformed line. Each result is one output line, written
 whole, flushed and fsynced when its request finishes (in finishing order): a killed run leaves only complete
 lines, except at worst a partial last one, which the next run drops. A rerun with the same output skips the ids
 already there, so an interrupted job resumes. A malformed input line (bad JSON, bad UTF-8, bad fields) is
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from collections import deque
@@ -25,19 +32,26 @@ from pathlib import Path
 
 from colibri.core.errors import ColibriError, InputError, OutputError
 from colibri.engine.sampling import SamplingParams
+from colibri.server import model_id, schema, tools
+from colibri.server.replies import usage
 
 RECORD_START = b'{"id": '  # the bytes every result line starts with (Output.write: json.dumps of a dict, "id" first)
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                   "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "ignore_eos")
+# OpenAI Batch input: the endpoints a line may name, and the request model that checks its body
+OPENAI_URLS = {"/v1/chat/completions": schema.ChatRequest, "/v1/completions": schema.CompletionRequest}
+OPENAI_FIELDS = ("custom_id", "method", "url", "body")
 
 
 @dataclass
 class Line:
     number: int  # 1-based line number in the input
     id: object
-    prompt: str | None
+    prompt: str | list[int] | None
     messages: list[dict] | None
     sampling: dict
+    url: str | None = None  # an OpenAI Batch line's endpoint (its result is written in that format); None: ours
+    ignored: tuple[str, ...] = ()  # the body's parameters Colibri does not know (OpenAI lines; reported)
 
     @property
     def key(self) -> str:
@@ -57,6 +71,8 @@ def parse_line(number: int, text: str, defaults: dict) -> Line:
         raise InputError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InputError("not a JSON object")
+    if "custom_id" in obj or "body" in obj:
+        return parse_openai_line(number, obj, defaults)
     unknown = sorted(set(obj) - {"id", "prompt", "messages", *SAMPLING_FIELDS})
     if unknown:
         raise InputError(f"unknown field(s) {', '.join(unknown)}; known: id, prompt, messages, "
@@ -73,11 +89,55 @@ def parse_line(number: int, text: str, defaults: dict) -> Line:
             for m in messages)):
         raise InputError('"messages" must be a non-empty list of {"role": str, "content": str}')
     sampling = {**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
-    try:
-        SamplingParams(**sampling)
-    except TypeError as e:
-        raise InputError(f"bad sampling field: {e}") from None
+    SamplingParams(**sampling)  # an InputError naming the bad field
     return Line(number, obj["id"], prompt, messages, sampling)
+
+
+def parse_openai_line(number: int, obj: dict, defaults: dict) -> Line:
+    """One line of OpenAI's Batch input format, its body checked as the server checks a request's."""
+    unknown = sorted(set(obj) - set(OPENAI_FIELDS))
+    if unknown:
+        raise InputError(f"unknown field(s) {', '.join(unknown)} in an OpenAI Batch line; known: "
+                         + ", ".join(OPENAI_FIELDS))
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise InputError('needs a "custom_id" (a non-empty string)')
+    if obj.get("method") != "POST":
+        raise InputError('"method" must be "POST"')
+    kind = OPENAI_URLS.get(obj.get("url"))
+    if kind is None:
+        raise InputError(f'"url" must be one of {", ".join(OPENAI_URLS)} (got {obj.get("url")!r})')
+    if not isinstance(obj.get("body"), dict):
+        raise InputError('"body" must be a JSON object (the request)')
+    try:
+        req = schema.validate(kind, obj["body"])
+        schema.refuse_unsupported(req)
+        sampling = schema.given_sampling(req)
+    except schema.APIError as e:
+        raise InputError(f"body: {e.message}") from None
+    wanted = [name for name, on in (("n > 1", (req.n or 1) > 1), ("stream", req.stream),
+                                    ("logprobs", schema.logprobs_wanted(req) is not None),
+                                    ("echo", getattr(req, "echo", None)), ("tools", getattr(req, "tools", None)),
+                                    ("response_format", getattr(req, "response_format", None) is not None
+                                     and req.response_format.type != "text")) if on]
+    if wanted:
+        raise InputError(f"body: {', '.join(wanted)} is not supported by colibri batch; serve the model for it")
+    max_tokens = getattr(req, "max_completion_tokens", None)
+    max_tokens = req.max_tokens if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        if max_tokens < 1:  # as the server answers it
+            raise InputError(f"body: max_tokens must be at least 1 (got {max_tokens})")
+        sampling["max_tokens"] = max_tokens
+    sampling = {**defaults, **sampling}
+    SamplingParams(**sampling)
+    prompt = messages = None
+    if kind is schema.ChatRequest:
+        messages = tools.template_messages(req.messages)
+    elif isinstance(req.prompt, str) or all(isinstance(t, int) for t in req.prompt):
+        prompt = req.prompt  # text or token ids
+    else:
+        raise InputError('body: "prompt" must be one string or one list of token ids in colibri batch (one line,'
+                         " one prompt)")
+    return Line(number, obj["custom_id"], prompt, messages, sampling, obj["url"], tuple(schema.ignored(req)))
 
 
 def read_input(path: Path, defaults: dict, report) -> tuple[list[Line], int]:
@@ -104,6 +164,8 @@ def read_input(path: Path, defaults: dict, report) -> tuple[list[Line], int]:
                 report(f"{path}:{number}: skipped: {e}")
                 bad += 1
                 continue
+            if line.ignored:
+                report(f"{path}:{number}: ignored parameters colibri does not know: {', '.join(line.ignored)}")
             if line.key in seen:
                 raise InputError(f"{path}: id {line.id!r} is on line {seen[line.key]} and line {number}; ids must"
                                  " be unique (nothing was run)")
@@ -118,6 +180,8 @@ def _record_id(raw: bytes) -> str | None:
         obj = json.loads(raw.decode("utf-8"))
     except ValueError:  # JSONDecodeError and UnicodeDecodeError both
         return None
+    if isinstance(obj, dict) and "custom_id" in obj and "response" in obj:  # OpenAI Batch output
+        return id_key(obj["custom_id"])
     if not isinstance(obj, dict) or "id" not in obj or "text" not in obj:
         return None
     return id_key(obj["id"])
@@ -179,14 +243,41 @@ def line_ids(model, line: Line) -> list[int]:
     return model.chat_ids(line.messages)
 
 
-def record(line: Line, req, start: float) -> dict:
-    """The result line of a finished request (`start`: when it was added; perf_counter)."""
+def record(model, line: Line, req, start: float) -> dict:
+    """The result line of a finished request (`start`: when it was added; perf_counter), in OpenAI's Batch output
+    format for a line in its input format."""
     r, m = req.result(), req.metrics
+    if line.url is not None:
+        return openai_record(model, line, r, m.prefix_tokens)
     return {"id": line.id, "text": r.text, "finish_reason": r.finish_reason,
             "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
             "cached_prompt_tokens": m.prefix_tokens, "ttft_s": round(m.ttft_s, 4),
             "duration_s": round(time.perf_counter() - start, 4),
             "decode_tokens_per_s": round(m.decode_tokens_per_s, 3)}
+
+
+def openai_record(model, line: Line, r, cached: int) -> dict:
+    """A result line in OpenAI's Batch output format (`r`: the GenerationResult)."""
+    tokens = len(r.token_ids)
+    body = {"created": int(time.time()), "model": model_id(model.config),
+            "usage": usage(r.prompt_tokens, tokens, cached)}
+    if line.url == "/v1/chat/completions":
+        body = {"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion", **body,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                             "finish_reason": r.finish_reason, "logprobs": None}]}
+    else:
+        body = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", **body,
+                "choices": [{"index": 0, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}]}
+    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": line.id,
+            "response": {"status_code": 200, "request_id": "req_" + secrets.token_hex(12), "body": body},
+            "error": None}
+
+
+def completion_tokens(rec: dict) -> int:
+    """The tokens a result line's reply holds, in either output format."""
+    if "response" in rec:
+        return rec["response"]["body"]["usage"]["completion_tokens"]
+    return rec["completion_tokens"]
 
 
 class Output:
@@ -211,7 +302,7 @@ class Output:
             raise OutputError(f"{self.path}: cannot write the results ({e.strerror}); {self.written} lines are"
                               " written; make room and run the same command again to resume") from None
         self.written += 1
-        self.tokens += rec["completion_tokens"]
+        self.tokens += completion_tokens(rec)
 
     def close(self) -> None:
         self._f.close()
@@ -243,7 +334,7 @@ class Batch:
                 if req.error is not None:
                     self.skip(line, req.error, bar)
                     continue
-                self.out.write(record(line, req, start))
+                self.out.write(record(self.model, line, req, start))
                 bar.update(1)
             tokens = sum(r.metrics.generated_tokens for r in active) + self.out.tokens
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.1f} tok/s", refresh=False)

@@ -248,9 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     bat = sub.add_parser("batch", help="run a JSONL file of prompts through the engine together, resumably")
     add(bat, *COMMON, *ENGINE, *KV, "input", "output", *SAMPLING, "ray", "replicas",
         input=dict(help='JSONL input: one {"id": ..., "prompt": str} or {"id": ..., "messages": [...]} per line,'
-                        " optionally with sampling fields (max_tokens, temperature, ...)"),
-        output=dict(help="JSONL results, one line per id, appended as each finishes; ids already there are"
-                         " skipped (resume)"),
+                        " optionally with sampling fields (max_tokens, temperature, ...), or OpenAI Batch input"
+                        " lines ({custom_id, method, url, body})"),
+        output=dict(help="JSONL results, one line per id (OpenAI Batch output lines for OpenAI input), appended as"
+                         " each finishes; ids already there are skipped (resume)"),
         max_tokens=dict(help="maximum tokens per line unless the line says (default"
                              f" {config.DEFAULT_MAX_TOKENS})"))
     stg = sub.add_parser("stage", help="copy a container onto this machine's disk, or every node's of a Ray cluster"

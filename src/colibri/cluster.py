@@ -90,7 +90,7 @@ class Engine:
             return None, str(e)
         if req.error is not None:
             return None, str(req.error)
-        return batch.record(line, req, start), None
+        return batch.record(self.model, line, req, start), None
 
 
 def placements(ray, replicas: int | None, threads: int | None) -> list[tuple[dict, int]]:

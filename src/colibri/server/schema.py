@@ -181,6 +181,12 @@ def parse(model: type[Strict], body: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json")
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return validate(model, obj)
+
+
+def validate(model: type[Strict], obj: dict) -> Any:
+    """A parsed JSON object as `model`, or an APIError(400) naming the first bad parameter (also `colibri
+    batch`'s check of an OpenAI Batch line's body)."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -288,20 +294,29 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int, grammar: st
         raise APIError(400, f"this model's context holds {context} tokens, but {prompt_tokens} in the prompt"
                             f" plus {param}={max_tokens} ask for {prompt_tokens + max_tokens}; lower {param}",
                        param=param, code="context_length_exceeded")
-    kw = {k: getattr(req, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos",
-                                       "presence_penalty", "frequency_penalty") if getattr(req, k) is not None}
+    kw = given_sampling(req)
+    kw["temperature"] = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs_wanted(req), grammar=grammar, **kw)
+    except InputError as e:
+        name = str(e).split(" ")[0]
+        raise APIError(400, str(e), param=name, code="invalid_value") from None
+
+
+def given_sampling(req: Sampling) -> dict:
+    """The SamplingParams fields a request sets itself (not max_tokens, which needs the prompt's length), with
+    `repeat_penalty` as repetition_penalty and `stop` as a list."""
+    kw = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                                       "ignore_eos", "presence_penalty", "frequency_penalty")
+          if getattr(req, k) is not None}
     if req.repeat_penalty is not None:
         if req.repetition_penalty is not None and req.repetition_penalty != req.repeat_penalty:
             raise APIError(400, "repeat_penalty and repetition_penalty disagree; send one of them",
                            param="repeat_penalty", code="invalid_value")
         kw["repetition_penalty"] = req.repeat_penalty
-    kw["temperature"] = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and len(stop) > 16:
         raise APIError(400, "at most 16 stop strings", param="stop", code="invalid_value")
-    try:
-        return SamplingParams(max_tokens=max_tokens, stop=stop or None, logprobs=logprobs_wanted(req),
-                              grammar=grammar, **kw)
-    except InputError as e:
-        name = str(e).split(" ")[0]
-        raise APIError(400, str(e), param=name, code="invalid_value") from None
+    if stop:
+        kw["stop"] = stop
+    return kw
