@@ -95,3 +95,33 @@ def test_the_usual_habits_positional_prompt_short_options_version_and_bare_help(
     parser = cli.build_parser()
     for flag in ("--tokens", "--max-tokens", "-n"):
         assert parser.parse_args(["bench", "-m", path, flag, "7"]).tokens == 7
+
+
+def test_notices_go_through_one_logger_that_q_and_v_set(moe_container, capsys, monkeypatch):
+    """Issue 26 item 4: the notices (`colibri: ...` lines on stderr) go through the "colibri" logger, their text
+    unchanged: -q hides notices but not the warnings of lossy re-quantization, -v adds debug lines (which kernels
+    run); --help names an option's environment variable whether or not it is set."""
+    from colibri import kernels
+    from colibri.core import log
+    argv = ["run", "--raw", "-m", str(moe_container), "-n", "2", "-t", "1", "-c", "64", "w5 w6"]
+    try:
+        for flags, shown in (([], False), (["-v"], True), (["-q"], False)):
+            kernels.use(None)  # resolved again: the debug line is written once per resolution
+            assert cli.main([*argv, *flags]) == 0
+            err = capsys.readouterr().err
+            assert (f"colibri: the {kernels.tier()} kernels run" in err) == shown, (flags, err)
+            log.notice("colibri: notice: a notice")
+            log.warn("colibri: notice: 3 Q5_K tensors ... re-quantized (lossy)")
+            log.debug("colibri: a debug line")
+            err = capsys.readouterr().err.splitlines()
+            assert ("colibri: notice: a notice" in err) == (flags != ["-q"])
+            assert "colibri: notice: 3 Q5_K tensors ... re-quantized (lossy)" in err
+            assert ("colibri: a debug line" in err) == (flags == ["-v"])
+        assert cli.main([*argv, "-q", "-v"]) == 2
+        assert capsys.readouterr().err == "error: give -q (notices hidden) or -v (debug lines too), not both\n"
+    finally:
+        log.set_level()
+    monkeypatch.delenv("COLIBRI_MODEL", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--help"])
+    assert "[env COLIBRI_MODEL]" in " ".join(capsys.readouterr().out.split())

@@ -113,8 +113,8 @@ def describe(a: argparse.Action) -> str:
     if "%" in text:  # argparse's own expansion, e.g. %(default)s
         text = text % {**vars(a), "prog": "colibri"}
     env = cli.OPTIONS.get(a.dest, ({}, None))[1] if a.option_strings else None
-    if env:
-        text += f" (environment: `{env}`)"
+    if env:  # the help's own " [env NAME]", written as the rest of the page writes it
+        text = text.removesuffix(f" [env {env}]") + f" (environment: `{env}`)"
     return text.replace("|", "\\|")
 
 

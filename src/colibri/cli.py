@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any
 
-from colibri.core import config
+from colibri.core import config, log
 from colibri.core.errors import ColibriError, InputError, Terminated
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
@@ -99,15 +99,19 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "top_k": (dict(type=int, default=0, help="sample among the k most likely tokens; 0 = off"), None),
     "min_p": (dict(type=float, default=0.0, help="drop tokens below min_p x the top probability"), None),
     "repetition_penalty": (dict(type=float, default=1.0, help="penalty > 1 discourages repeats"), None),
+    "presence_penalty": (dict(type=float, default=0.0, help="OpenAI's: subtracted once from the logit of every"
+                                                         " token the reply holds, in [-2, 2]"), None),
+    "frequency_penalty": (dict(type=float, default=0.0, help="OpenAI's: subtracted from a token's logit per"
+                                                          " occurrence in the reply, in [-2, 2]"), None),
     "seed": (dict(type=int, help="random seed for sampling"), None),
     "stop": (dict(action="append", help="stop string (repeatable)"), None),
     "raw": (dict(action="store_true", help="send the prompt as is, without the chat template"), None),
     "json": (dict(action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming"),
              None),
     "stats": (dict(action="store_true", help="print a stats line after each reply"), None),
-    "verbose": (dict(action="store_true", help="print a per-layer timeline of the first forward passes (streamed"
-                                             " containers: pages, bytes read on demand, wait and compute per scope)"),
-                None),
+    "verbose": (dict(action="store_true", help="show debug lines too (which kernels run)"), None),
+    "quiet": (dict(action="store_true", help="hide notices (a kernel build, a tier passed over); warnings of lossy"
+                                           " re-quantization still show"), None),
     "tokens": (dict(type=int, default=32, help="tokens to generate, EOS ignored (default 32)"), None),
     "probe_seconds": (dict(type=float, default=1.0, help="length of the disk bandwidth probe (default 1 s)"), None),
     "debug": (dict(action="store_true", help="show full tracebacks on errors"), None),
@@ -169,6 +173,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "threads": (1, None), "io_threads": (1, 64), "prefetch_depth": (0, None), "ctx_length": (1, None),
     "batch_size": (1, None), "max_sequences": (1, 4096), "max_tokens": (0, None), "temperature": (0, None),
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
+    "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "repeats": (1, 20), "probe_seconds": (0, 3600), "group_size": (1, None),
     "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
     "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
@@ -197,11 +202,13 @@ COMMON = ["model", "dtype", "threads", "memory_limit", "io_threads", "prefetch_d
 ENGINE = ["max_sequences", "draft_tokens", "ngram", "ngram_cache_size", "lookahead", "sparse_ffn"]
 KV = ["kv_ram", "kv_quant", "swap"]
 JSON_REPORT = dict(help="print one JSON object with every number instead of the summary")
-SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"]
+SAMPLING = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "stop"]
 
 
 # The one-letter forms of the options every llama.cpp / ollama / mlx-lm user types.
-SHORT = {"model": "-m", "prompt": "-p", "max_tokens": "-n", "ctx_length": "-c", "threads": "-t"}
+SHORT = {"model": "-m", "prompt": "-p", "max_tokens": "-n", "ctx_length": "-c", "threads": "-t", "quiet": "-q",
+         "verbose": "-v"}
 # other spellings of an option (bench's --tokens is what run and the server call max_tokens)
 ALIASES = {"tokens": ("-n", "--max-tokens")}
 
@@ -222,10 +229,11 @@ def add(parser: argparse.ArgumentParser, *names: str, **changes: dict[str, Any])
     for name in names:
         kwargs, env = OPTIONS[name]
         kwargs = {**kwargs, **changes.get(name, {})}
+        if env:
+            kwargs["help"] += f" [env {env}]"
         if env and os.environ.get(env):
             kwargs["default"] = os.environ[env]  # a string default goes through `type` like an argument
             kwargs["required"] = False
-            kwargs["help"] += f" [env {env}]"
         flags = [SHORT[name]] if name in SHORT else []
         sections.get(name, parser).add_argument(*flags, "--" + name.replace("_", "-"), *ALIASES.get(name, ()),
                                                 dest=name, **kwargs)
@@ -239,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # none: the help (main)
     run = sub.add_parser("run", help="generate a reply to one prompt")
     run.add_argument("text", nargs="?", metavar="PROMPT", help="prompt text (the same as --prompt)")
-    add(run, *COMMON, *ENGINE, *KV, "prompt", "system", "chat_template", *SAMPLING, "raw", "json", "verbose")
+    add(run, *COMMON, *ENGINE, *KV, "prompt", "system", "chat_template", *SAMPLING, "raw", "json", "verbose",
+        verbose=dict(help="show debug lines too (which kernels run), and a per-layer timeline of the first forward"
+                          " passes (streamed containers: pages, bytes read on demand, wait and compute per scope)"))
     chat = sub.add_parser("chat", help="multi-turn chat on the terminal (reads lines from stdin)")
     add(chat, *COMMON, *ENGINE, *KV, "system", "chat_template", *SAMPLING, "stats", "kv_dir", "session")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
@@ -309,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
         model=dict(help="model whose filesystem, read speed, size and container to check (default: none; those"
                         " checks are skipped)"),
         json=dict(help="print one JSON object instead of the listing"))
+    for command in sub.choices.values():  # -q / -v on every command (run's -v is added above, with its timeline)
+        add(command, "quiet", *(() if command is run else ("verbose",)))
     return p
 
 
@@ -319,7 +331,7 @@ def model_path(args, engine: bool = True) -> str:
         return args.model
     if engine:
         from colibri.convert.pipeline import default_container
-        return str(default_container(announce=lambda text: print(f"colibri: {text}", file=sys.stderr)))
+        return str(default_container(announce=lambda text: log.notice(f"colibri: {text}")))
     from colibri.core.defaults import default_model_path
     return str(default_model_path())
 
@@ -344,10 +356,10 @@ def tuned(args, cfg: config.EngineConfig) -> config.EngineConfig:
              "io_threads": getattr(args, "io_threads", config.DEFAULT_IO_THREADS) != config.DEFAULT_IO_THREADS}
     taken = {k: v for k, v in profile["settings"].items() if not given[k]}
     if taken:
-        print(f"colibri: tuned profile {os.path.join(cfg.model, PROFILE)}: "
-              + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
-              + f" ({profile['gain_pct']:+.1f} % decode tok/s measured by colibri tune; an option given overrides"
-                " it)", file=sys.stderr)
+        log.notice(f"colibri: tuned profile {os.path.join(cfg.model, PROFILE)}: "
+                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
+                   + f" ({profile['gain_pct']:+.1f} % decode tok/s measured by colibri tune; an option given"
+                     " overrides it)")
     return cfg.replace(**taken)
 
 
@@ -750,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # bare `colibri`: what it can do, not an error
         parser.print_help()
         return 0
+    log.set_level(args.quiet, args.verbose)  # every call: an in-process caller's last -q does not stick
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
                "info": cmd_info, "convert": cmd_convert, "calibrate": cmd_calibrate,
@@ -760,6 +773,8 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         check_bounds(args)
+        if args.quiet and args.verbose:
+            raise InputError("give -q (notices hidden) or -v (debug lines too), not both")
         if args.command == "run":
             prompt_of(args)
         check_kernel_env()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from colibri.convert.pipeline import SPACE_MARGIN, Progress
+from colibri.core import log
 from colibri.core.atomic import atomic_path
 from colibri.core.errors import ColibriError, InputError, UnsupportedModelError
 from colibri.formats import container
@@ -115,8 +115,8 @@ def _metadata_source(ckpt: ContainerCheckpoint) -> Path:
         raise UnsupportedModelError(
             f"{ckpt.path} was converted by a Colibri that did not keep the GGUF's metadata, and its source {path} is "
             "gone; convert the GGUF again (the new container keeps it)")
-    print(f"colibri: notice: {ckpt.path} keeps no GGUF metadata (converted by an older Colibri): the metadata is "
-          f"read from its source {path}", file=sys.stderr, flush=True)
+    log.notice(f"colibri: notice: {ckpt.path} keeps no GGUF metadata (converted by an older Colibri): the metadata"
+               f" is read from its source {path}")
     return path
 
 
@@ -170,9 +170,9 @@ def _notice_requantized(plans: list[_Plan]) -> None:
     nbytes = {t.name: p.nbytes // len(p.entries) for p in plans for t in p.entries}
     for (kind, gs), ts in sorted(lossy.items()):
         more = sum(nbytes[t.name] - t.nbytes for t in ts)
-        print(f"colibri: notice: {len(ts)} {kind} tensors (group {gs}) have no GGUF type: re-quantized to {FALLBACK} "
-              f"from their values (lossy: each value moves by up to half a {FALLBACK} step, 1/254 of its 32-value "
-              f"block's largest; {more / 2**20:+.1f} MiB)", file=sys.stderr, flush=True)
+        log.warn(f"colibri: notice: {len(ts)} {kind} tensors (group {gs}) have no GGUF type: re-quantized to"
+                 f" {FALLBACK} from their values (lossy: each value moves by up to half a {FALLBACK} step, 1/254 of"
+                 f" its 32-value block's largest; {more / 2**20:+.1f} MiB)")
 
 
 def _writer(ckpt: ContainerCheckpoint, meta: Path, plans: list[_Plan]) -> GGUFWriter:
@@ -211,8 +211,8 @@ def _write(ckpt: ContainerCheckpoint, w: GGUFWriter, plans: list[_Plan], path: P
             data, lost = _tensor_data(ckpt, p)
             requantized += len(lost)
             for name, why in lost:
-                print(f"colibri: notice: {name}: {why}: re-quantized to {FALLBACK} from its values (lossy: each "
-                      f"value moves by up to half a {FALLBACK} step)", file=sys.stderr, flush=True)
+                log.warn(f"colibri: notice: {name}: {why}: re-quantized to {FALLBACK} from its values (lossy: each"
+                         f" value moves by up to half a {FALLBACK} step)")
             w.write_tensor_data(data)
             done += p.nbytes
             if progress:

@@ -29,6 +29,7 @@ from colibri.formats import container
 from colibri.convert import mixed
 from colibri.quant import kinds as quant
 from colibri.convert import tied
+from colibri.core import log
 from colibri.core.atomic import fsync_dir, write_json
 from colibri.formats.container import (ALIGN, FORMAT, MANIFEST, VERSION, ContainerCheckpoint, checksum_str, crc32,
                                plan_layout)
@@ -381,9 +382,8 @@ def _notice_requantized(tensors: list[container.TensorEntry], source_types: dict
         if (exact is None or exact.name != t.kind) and not (opts.requantize and src in quant.GGUF_K_EXACT):
             lost.setdefault(src, []).append(t.nbytes)
     for src, sizes in sorted(lost.items()):
-        print(f"colibri: notice: {len(sizes)} {src} tensors have no exact kind in Colibri yet: re-quantized to "
-              f"{opts.quant} by the fixed policy (lossy, a few % perplexity: docs/quality.md)", file=sys.stderr,
-              flush=True)
+        log.warn(f"colibri: notice: {len(sizes)} {src} tensors have no exact kind in Colibri yet: re-quantized to"
+                 f" {opts.quant} by the fixed policy (lossy, a few % perplexity: docs/quality.md)")
 
 
 def _intact_pages(journal: dict, pages: list[container.PageEntry], fds: list[int],

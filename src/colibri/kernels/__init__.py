@@ -45,6 +45,8 @@ import threading
 
 import torch
 
+from colibri.core import log
+
 # the build's names this package's users reach through it (tests, cli, the conftest's build of every tier)
 from colibri.kernels.build import (Int8, KernelsUnavailable, NoCompiler, Tier, cache_root, compiler,  # noqa: F401
                                    ensure_built, is_built, library_path, load, notice, one_line, unity_source)
@@ -198,6 +200,7 @@ def tier() -> str:
                 name = _resolve(_setting())
                 _ops = None if name == "torch" else tier_ops(name)
                 _tier = name
+                log.debug(f"colibri: the {name} kernels run (COLIBRI_KERNELS={_setting()})")
     return _tier
 
 

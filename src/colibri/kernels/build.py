@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from colibri.core import log
+
 HERE = Path(__file__).parent
 # the ops every native tier registers (same names and signatures in each: registry.cpp, the last source of every
 # tier, lists them once); a build that lacks one failed
@@ -73,7 +75,7 @@ class NoCompiler(KernelsUnavailable):
 
 def notice(msg: str) -> None:
     """One line on stderr about how the kernels run (a tier that cannot be had, a mode that does not apply)."""
-    print(f"colibri: {msg}", file=sys.stderr, flush=True)
+    log.notice(f"colibri: {msg}")
 
 
 def one_line(e: BaseException) -> str:
