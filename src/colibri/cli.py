@@ -1,5 +1,5 @@
-"""The `colibri` command: run, chat, serve, batch, stage, info, convert, verify, plan, bench, swap, kernels, doctor,
-tune. Each option is defined once, in OPTIONS."""
+"""The `colibri` command: run, chat, serve, batch, stage, info, list, rm, convert, verify, plan, bench, swap,
+kernels, doctor, tune. Each option is defined once, in OPTIONS."""
 
 from __future__ import annotations
 
@@ -273,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         " container is verified, not copied"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
+    lst = sub.add_parser("list", help="the models Colibri manages by name: name, source, size, kinds")
+    add(lst, "json", "debug", json=dict(help="print one JSON object per model instead of the table"))
+    rm = sub.add_parser("rm", help="delete a model Colibri manages, by its name in `colibri list`")
+    rm.add_argument("name", metavar="NAME", help="the model's name in `colibri list`")
+    add(rm, "debug")
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container, or a"
                                           " container into a GGUF (--output NAME.gguf)")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
@@ -327,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 def model_path(args, engine: bool = True) -> str:
     """--model, else the embedded default: its container (converted on first use) for the commands that run
     it, the GGUF itself to describe (`engine=False`)."""
-    if args.model:
-        return args.model
+    if args.model:  # a path, a name from `colibri list` or a Hugging Face hub id
+        from colibri.convert.managed import resolve
+        return resolve(args.model)
     if engine:
         from colibri.convert.pipeline import default_container
         return str(default_container(announce=lambda text: log.notice(f"colibri: {text}")))
@@ -491,6 +497,8 @@ def cmd_serve(args) -> int:
     if name is None and not args.model:  # the embedded default: its own name, not its cached container's
         from colibri.core.defaults import default_model_path
         name = default_model_path().stem
+    elif name is None and not os.path.exists(args.model):  # a listed name or a hub id: clients send it as given
+        name = args.model
     if args.ray is not None:
         from colibri import router
         from colibri.server import model_id
@@ -568,6 +576,31 @@ def cmd_doctor(args) -> int:
     checks = doctor.diagnose(args.model, args.dir, probe_seconds=args.probe_seconds)
     print(json.dumps(doctor.as_json(checks)) if args.json else doctor.format_checks(checks))
     return 1 if any(c.status == doctor.FAIL for c in checks) else 0
+
+
+def cmd_list(args) -> int:
+    from colibri.convert.managed import listed, models_root
+    models = listed()
+    if args.json:
+        for m in models:
+            print(json.dumps(m.as_dict()))
+        return 0
+    if not models:
+        print(f"no models in {models_root()} (a hub id or the default model given to --model lands there once"
+              " converted)", file=sys.stderr)
+        return 0
+    rows = [(m.name, f"{m.size / 2**30:.2f} GiB", ",".join(m.kinds),
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(m.created)), m.source) for m in models]
+    widths = [max(len(r[i]) for r in [("NAME", "SIZE", "KINDS", "CREATED", "SOURCE"), *rows]) for i in range(4)]
+    for r in [("NAME", "SIZE", "KINDS", "CREATED", "SOURCE"), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from colibri.convert.managed import remove
+    print(f"removed {remove(args.name)}", file=sys.stderr)
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -765,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     log.set_level(args.quiet, args.verbose)  # every call: an in-process caller's last -q does not stick
     quiet_openmp(args)
     handler = {"run": cmd_run, "chat": cmd_chat, "serve": cmd_serve, "batch": cmd_batch, "stage": cmd_stage,
-               "info": cmd_info, "convert": cmd_convert, "calibrate": cmd_calibrate,
+               "info": cmd_info, "list": cmd_list, "rm": cmd_rm, "convert": cmd_convert, "calibrate": cmd_calibrate,
                "verify": cmd_verify, "plan": cmd_plan, "bench": cmd_bench, "swap": cmd_swap,
                "kernels": cmd_kernels, "doctor": cmd_doctor, "tune": cmd_tune}[args.command]
     # SIGTERM unwinds like Ctrl-C: `finally` blocks and atexit run (temporary swap files go), with a message
