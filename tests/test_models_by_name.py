@@ -64,10 +64,16 @@ def test_list_run_by_name_and_rm(caches, tiny_src, capsys):
     conv.convert(tiny_src, managed.models_root() / "tiny-f32", conv.ConvertOptions(quant="f32"))
     r = here(capsys, "list")
     header, row = r.stdout.splitlines()
-    assert header.split() == ["NAME", "SIZE", "KINDS", "CREATED", "SOURCE"]
+    assert header.split() == ["NAME", "SIZE", "KINDS", "CREATED", "VERIFIED", "SOURCE"]
     assert row.startswith("tiny-f32 ") and row.endswith(str(tiny_src.resolve())) and " f32 " in row
+    assert " never " in row
     (entry,) = [json.loads(x) for x in here(capsys, "list", "--json").stdout.splitlines()]
     assert entry["name"] == "tiny-f32" and entry["kinds"] == ["f32"] and entry["source"] == str(tiny_src.resolve())
+    assert entry["verified"] is None
+    r = here(capsys, "verify", "-m", "tiny-f32")  # by name; a full check records when
+    assert r.returncode == 0 and r.stdout.startswith("ok:"), r.stderr
+    (entry,) = [json.loads(x) for x in here(capsys, "list", "--json").stdout.splitlines()]
+    assert entry["verified"] >= entry["created"] and " never " not in here(capsys, "list").stdout
     assert entry["size"] == sum(f.stat().st_size for f in (managed.models_root() / "tiny-f32").iterdir())
     by_name = here(capsys, *RUN, "-m", "tiny-f32")  # f32: the same tokens as the HF directory
     assert by_name.returncode == 0, by_name.stderr

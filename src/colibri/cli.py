@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         " container is verified, not copied"))
     info = sub.add_parser("info", help="describe a model without loading its weights")
     add(info, "model", "debug")
-    lst = sub.add_parser("list", help="the models Colibri manages by name: name, source, size, kinds")
+    lst = sub.add_parser("list", help="the models Colibri manages by name: name, size, kinds, created, verified, source")
     add(lst, "json", "debug", json=dict(help="print one JSON object per model instead of the table"))
     rm = sub.add_parser("rm", help="delete a model Colibri manages, by its name in `colibri list`")
     rm.add_argument("name", metavar="NAME", help="the model's name in `colibri list`")
@@ -589,11 +589,15 @@ def cmd_list(args) -> int:
         print(f"no models in {models_root()} (a hub id or the default model given to --model lands there once"
               " converted)", file=sys.stderr)
         return 0
-    rows = [(m.name, f"{m.size / 2**30:.2f} GiB", ",".join(m.kinds),
-             time.strftime("%Y-%m-%d %H:%M", time.localtime(m.created)), m.source) for m in models]
-    widths = [max(len(r[i]) for r in [("NAME", "SIZE", "KINDS", "CREATED", "SOURCE"), *rows]) for i in range(4)]
-    for r in [("NAME", "SIZE", "KINDS", "CREATED", "SOURCE"), *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    def when(t: float | None) -> str:
+        return "never" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+    rows = [("NAME", "SIZE", "KINDS", "CREATED", "VERIFIED", "SOURCE")]
+    rows += [(m.name, f"{m.size / 2**30:.2f} GiB", ",".join(m.kinds), when(m.created), when(m.verified), m.source)
+             for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
     return 0
 
 
@@ -694,6 +698,8 @@ def cmd_verify(args) -> int:
         print(f"error: {path}: {len(bad)} damaged page(s); reconvert the model", file=sys.stderr)
         return 1
     print(f"ok: {len(ckpt.pages)} pages, {len(ckpt.tensors)} tensors verified")
+    from colibri.convert.managed import mark_verified
+    mark_verified(path)  # `colibri list` shows when
     return 0
 
 

@@ -9,7 +9,9 @@ named GGUF file of a GGUF one). With HF_HUB_OFFLINE=1 nothing is downloaded: a m
 naming it. The hub id is resolved to a local path before anything loads, so the rest of Colibri sees a path.
 
 A container remembers its source in its manifest (`source`: kind, path, fingerprint); a source inside the hub
-cache is shown as its hub id.
+cache is shown as its hub id. When every checksum of a managed container has passed (`colibri verify`, or the check
+of the default model's container at start), `NAME.verified` beside it records when; a container written after
+that (converted again) is not verified by it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +48,11 @@ class Managed:
     size: int  # bytes on disk
     kinds: list[str]  # the tensors' kinds (f32, bf16, q4, q4k, ...)
     created: float  # the manifest's mtime (seconds since the epoch)
+    verified: float | None  # when every checksum last passed (None: not since it was written)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "path": str(self.path), "source": self.source, "size": self.size,
-                "kinds": self.kinds, "created": self.created}
+                "kinds": self.kinds, "created": self.created, "verified": self.verified}
 
 
 def listed() -> list[Managed]:
@@ -68,8 +72,25 @@ def listed() -> list[Managed]:
         except (OSError, ValueError, TypeError, KeyError):
             source, kinds = "(unreadable manifest: colibri verify it, or colibri rm it)", []
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-        out.append(Managed(d.name, d, source, size, kinds, manifest.stat().st_mtime))
+        created = manifest.stat().st_mtime
+        mark = root / f"{d.name}.verified"
+        verified = mark.stat().st_mtime if mark.is_file() else None
+        out.append(Managed(d.name, d, source, size, kinds, created,
+                           verified if verified is not None and verified >= created else None))
     return out
+
+
+def mark_verified(path: Path) -> None:
+    """Record that every checksum of the container at `path` passed, if it is a managed one (others: nothing is
+    written). A cache that cannot be written only loses the record."""
+    path = Path(path).resolve()
+    root = models_root().resolve()
+    if path.parent != root:
+        return
+    try:
+        (root / f"{path.name}.verified").write_text(json.dumps({"at": time.time()}) + "\n")
+    except OSError:
+        pass
 
 
 def describe_source(source: dict) -> str:
@@ -91,6 +112,7 @@ def remove(name: str) -> Path:
         raise InputError(f"no managed model named {name!r} in {root}; `colibri list` shows them")
     shutil.rmtree(d)
     (root / f"{name}.lock").unlink(missing_ok=True)
+    (root / f"{name}.verified").unlink(missing_ok=True)
     return d
 
 

@@ -29,6 +29,7 @@ from colibri.formats import container
 from colibri.convert import mixed
 from colibri.quant import kinds as quant
 from colibri.convert import tied
+from colibri.convert.managed import mark_verified
 from colibri.core import log
 from colibri.core.atomic import fsync_dir, write_json
 from colibri.formats.container import (ALIGN, FORMAT, MANIFEST, VERSION, ContainerCheckpoint, checksum_str, crc32,
@@ -476,9 +477,12 @@ def _intact(path: Path) -> bool:
     except ModelLoadError:
         return False
     try:
-        return next(ckpt.verify(), None) is None
+        intact = next(ckpt.verify(), None) is None
     finally:
         ckpt.close()
+    if intact:
+        mark_verified(path)
+    return intact
 
 
 def progress_lines(label: str) -> Progress:
