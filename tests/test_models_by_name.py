@@ -78,6 +78,8 @@ def test_list_run_by_name_and_rm(caches, tiny_src, capsys):
     by_name = here(capsys, *RUN, "-m", "tiny-f32")  # f32: the same tokens as the HF directory
     assert by_name.returncode == 0, by_name.stderr
     assert json.loads(by_name.stdout)["token_ids"] == json.loads(direct.stdout)["token_ids"]
+    r = here(capsys, "doctor", "-m", "tiny-f32", "--json", "--probe-seconds", "0.1")  # names work in every command
+    assert "not found" not in r.stdout and "tiny-f32" in r.stdout, r.stdout + r.stderr
     r = here(capsys, "rm", "tiny-f32")
     assert r.returncode == 0 and "removed" in r.stderr and not (managed.models_root() / "tiny-f32").exists()
     for name in ("tiny-f32", "../colibri", ""):

@@ -563,6 +563,7 @@ def cmd_tune(args) -> int:
     from colibri.perf import tune
     from colibri.perf.runner import is_container
     from pathlib import Path
+    args.model = model_path(args)  # a listed name or a hub id, as a path
     if not is_container(Path(args.model)):
         raise InputError(f"--model {args.model}: tune measures a Colibri container; convert the model first")
     report = tune.tune(args.model, args.memory_limit, tokens=args.tokens, repeats=args.repeats)
@@ -573,7 +574,8 @@ def cmd_tune(args) -> int:
 
 def cmd_doctor(args) -> int:
     from colibri.perf import doctor
-    checks = doctor.diagnose(args.model, args.dir, probe_seconds=args.probe_seconds)
+    model = model_path(args, engine=False) if args.model else None  # a listed name or a hub id, as a path
+    checks = doctor.diagnose(model, args.dir, probe_seconds=args.probe_seconds)
     print(json.dumps(doctor.as_json(checks)) if args.json else doctor.format_checks(checks))
     return 1 if any(c.status == doctor.FAIL for c in checks) else 0
 
