@@ -197,6 +197,21 @@ def test_embeddings_route_returns_model_embed(server, model):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
 
 
+def test_the_ray_router_relays_embeddings(server):
+    """serve --ray's router in front of a replica (here the module's server, without a cluster): /v1/embeddings
+    answers as the replica does, errors included."""
+    from fastapi.testclient import TestClient
+    from colibri.router import Router, Upstream
+    body = {"model": "smollm2", "input": ["The capital of France is Paris.", "x"]}
+    direct = post(server, "/v1/embeddings", body)
+    with TestClient(Router([Upstream(0, server.url, None, ready=True)], "smollm2", None).app()) as c:
+        r = c.post("/v1/embeddings", json=body)
+        assert r.status_code == 200 and r.headers["x-colibri-replica"] == "0"
+        assert [d["embedding"] for d in r.json()["data"]] == [d["embedding"] for d in direct.json()["data"]]
+        bad = c.post("/v1/embeddings", json={**body, "dimensions": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+
+
 @pytest.mark.parametrize("syntax", ["mistral", "llama3"])
 def test_forced_calls_in_the_other_syntaxes_follow_the_schema(model, syntax):
     """What the server does for a template of that syntax: the forced start in the prompt, the grammar for the

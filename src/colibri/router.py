@@ -265,6 +265,10 @@ class Router:
         async def completions(request: Request) -> Response:
             return await relay(request, "/v1/completions", await read_body(request, BODY_CAP))
 
+        @app.post("/v1/embeddings")  # no conversation to follow: the least loaded replica
+        async def embeddings(request: Request) -> Response:
+            return await relay(request, "/v1/embeddings", await read_body(request, BODY_CAP))
+
         return app
 
     async def stream(self, u: Upstream, upstream):
