@@ -67,3 +67,34 @@ def test_first_use_progress_into_a_file_is_whole_lines(capsys):
     assert err.splitlines() == (["colibri: the default model: reading"]
                                 + [f"colibri: the default model: converting {p:3d} %" for p in range(0, 101, 10)]
                                 + ["colibri: the default model: verifying  50 %", "colibri: the default model: publishing"])
+
+
+def test_a_verified_container_is_trusted_until_its_files_change(tiny_model_dir, tmp_path, monkeypatch):
+    """In the managed cache, the start after a conversion verifies the container whole and records its identity;
+    later starts trust it without reading it again, until a data file changes (then: verified, found damaged,
+    converted again)."""
+    from colibri.convert.managed import models_root, trusted
+    from colibri.formats.container import ContainerCheckpoint
+
+    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "cache"))
+    verified: list[Path] = []
+    whole = ContainerCheckpoint.verify
+
+    def counting(self, *a, **k):
+        verified.append(self.path)
+        return whole(self, *a, **k)
+
+    monkeypatch.setattr(ContainerCheckpoint, "verify", counting)
+    src = tiny_model_dir("llama_tied")
+    path, said = convert_once(src, models_root())
+    assert len(said) == 1 and not trusted(path)
+    verified.clear()
+    assert convert_once(src, models_root()) == (path, []) and len(verified) == 1 and trusted(path)
+    assert convert_once(src, models_root()) == (path, []) and len(verified) == 1  # trusted: not read again
+    data = path / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))  # a new mtime: the identity differs
+    assert not trusted(path)
+    again, said = convert_once(src, models_root())
+    assert again == path and len(said) == 1 and len(verified) > 1  # verified, found damaged, converted again

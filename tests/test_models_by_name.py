@@ -115,3 +115,19 @@ def test_hub_ids_resolve_through_the_hub_cache_offline(caches, tiny_src, capsys)
     assert r.returncode == 0 and "llama" in r.stdout, r.stderr
     r = here(capsys, "info", "-m", "someorg/smol-GGUF:Q8_0")
     assert r.returncode == 2 and "0 GGUF files of someorg/smol-GGUF match Q8_0" in r.stderr, r.stderr
+
+
+def test_a_gguf_runs_from_its_container_in_the_managed_cache(caches, tmp_path, capsys):
+    """`--model x.gguf` converts the file into the managed cache once (exact kinds kept), says so, and runs the
+    container; the next start finds it (nothing converted again) and `colibri list` names its source."""
+    from test_export import tiny_gguf
+    from gguf import GGMLQuantizationType as QT
+
+    src = tiny_gguf(tmp_path / "tiny.gguf", QT.Q4_K)
+    first = here(capsys, "run", "-m", str(src), "--raw", "-n", "3", "-t", "1", "-c", "64", "hello")
+    assert first.returncode == 0, first.stderr
+    assert "first use" in first.stderr
+    [entry] = [m for m in managed.listed() if m.source == str(src)]
+    assert entry.name.startswith("tiny-q4-") and "q4k" in entry.kinds
+    again = here(capsys, "run", "-m", str(src), "--raw", "-n", "3", "-t", "1", "-c", "64", "hello")
+    assert again.returncode == 0 and "first use" not in again.stderr and again.stdout == first.stdout

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from colibri.core import config, log
@@ -330,11 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_path(args, engine: bool = True) -> str:
-    """--model, else the embedded default: its container (converted on first use) for the commands that run
-    it, the GGUF itself to describe (`engine=False`)."""
+    """--model, else the embedded default: for the commands that run it, a GGUF file's container in the managed
+    cache (converted on first use, exact kinds kept; later starts reuse it), the GGUF itself to describe
+    (`engine=False`)."""
     if args.model:  # a path, a name from `colibri list` or a Hugging Face hub id
         from colibri.convert.managed import resolve
-        return resolve(args.model)
+        from colibri.formats.checkpoint import is_gguf_file
+        path = resolve(args.model)
+        if engine and is_gguf_file(Path(path)):
+            from colibri.convert.managed import models_root
+            from colibri.convert.pipeline import DEFAULT_KIND, cached_container
+            return str(cached_container(Path(path).absolute(), models_root(), DEFAULT_KIND, label=Path(path).name,
+                                        announce=lambda text: log.notice(f"colibri: {text}")))
+        return path
     if engine:
         from colibri.convert.pipeline import default_container
         return str(default_container(announce=lambda text: log.notice(f"colibri: {text}")))
@@ -423,7 +432,6 @@ def session_path(args):
     """The conversation file of --kv-dir / --session, or None when neither is given."""
     if not args.kv_dir and not args.session:
         return None
-    from pathlib import Path
 
     from colibri.core.defaults import cache_dir
     name = args.session or "default"

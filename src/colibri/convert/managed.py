@@ -10,8 +10,10 @@ naming it. The hub id is resolved to a local path before anything loads, so the 
 
 A container remembers its source in its manifest (`source`: kind, path, fingerprint); a source inside the hub
 cache is shown as its hub id. When every checksum of a managed container has passed (`colibri verify`, or the check
-of the default model's container at start), `NAME.verified` beside it records when; a container written after
-that (converted again) is not verified by it.
+of a converted-on-first-use container at its first start), `NAME.verified` beside it records when and the
+container's identity (`identity`): later starts trust a container whose identity is unchanged without reading it
+whole (pages are still checked on first read); a container written after that (converted again) is not verified
+by it.
 """
 
 from __future__ import annotations
@@ -80,17 +82,39 @@ def listed() -> list[Managed]:
     return out
 
 
+def identity(path: Path) -> list:
+    """What a verified container must still be for a later start to trust it: the manifest's and every data file's
+    name, size and mtime (ns). A rewrite, a copy over it or a truncation changes one of them; the side files
+    (tokenizer, chat template, GGUF metadata) are checked against the manifest's checksums whenever they are read,
+    and files written beside the data later (usage.json, tune.json) are not part of it."""
+    files = [f for f in Path(path).iterdir() if f.name == "manifest.json" or (f.name.startswith("data-") and
+                                                                               f.suffix == ".bin")]
+    return sorted([f.name, st.st_size, st.st_mtime_ns] for f in files for st in [f.stat()])
+
+
 def mark_verified(path: Path) -> None:
-    """Record that every checksum of the container at `path` passed, if it is a managed one (others: nothing is
-    written). A cache that cannot be written only loses the record."""
+    """Record that every checksum of the container at `path` passed, with its identity, if it is a managed one
+    (others: nothing is written). A cache that cannot be written only loses the record."""
     path = Path(path).resolve()
     root = models_root().resolve()
     if path.parent != root:
         return
     try:
-        (root / f"{path.name}.verified").write_text(json.dumps({"at": time.time()}) + "\n")
+        record = {"at": time.time(), "identity": identity(path)}
+        (root / f"{path.name}.verified").write_text(json.dumps(record) + "\n")
     except OSError:
         pass
+
+
+def trusted(path: Path) -> bool:
+    """Whether the managed container at `path` was verified whole and is, by its identity, the same files since:
+    a later start trusts it without reading every page again (each page is still checked on first read)."""
+    path = Path(path).resolve()
+    try:
+        record = json.loads((path.parent / f"{path.name}.verified").read_text())
+        return isinstance(record, dict) and record.get("identity") == identity(path)
+    except (OSError, ValueError):
+        return False
 
 
 def describe_source(source: dict) -> str:

@@ -29,7 +29,7 @@ from colibri.formats import container
 from colibri.convert import mixed
 from colibri.quant import kinds as quant
 from colibri.convert import tied
-from colibri.convert.managed import mark_verified
+from colibri.convert.managed import mark_verified, trusted
 from colibri.core import log
 from colibri.core.atomic import fsync_dir, write_json
 from colibri.formats.container import (ALIGN, FORMAT, MANIFEST, VERSION, ContainerCheckpoint, checksum_str, crc32,
@@ -448,7 +448,7 @@ def _check_space(parent: Path, total: int, work: Path) -> None:
 DEFAULT_KIND = "q4"  # the container kind of the default model (docs/quality.md, "The default model")
 
 
-def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
+def cached_container(src: Path, root: Path, kind: str, announce=None, label: str = "the default model") -> Path:
     """A container of `src` under `root`, converted on first use and reused while `src` is unchanged.
 
     Safe against two processes at once (the second waits on a lock, then finds the first's container) and
@@ -465,11 +465,13 @@ def cached_container(src: Path, root: Path, kind: str, announce=None) -> Path:
             return dst
         if announce:
             announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
-        convert(src, dst, opts, force=True, progress=progress_lines("the default model"))
+        convert(src, dst, opts, force=True, progress=progress_lines(label))
     return dst
 
 
 def _intact(path: Path) -> bool:
+    """Whether the cached container at `path` can be used: its manifest reads and checks, and either it was
+    verified whole before and its identity is unchanged (managed.trusted) or every checksum passes now."""
     if not (path / "manifest.json").is_file():
         return False
     try:
@@ -477,6 +479,8 @@ def _intact(path: Path) -> bool:
     except ModelLoadError:
         return False
     try:
+        if trusted(path):
+            return True
         intact = next(ckpt.verify(), None) is None
     finally:
         ckpt.close()

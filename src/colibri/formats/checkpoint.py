@@ -45,16 +45,27 @@ class Checkpoint(Protocol):
     def close(self) -> None: ...
 
 
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file named .gguf or starting with the GGUF magic."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
     """The reader for `path`: a .gguf file (or any file starting with the GGUF magic), a directory with a Colibri
     manifest, else an HF directory."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory; check the --model path")
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                if f.read(4) != b"GGUF":
-                    raise ModelLoadError(f"{path}: not a GGUF file; give a .gguf file or a model directory")
+        if not is_gguf_file(path):
+            raise ModelLoadError(f"{path}: not a GGUF file; give a .gguf file or a model directory")
         from colibri.formats.gguf import GGUFCheckpoint
         return GGUFCheckpoint(path)
     from colibri.formats.container import MANIFEST, ContainerCheckpoint
