@@ -1,0 +1,200 @@
+"""GGUF Q4_K / Q6_K / Q8_0 / Q5_0 blocks from float weights, the way llama.cpp's quantizer makes them.
+
+`quantize_blocks(w, "Q4_K", importance)` returns the GGUF block bytes of a [N, K] weight, which `kinds.from_gguf`
+turns into the exact kinds (q4k, q6k, q8 g32, q5_0): a container made from HF weights then streams through the
+same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time (torch, f32).
+
+The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here from their description):
+* Q4_K: per 32-value sub-block an asymmetric 4-bit fit w ~ scale * L - min (make_qkx2_quants: candidate grids of
+  15 + rmin + i * rdelta steps across [min(w, 0), max(w)], each followed by a weighted least-squares fit of
+  (scale, min) to its codes, the best by weighted squared error). Weights without an importance matrix:
+  rms(sub-block) + |w|; with one: importance * sqrt(sigma^2 + w^2), sigma^2 = 2 * mean(w^2) over the super-block,
+  and the wider grid llama.cpp's make_qkx3_quants uses. The 8 scales and 8 mins of a super-block are then quantized
+  to 6 bits against their maximum (without importance) or by a small grid search over the 6-bit step weighted by
+  each sub-block's total weight (with importance: the grid part of make_qp_quants; its final per-scale coordinate
+  descent is left out), and the codes are re-rounded against the stored scales.
+* Q6_K: per 16-value sub-block a symmetric 6-bit fit (make_qx_quants with squared-value weights, or importance
+  * sqrt(sigma^2 + w^2) where sigma^2 = mean(w^2)): 19 grids of 32 +- 0.9 steps across the signed largest value,
+  each with its least-squares scale; the 16 scales become int8 against the largest, codes re-rounded.
+* Q8_0 and Q5_0: gguf.quants' own quantizers (round to nearest; llama.cpp ignores importance for Q8_0).
+Rounding is half to even everywhere, as llama.cpp's nearest_int.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SUPER = 256
+ROWS_VALUES = 1 << 21  # values per step: ~8 MiB f32, a handful of such temporaries at once
+_EPS = 1e-15
+
+
+def _f16(t: torch.Tensor) -> torch.Tensor:
+    """The value as the block stores it (f16), back in f32."""
+    return t.to(torch.float16).float()
+
+
+def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sub-block (last axis) the (scale, min) of x ~ scale * L - min, L in [0, nmax], minimizing the weighted
+    squared error over candidate grids (make_qkx2_quants). x, w: [..., n]; returns [...] each, min >= 0."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True)
+    rng = hi - lo
+    flat = rng <= 0
+    rng = torch.where(flat, 1, rng)
+    sw, sx, sxx = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True), (w * x * x).sum(-1, keepdim=True)
+    xl = x - lo
+
+    def sums(c):
+        q = torch.round(xl * c).clamp_(0, nmax)
+        wq = w * q
+        return wq.sum(-1, keepdim=True), (wq * q).sum(-1, keepdim=True), (wq * x).sum(-1, keepdim=True)
+
+    def err(s, m, sl, sl2, sxl):  # sum w (s q + m - x)^2 from the sums: one pass over the values per grid
+        return s * s * sl2 + 2 * s * m * sl + m * m * sw - 2 * s * sxl - 2 * m * sx + sxx
+
+    scale, mn = rng / nmax, lo
+    best = err(scale, mn, *sums(nmax / rng))
+    for i in range(nstep + 1):
+        sl, sl2, sxl = sums((rmin + rdelta * i + nmax) / rng)
+        d = sw * sl2 - sl * sl
+        ok = d > 0
+        d = torch.where(ok, d, 1)
+        s = (sw * sxl - sx * sl) / d
+        m = (sl2 * sx - sl * sxl) / d
+        pos = m > 0  # a positive offset is not representable (min >= 0): refit the scale alone
+        s = torch.where(pos, sxl / sl2.clamp_min(1e-30), s)
+        m = torch.where(pos, 0, m)
+        e = err(s, m, sl, sl2, sxl)
+        better = ok & (e < best)
+        best = torch.where(better, e, best)
+        scale, mn = torch.where(better, s, scale), torch.where(better, m, mn)
+    scale = torch.where(flat, 0, scale)
+    return scale.squeeze(-1), (-mn).squeeze(-1)
+
+
+def _grid_6bit(v: torch.Tensor, sw: torch.Tensor | None, nmax: int = 63) -> torch.Tensor:
+    """The step d with which the non-negative values v [..., 8] are stored as round(v / d) in [0, nmax]: their
+    max / nmax, or with weights sw the best of 9 steps around it by weighted squared error (make_qp_quants' grid)."""
+    mx = v.amax(-1, keepdim=True)
+    zero = mx <= 0
+    mx = torch.where(zero, 1, mx)
+    best_i = nmax / mx
+    if sw is not None:
+        def err(iscale):
+            return (sw * (v - torch.round(v * iscale).clamp_(max=nmax) / iscale).square()).sum(-1, keepdim=True)
+        best = err(best_i)
+        for i in (-4, -3, -2, -1, 1, 2, 3, 4):
+            cand = (nmax + 0.1 * i) / mx
+            e = err(cand)
+            best_i = torch.where(e < best, cand, best_i)
+            best = torch.minimum(e, best)
+    return torch.where(zero, 0, 1 / best_i).squeeze(-1)
+
+
+def _q4k(x: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
+    """x: f32 [B, 256] super-blocks, imp: [B, 256] or None -> uint8 [B, 144] Q4_K blocks."""
+    b = x.shape[0]
+    xs = x.view(b, 8, 32)
+    if imp is None:
+        w = xs.square().mean(-1, keepdim=True).sqrt() + xs.abs()
+        scale, mn = _asym_fit(xs, w, 15, -1.0, 0.1, 20)
+        d, dmin = _grid_6bit(scale, None), _grid_6bit(mn, None)
+    else:
+        sigma2 = 2 * x.square().mean(-1, keepdim=True).unsqueeze(-1)
+        w = imp.view(b, 8, 32) * (sigma2 + xs.square()).sqrt()
+        scale, mn = _asym_fit(xs, w, 15, -0.9, 0.05, 36)
+        sw = w.sum(-1)
+        d, dmin = _grid_6bit(scale, sw), _grid_6bit(mn, sw)
+    d16, dmin16 = _f16(d), _f16(dmin)
+    ls = torch.where(d.unsqueeze(-1) > 0, torch.round(scale / d.clamp_min(1e-30).unsqueeze(-1)), 0).clamp_(0, 63)
+    lm = torch.where(dmin.unsqueeze(-1) > 0, torch.round(mn / dmin.clamp_min(1e-30).unsqueeze(-1)), 0).clamp_(0, 63)
+    dj = (d16.unsqueeze(-1) * ls).unsqueeze(-1)
+    mj = (dmin16.unsqueeze(-1) * lm).unsqueeze(-1)
+    q = torch.where(dj > 0, torch.round((xs + mj) / dj.clamp_min(1e-30)), 0).clamp_(0, 15).to(torch.uint8)
+    ls, lm = ls.to(torch.uint8), lm.to(torch.uint8)
+    # 12 scale bytes: sub-blocks 0-3 hold 6-bit scale / min in bytes 0-3 / 4-7; 4-7 keep their low nibbles in
+    # bytes 8-11 and their top 2 bits in the top bits of bytes 0-7
+    sc = torch.empty(b, 12, dtype=torch.uint8)
+    sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    q = q.view(b, 4, 2, 32)  # 64-value chunks: the first 32 in low nibbles, the next 32 in high
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(b, 128)
+    head = torch.stack([d16, dmin16], -1).to(torch.float16).view(torch.uint8)
+    return torch.cat([head, sc, qs], 1).numpy()
+
+
+def _sym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int) -> torch.Tensor:
+    """Per sub-block (last axis) the scale of x ~ scale * l, l in [-nmax, nmax - 1], by make_qx_quants' search."""
+    amax_i = x.abs().argmax(-1, keepdim=True)
+    mx = x.gather(-1, amax_i)
+    zero = mx.abs() < _EPS
+    mx = torch.where(zero, 1, mx)
+    wx = w * x
+
+    def fit(i: int):
+        l = torch.round(x * (-(nmax + 0.1 * i) / mx)).clamp_(-nmax, nmax - 1)
+        slx, sl2 = (wx * l).sum(-1, keepdim=True), (w * l * l).sum(-1, keepdim=True)
+        return slx / sl2.clamp_min(1e-30), slx, sl2
+
+    scale, slx, _ = fit(0)
+    best = scale * slx
+    for i in (*range(-9, 0), *range(1, 10)):
+        s, slx, sl2 = fit(i)
+        better = (sl2 > 0) & (slx * slx > best * sl2)
+        scale, best = torch.where(better, s, scale), torch.where(better, s * slx, best)
+    return torch.where(zero, 0, scale).squeeze(-1)
+
+
+def _q6k(x: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
+    """x: f32 [B, 256], imp: [B, 256] or None -> uint8 [B, 210] Q6_K blocks."""
+    b = x.shape[0]
+    xs = x.view(b, 16, 16)
+    if imp is None:
+        w = xs.square()
+    else:
+        sigma2 = x.square().mean(-1, keepdim=True).unsqueeze(-1)
+        w = imp.view(b, 16, 16) * (sigma2 + xs.square()).sqrt()
+    scale = _sym_fit(xs, w, 32)
+    big = scale.abs().argmax(-1, keepdim=True)
+    top = scale.gather(-1, big)
+    zero = top.abs() < _EPS
+    iscale = torch.where(zero, 0, -128 / torch.where(zero, 1, top))
+    d16 = _f16(torch.where(zero, 0, 1 / torch.where(zero, 1, iscale)))
+    sc = torch.round(iscale * scale).clamp_(-128, 127)
+    dj = (d16 * sc).unsqueeze(-1)
+    q = torch.where(dj != 0, torch.round(xs / torch.where(dj != 0, dj, 1)), 0).clamp_(-32, 31) + 32
+    q = q.to(torch.uint8).view(b, 2, 4, 32)  # two 128-value halves of four 32-value quarters
+    ql = torch.cat([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], 2)
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    return torch.cat([ql.reshape(b, 128), qh.reshape(b, 64), sc.to(torch.int8).view(torch.uint8),
+                      d16.to(torch.float16).view(torch.uint8)], 1).numpy()
+
+
+_K = {"Q4_K": (_q4k, 144), "Q6_K": (_q6k, 210)}
+TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
+
+
+def quantize_blocks(w: torch.Tensor, gguf_type: str, importance: torch.Tensor | None = None) -> np.ndarray:
+    """GGUF blocks of `w` [N, K] (any float dtype) as uint8 [N, K / block * block bytes]. `importance`: f32 [K]
+    per input channel (mean x^2 over calibration activations, llama.cpp's imatrix), used by Q4_K / Q6_K."""
+    n, k = w.shape
+    if gguf_type not in _K:
+        from gguf import GGMLQuantizationType, quants
+
+        return quants.quantize(w.float().numpy(), GGMLQuantizationType[gguf_type])
+    fn, nbytes = _K[gguf_type]
+    if k % SUPER:
+        raise ValueError(f"{gguf_type}: K = {k} is not a multiple of {SUPER}")
+    out = np.empty((n, k // SUPER * nbytes), dtype=np.uint8)
+    rows = max(1, ROWS_VALUES // k)
+    imp = None if importance is None else importance.float().clamp_min(0).view(1, k)
+    for r in range(0, n, rows):
+        x = w[r:r + rows].float()
+        m = x.shape[0]
+        blk_imp = None if imp is None else imp.expand(m, k).reshape(-1, SUPER)
+        out[r:r + m] = fn(x.reshape(-1, SUPER), blk_imp).reshape(m, -1)
+    return out
