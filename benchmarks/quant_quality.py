@@ -10,6 +10,9 @@ Rows, all scored by colibri itself with f32 activations (only the stored weights
                 tables at q8, the rest q4-g64, plain fit; the default before exact K-quant import)
   calibrated    `colibri convert --requantize --calibration builtin` (calibrated mix within the Q4_K_M budget)
   llama.cpp     llama-quantize Q4_K_M (no imatrix) of an f16 GGUF of the dequantized source, loaded by colibri
+  q4_k_m        `colibri convert --quant q4_k_m` of that f16 GGUF (llama.cpp's recipe and block search, quant/kquant.py)
+  q4_k_m-imat   the same with --imatrix builtin
+  q4-f16        `colibri convert --quant q4` of that f16 GGUF (Colibri's fixed policy from float weights)
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
 512 tokens, the second half of each scored) and one causal pass over the first --full tokens.
@@ -104,7 +107,7 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
     ap.add_argument("--rows", nargs="*", default=["source", "new", "old", "llama.cpp"],
-                    help="of source, new, old, calibrated, llama.cpp")
+                    help="of source, new, old, calibrated, llama.cpp, q4_k_m, q4_k_m-imat, q4-f16")
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
@@ -112,9 +115,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
     paths = {"source": a.gguf, "old": a.work / "old-q4", "new": a.work / "new-default",
-             "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf"}
+             "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf",
+             "q4_k_m": a.work / "kq-q4_k_m", "q4_k_m-imat": a.work / "kq-q4_k_m-imat", "q4-f16": a.work / "f16-q4"}
     builds = {"new": ConvertOptions(quant="q4"), "old": ConvertOptions(quant="q4", requantize=True),
               "calibrated": ConvertOptions(quant="q4", requantize=True, calibration="builtin")}
+    from_f16 = {"q4_k_m": ConvertOptions(quant="q4_k_m"), "q4_k_m-imat": ConvertOptions(quant="q4_k_m", imatrix="builtin"),
+                "q4-f16": ConvertOptions(quant="q4")}
     seconds = {}
     for extra in a.container:
         label, path = extra.split("=", 1)
@@ -124,10 +130,14 @@ def main() -> None:
         t0 = time.perf_counter()
         if row in builds and not paths[row].exists():
             convert(a.gguf, paths[row], builds[row])
-        elif row == "llama.cpp" and not paths[row].exists():
+        elif row in ("llama.cpp", *from_f16) and not paths[row].exists():
             f16 = a.work / "source-f16.gguf"
             if not f16.exists():
                 f16_gguf(a.gguf, f16)
+            if row in from_f16:
+                convert(f16, paths[row], from_f16[row])
+                seconds[row] = time.perf_counter() - t0
+                continue
             subprocess.run([str(a.llama_quantize), str(f16), str(paths[row]), "Q4_K_M"], check=True,
                            stdout=subprocess.DEVNULL)
         seconds[row] = time.perf_counter() - t0

@@ -10,9 +10,9 @@ The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here fro
   (scale, min) to its codes, the best by weighted squared error). Weights without an importance matrix:
   rms(sub-block) + |w|; with one: importance * sqrt(sigma^2 + w^2), sigma^2 = 2 * mean(w^2) over the super-block,
   and the wider grid llama.cpp's make_qkx3_quants uses. The 8 scales and 8 mins of a super-block are then quantized
-  to 6 bits against their maximum (without importance) or by a small grid search over the 6-bit step weighted by
-  each sub-block's total weight (with importance: the grid part of make_qp_quants; its final per-scale coordinate
-  descent is left out), and the codes are re-rounded against the stored scales.
+  to 6 bits against their maximum (without importance) or, weighted by each sub-block's total weight, by
+  make_qp_quants' grid search and per-code refinement (with importance); the codes are re-rounded against the
+  stored scales.
 * Q6_K: per 16-value sub-block a symmetric 6-bit fit (make_qx_quants with squared-value weights, or importance
   * sqrt(sigma^2 + w^2) where sigma^2 = mean(w^2)): 19 grids of 32 +- 0.9 steps across the signed largest value,
   each with its least-squares scale; the 16 scales become int8 against the largest, codes re-rounded.
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 SUPER = 256
-ROWS_VALUES = 1 << 21  # values per step: ~8 MiB f32, a handful of such temporaries at once
+ROWS_VALUES = 1 << 18  # values per step: 1 MiB f32 temporaries stay in cache (8 MiB ones ran 3x slower)
 _EPS = 1e-15
 
 
@@ -75,23 +75,40 @@ def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: 
     return scale.squeeze(-1), (-mn).squeeze(-1)
 
 
-def _grid_6bit(v: torch.Tensor, sw: torch.Tensor | None, nmax: int = 63) -> torch.Tensor:
-    """The step d with which the non-negative values v [..., 8] are stored as round(v / d) in [0, nmax]: their
-    max / nmax, or with weights sw the best of 9 steps around it by weighted squared error (make_qp_quants' grid)."""
+def _scales_6bit(v: torch.Tensor, sw: torch.Tensor | None, nmax: int = 63) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step d [...], codes L [..., 8] in [0, nmax]) storing the non-negative values v [..., 8] as d * L.
+    Without weights: d = max / nmax, L rounded. With sub-block weights sw (make_qp_quants): the best of 9 steps
+    around that by weighted squared error, then 5 rounds of moving each code to its least-squares value while
+    that improves the weighted fit, and d = the least-squares step of the final codes."""
     mx = v.amax(-1, keepdim=True)
-    zero = mx <= 0
+    zero = mx < _EPS
     mx = torch.where(zero, 1, mx)
-    best_i = nmax / mx
-    if sw is not None:
-        def err(iscale):
-            return (sw * (v - torch.round(v * iscale).clamp_(max=nmax) / iscale).square()).sum(-1, keepdim=True)
-        best = err(best_i)
-        for i in (-4, -3, -2, -1, 1, 2, 3, 4):
-            cand = (nmax + 0.1 * i) / mx
-            e = err(cand)
-            best_i = torch.where(e < best, cand, best_i)
-            best = torch.minimum(e, best)
-    return torch.where(zero, 0, 1 / best_i).squeeze(-1)
+    iscale = nmax / mx
+    if sw is None:
+        return torch.where(zero, 0, 1 / iscale).squeeze(-1), torch.round(v * iscale).clamp_(0, nmax)
+
+    def err(i):
+        return (sw * (v - torch.round(v * i).clamp_(max=nmax) / i).square()).sum(-1, keepdim=True)
+    best = err(iscale)
+    for k in (-4, -3, -2, -1, 1, 2, 3, 4):
+        cand = (nmax + 0.1 * k) / mx
+        e = err(cand)
+        iscale = torch.where(e < best, cand, iscale)
+        best = torch.minimum(e, best)
+    q = torch.round(v * iscale).clamp_(max=nmax)
+    slx, sl2 = (sw * v * q).sum(-1), (sw * q * q).sum(-1)
+    for _ in range(5):
+        for j in range(v.shape[-1]):
+            w, x, l = sw[..., j], v[..., j], q[..., j]
+            a, b = slx - w * x * l, sl2 - w * l * l
+            ok = (a > 0) & (b > 0)
+            nl = torch.round(x * b / torch.where(ok, a, 1)).clamp_(max=nmax)
+            a2, b2 = a + w * x * nl, b + w * nl * nl
+            take = ok & (nl != l) & (a2 * a2 * sl2 > slx * slx * b2)
+            q[..., j] = torch.where(take, nl, l)
+            slx, sl2 = torch.where(take, a2, slx), torch.where(take, b2, sl2)
+    d = torch.where(zero.squeeze(-1) | (sl2 <= 0), 0, slx / sl2.clamp_min(1e-30))
+    return d, torch.where(zero, 0, q)
 
 
 def _q4k(x: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
@@ -101,16 +118,14 @@ def _q4k(x: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
     if imp is None:
         w = xs.square().mean(-1, keepdim=True).sqrt() + xs.abs()
         scale, mn = _asym_fit(xs, w, 15, -1.0, 0.1, 20)
-        d, dmin = _grid_6bit(scale, None), _grid_6bit(mn, None)
+        (d, ls), (dmin, lm) = _scales_6bit(scale, None), _scales_6bit(mn, None)
     else:
         sigma2 = 2 * x.square().mean(-1, keepdim=True).unsqueeze(-1)
         w = imp.view(b, 8, 32) * (sigma2 + xs.square()).sqrt()
         scale, mn = _asym_fit(xs, w, 15, -0.9, 0.05, 36)
         sw = w.sum(-1)
-        d, dmin = _grid_6bit(scale, sw), _grid_6bit(mn, sw)
+        (d, ls), (dmin, lm) = _scales_6bit(scale, sw), _scales_6bit(mn, sw)
     d16, dmin16 = _f16(d), _f16(dmin)
-    ls = torch.where(d.unsqueeze(-1) > 0, torch.round(scale / d.clamp_min(1e-30).unsqueeze(-1)), 0).clamp_(0, 63)
-    lm = torch.where(dmin.unsqueeze(-1) > 0, torch.round(mn / dmin.clamp_min(1e-30).unsqueeze(-1)), 0).clamp_(0, 63)
     dj = (d16.unsqueeze(-1) * ls).unsqueeze(-1)
     mj = (dmin16.unsqueeze(-1) * lm).unsqueeze(-1)
     q = torch.where(dj > 0, torch.round((xs + mj) / dj.clamp_min(1e-30)), 0).clamp_(0, 15).to(torch.uint8)
