@@ -13,6 +13,7 @@ Rows, all scored by colibri itself with f32 activations (only the stored weights
   q4_k_m        `colibri convert --quant q4_k_m` of that f16 GGUF (llama.cpp's recipe and block search, quant/kquant.py)
   q4_k_m-imat   the same with --imatrix builtin
   q4-f16        `colibri convert --quant q4` of that f16 GGUF (Colibri's fixed policy from float weights)
+  q6_k, q8_0    `colibri convert --quant q6_k` / `--quant q8_0` of that f16 GGUF
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
 512 tokens, the second half of each scored) and one causal pass over the first --full tokens.
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
     ap.add_argument("--rows", nargs="*", default=["source", "new", "old", "llama.cpp"],
-                    help="of source, new, old, calibrated, llama.cpp, q4_k_m, q4_k_m-imat, q4-f16")
+                    help="of source, new, old, calibrated, llama.cpp, q4_k_m, q4_k_m-imat, q4-f16, q6_k, q8_0")
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
@@ -116,11 +117,13 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     paths = {"source": a.gguf, "old": a.work / "old-q4", "new": a.work / "new-default",
              "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf",
-             "q4_k_m": a.work / "kq-q4_k_m", "q4_k_m-imat": a.work / "kq-q4_k_m-imat", "q4-f16": a.work / "f16-q4"}
+             "q4_k_m": a.work / "kq-q4_k_m", "q4_k_m-imat": a.work / "kq-q4_k_m-imat", "q4-f16": a.work / "f16-q4",
+             "q6_k": a.work / "kq-q6_k", "q8_0": a.work / "kq-q8_0"}
     builds = {"new": ConvertOptions(quant="q4"), "old": ConvertOptions(quant="q4", requantize=True),
               "calibrated": ConvertOptions(quant="q4", requantize=True, calibration="builtin")}
     from_f16 = {"q4_k_m": ConvertOptions(quant="q4_k_m"), "q4_k_m-imat": ConvertOptions(quant="q4_k_m", imatrix="builtin"),
-                "q4-f16": ConvertOptions(quant="q4")}
+                "q4-f16": ConvertOptions(quant="q4"), "q6_k": ConvertOptions(quant="q6_k"),
+                "q8_0": ConvertOptions(quant="q8_0")}
     seconds = {}
     for extra in a.container:
         label, path = extra.split("=", 1)

@@ -149,3 +149,17 @@ def test_options():
         conv.ConvertOptions(quant="q4", imatrix="builtin")
     with pytest.raises(InputError, match="--imatrix"):
         conv.ConvertOptions(quant="q4_k_m", imatrix="mine")
+
+
+def test_gguf_source(wide_model, tmp_path):
+    """A GGUF's float matrices get the recipe's blocks, as from HF weights (its quantized ones stay exact, as
+    plan_layout keeps every exact GGUF kind: tests/test_container.py)."""
+    from test_container import q_gguf
+
+    src = q_gguf(tmp_path / "m.gguf", wide_model, QT.F16)
+    conv.convert(src, tmp_path / "g", conv.ConvertOptions(quant="q4_k_m"))
+    conv.convert(wide_model, tmp_path / "h", conv.ConvertOptions(quant="q4_k_m"))
+    g, h = ContainerCheckpoint(tmp_path / "g"), ContainerCheckpoint(tmp_path / "h")
+    assert {n: t.kind for n, t in g.tensors.items()} == {n: t.kind for n, t in h.tensors.items()}
+    g.close()
+    h.close()
