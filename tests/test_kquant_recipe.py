@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 import colibri
-from colibri.convert import mixed
+from colibri.convert import imatrix, mixed
 from colibri.convert import pipeline as conv
 from colibri.core.errors import InputError
 from colibri.formats.container import ContainerCheckpoint
@@ -163,3 +163,56 @@ def test_gguf_source(wide_model, tmp_path):
     assert {n: t.kind for n, t in g.tensors.items()} == {n: t.kind for n, t in h.tensors.items()}
     g.close()
     h.close()
+
+
+def _imatrix_files(tmp_path: Path, table: dict[str, np.ndarray], calls: int = 10) -> tuple[Path, Path]:
+    """The same importance (GGUF name -> mean x^2) as llama-imatrix's GGUF and legacy .dat files."""
+    import struct
+
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(tmp_path / "imatrix.gguf", "imatrix")
+    for name, mean in table.items():
+        w.add_tensor(f"{name}.in_sum2", (mean * calls).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.array([calls], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    dat = struct.pack("<i", len(table))
+    for name, mean in table.items():
+        dat += struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", calls, mean.size)
+        dat += (mean * calls).astype(np.float32).tobytes()
+    (tmp_path / "imatrix.dat").write_bytes(dat + struct.pack("<i", 1))
+    return tmp_path / "imatrix.gguf", tmp_path / "imatrix.dat"
+
+
+def test_imatrix_file(wide_model, tmp_path):
+    """llama-imatrix's files (both forms) weight the fits exactly as the same importance given directly."""
+    from safetensors.torch import load_file
+
+    rng = np.random.default_rng(0)
+    table = {f"blk.{i}.{n}.weight": rng.random(k, dtype=np.float32) ** 3 + 0.01
+             for i in range(LAYERS) for n, k in (("attn_v", 256), ("ffn_down", 512))}
+    sums = {}
+    for path in _imatrix_files(tmp_path, table):
+        out = tmp_path / path.suffix[1:]
+        conv.convert(wide_model, out, conv.ConvertOptions(quant="q4_k_m", imatrix=str(path)))
+        sums[path.suffix] = [t["checksum"] for t in json.loads((out / "manifest.json").read_text())["tensors"]]
+        assert "imatrix" in json.loads((out / "manifest.json").read_text())["quant"]["policy"]["recipe"]
+    assert sums[".gguf"] == sums[".dat"]
+    c = ContainerCheckpoint(tmp_path / "gguf")
+    name = "model.layers.1.mlp.down_proj.weight"  # a Q4_K tensor the file covers
+    w = load_file(wide_model / "model.safetensors")[name]
+    mean = imatrix.read(tmp_path / "imatrix.gguf")["blk.1.ffn_down.weight"]  # sum / calls, as stored
+    assert np.allclose(mean, table["blk.1.ffn_down.weight"], rtol=1e-6)
+    want = kquant.quantize_blocks(w, "Q4_K", torch.from_numpy(mean))
+    assert torch.equal(c.load(name).dequantize().float(),
+                       torch.from_numpy(dequantize(want, QT.Q4_K).reshape(w.shape)))
+    c.close()
+    (tmp_path / "bad.dat").write_bytes(b"\x00\x01")
+    with pytest.raises(InputError, match="--imatrix"):
+        conv.convert(wide_model, tmp_path / "bad", conv.ConvertOptions(quant="q4_k_m", imatrix=str(tmp_path / "bad.dat")))
+    other = _imatrix_files(tmp_path, {"blk.0.attn_v.weight": np.ones(7, np.float32)})[1]
+    with pytest.raises(InputError, match="none of its 1 entries"):
+        conv.convert(wide_model, tmp_path / "other", conv.ConvertOptions(quant="q4_k_m", imatrix=str(other)))

@@ -25,6 +25,7 @@ import torch
 
 from colibri.core import __version__
 from colibri.convert import calibrate
+from colibri.convert import imatrix
 from colibri.formats import container
 from colibri.convert import mixed
 from colibri.quant import kinds as quant
@@ -42,7 +43,7 @@ QUANT_ALIASES = {"q4_0": "q4", "float32": "f32", "bfloat16": "bf16", "float16": 
 # llama.cpp file types reproduced from float weights (mixed.llama_types, quant/kquant.py): the base kind whose
 # policy takes any tensor the recipe leaves out
 RECIPE_BASE = {"q4_k_m": "q4", "q6_k": "q8", "q8_0": "q8"}
-IMATRIX = ("none", "builtin")
+IMATRIX = ("none", "builtin")  # or a llama.cpp importance matrix file (convert/imatrix.py)
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"
 # the phases a conversion reports, in order; the byte-counted ones give (done, total) in bytes, calibrating in layers
@@ -67,7 +68,7 @@ class ConvertOptions:
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"
     requantize: bool = False  # GGUF K-quants, IQ4, Q5_0: re-quantized by the policy (lossy), not kept exactly
-    imatrix: str = "none"  # K-quant recipes: "builtin" weights the block fits by activations measured on calibration
+    imatrix: str = "none"  # K-quant recipes: "builtin" (measured on calibration text) or a llama.cpp imatrix file
     recipe: str | None = None  # set from `quant` when it names a llama.cpp file type (RECIPE_BASE)
 
     @property
@@ -88,8 +89,9 @@ class ConvertOptions:
         if self.recipe and self.requantize:
             raise InputError(f"--requantize re-quantizes a GGUF by the q4 policy; it does not combine with --quant "
                              f"{self.recipe}")
-        if self.imatrix not in IMATRIX:
-            raise InputError(f"--imatrix {self.imatrix!r}: choose one of {', '.join(IMATRIX)}")
+        if self.imatrix not in IMATRIX and not Path(self.imatrix).is_file():
+            raise InputError(f"--imatrix {self.imatrix}: no such file (give llama-imatrix's .gguf / .dat file, "
+                             f"or one of {', '.join(IMATRIX)})")
         if self.imatrix != "none" and self.recipe is None:
             raise InputError(f"--imatrix applies to the K-quant recipes ({', '.join(RECIPE_BASE)}), not --quant "
                              f"{self.quant}; use --calibration for q4")
@@ -256,8 +258,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
     fingerprint = source_fingerprint(src, opts)
-    if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
-        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
+    imatrix_file = None if opts.imatrix in IMATRIX else opts.imatrix
+    if kinds or opts.calibration_file or imatrix_file:  # an explicit plan, a text, an imatrix: the output's identity
+        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}" \
+                f"{calibrate.text_digest(imatrix_file)}"
         fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
     cal, policy, recipe = None, None, None
     if opts.recipe:  # the float tensors get llama.cpp's block types; a GGUF's quantized ones stay as they are
@@ -272,6 +276,9 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
             ids = calibrate.calibration_ids(getattr(ckpt, "tokenizer", None), args.vocab_size, None,
                                             opts.calibration_tokens)
             cal = calibrate.calibrate(ckpt, args, decoder, ids, {}, progress=progress, measure=False)
+        elif recipe and opts.imatrix != "none":
+            cal = calibrate.Calibration(importance=imatrix.importance(
+                imatrix.read(opts.imatrix), {n: shapes[n] for n in recipe}, ckpt.config["model_type"], opts.imatrix))
         if opts.calibrated and not kinds:
             work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
             _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
