@@ -132,14 +132,37 @@ def test_container_runs_close_to_hf(wide_model, tmp_path, recipe):
 
 
 def test_imatrix_builtin(wide_model, tmp_path):
+    """--imatrix builtin: every K-quant tensor's error weighted by the measured importance (the expected error of
+    its output) is lower than without it."""
+    from safetensors.torch import load_file
+
+    from colibri.convert import calibrate
+    from colibri.models import open_model
+
     conv.convert(wide_model, tmp_path / "plain", conv.ConvertOptions(quant="q4_k_m"))
     conv.convert(wide_model, tmp_path / "imat", conv.ConvertOptions(quant="q4_k_m", imatrix="builtin",
                                                                     calibration_tokens=128))
+    ckpt, args, decoder = open_model(wide_model)
+    ids = calibrate.calibration_ids(None, args.vocab_size, None, 128)
+    importance = calibrate.calibrate(ckpt, args, decoder, ids, {}, measure=False).importance
+    ckpt.close()
+    src = load_file(wide_model / "model.safetensors")
+    plain, imat = ContainerCheckpoint(tmp_path / "plain"), ContainerCheckpoint(tmp_path / "imat")
+    checked = 0
+    for name, t in plain.tensors.items():
+        if t.kind not in ("q4k", "q6k") or name not in importance:
+            continue
+        a = importance[name]
+        err = [(a * (c.load(name).dequantize().float() - src[name]).square()).sum().item() for c in (plain, imat)]
+        assert err[1] < err[0], name
+        checked += 1
+    assert checked >= 4 * LAYERS  # q, k, o, gate, up at least, in every layer
+    plain.close()
+    imat.close()
     ref = colibri.load(wide_model, dtype="float32").logits(IDS)
     err = {n: (colibri.load(tmp_path / n, dtype="float32").logits(IDS) - ref).square().mean().item()
            for n in ("plain", "imat")}
-    assert err["imat"] != err["plain"]  # the importance reached the fit
-    assert err["imat"] < 1.5 * err["plain"]
+    assert err["imat"] < 1.5 * err["plain"]  # on random weights the logits need not improve, but stay as close
 
 
 def test_options():
