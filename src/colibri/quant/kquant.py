@@ -235,5 +235,10 @@ def quantize_blocks(w: torch.Tensor, gguf_type: str, importance: torch.Tensor | 
 
         return quants.quantize(w.float().numpy(), GGMLQuantizationType[gguf_type])
     imp = None if importance is None else importance.float().clamp_min(0).view(1, k)
-    rows = max(1, ROWS_VALUES // k)
-    return np.concatenate([fn(w[r:r + rows].float(), imp) for r in range(0, n, rows)])
+    rows, out = max(1, ROWS_VALUES // k), None
+    for r in range(0, n, rows):
+        part = fn(w[r:r + rows].float(), imp)
+        if out is None:  # filled in place: the blocks are held once, whatever the tensor's size
+            out = np.empty((n, part.shape[1]), dtype=np.uint8)
+        out[r:r + len(part)] = part
+    return out
