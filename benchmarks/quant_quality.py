@@ -10,6 +10,12 @@ Rows, all scored by colibri itself with f32 activations (only the stored weights
                 tables at q8, the rest q4-g64, plain fit; the default before exact K-quant import)
   calibrated    `colibri convert --requantize --calibration builtin` (calibrated mix within the Q4_K_M budget)
   llama.cpp     llama-quantize Q4_K_M (no imatrix) of an f16 GGUF of the dequantized source, loaded by colibri
+  q4_k_m        `colibri convert --quant q4_k_m` of that f16 GGUF (llama.cpp's recipe and block search, quant/kquant.py)
+  q4_k_m-imat   the same with --imatrix builtin
+  q4-f16        `colibri convert --quant q4` of that f16 GGUF (Colibri's fixed policy from float weights)
+  q6_k, q8_0    `colibri convert --quant q6_k` / `--quant q8_0` of that f16 GGUF
+  q4_k_m-ggml   (--ggml-lib) the q4_k_m container with every block made by llama.cpp's own ggml_quantize_chunk
+                (q4_k_m-imat-ggml: with the same builtin importance): llama.cpp's Q4_K_M of the source, same layout
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
 512 tokens, the second half of each scored) and one causal pass over the first --full tokens.
@@ -31,6 +37,7 @@ import torch
 import colibri
 from colibri.convert import calibrate
 from colibri.convert.pipeline import ConvertOptions, convert
+from colibri.quant import kquant
 from colibri.runtime.evaluate import perplexity
 
 HELD_OUT_MODULES = ("argparse", "dataclasses", "enum", "pathlib")  # none is in calibrate.CODE_MODULES
@@ -89,6 +96,31 @@ def f16_gguf(src: Path, dst: Path) -> None:
     w.close()
 
 
+def ggml_blocks(lib_path: Path):
+    """kquant.quantize_blocks done by llama.cpp's own ggml_quantize_chunk (ctypes on its libggml-base)."""
+    import ctypes
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    lib = ctypes.CDLL(str(lib_path))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+
+    def quantize(w: torch.Tensor, gguf_type: str, importance: torch.Tensor | None = None) -> np.ndarray:
+        t = GGMLQuantizationType[gguf_type]
+        block, nbytes = GGML_QUANT_SIZES[t]
+        x = np.ascontiguousarray(w.float().numpy())
+        n, k = x.shape
+        out = np.zeros((n, k // block * nbytes), np.uint8)
+        imp = None if importance is None else np.ascontiguousarray(importance.float().numpy())
+        lib.ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, n, k,
+                                None if imp is None else imp.ctypes.data)
+        return out
+
+    return quantize
+
+
 def size_of(path: Path) -> int:
     if path.is_dir():
         return sum(f["size"] for f in json.loads((path / "manifest.json").read_text())["files"])
@@ -104,17 +136,25 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
     ap.add_argument("--rows", nargs="*", default=["source", "new", "old", "llama.cpp"],
-                    help="of source, new, old, calibrated, llama.cpp")
+                    help="of source, new, old, calibrated, llama.cpp, q4_k_m, q4_k_m-imat, q4-f16, q6_k, q8_0")
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ggml-lib", type=Path, help="llama.cpp's libggml-base.so: rows q4_k_m-ggml, q4_k_m-imat-ggml")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
     paths = {"source": a.gguf, "old": a.work / "old-q4", "new": a.work / "new-default",
-             "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf"}
+             "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf",
+             "q4_k_m": a.work / "kq-q4_k_m", "q4_k_m-imat": a.work / "kq-q4_k_m-imat", "q4-f16": a.work / "f16-q4",
+             "q6_k": a.work / "kq-q6_k", "q8_0": a.work / "kq-q8_0",
+             "q4_k_m-ggml": a.work / "ggml-q4_k_m", "q4_k_m-imat-ggml": a.work / "ggml-q4_k_m-imat"}
     builds = {"new": ConvertOptions(quant="q4"), "old": ConvertOptions(quant="q4", requantize=True),
               "calibrated": ConvertOptions(quant="q4", requantize=True, calibration="builtin")}
+    from_f16 = {"q4_k_m": ConvertOptions(quant="q4_k_m"), "q4_k_m-imat": ConvertOptions(quant="q4_k_m", imatrix="builtin"),
+                "q4-f16": ConvertOptions(quant="q4"), "q6_k": ConvertOptions(quant="q6_k"),
+                "q8_0": ConvertOptions(quant="q8_0"), "q4_k_m-ggml": ConvertOptions(quant="q4_k_m"),
+                "q4_k_m-imat-ggml": ConvertOptions(quant="q4_k_m", imatrix="builtin")}
     seconds = {}
     for extra in a.container:
         label, path = extra.split("=", 1)
@@ -124,10 +164,20 @@ def main() -> None:
         t0 = time.perf_counter()
         if row in builds and not paths[row].exists():
             convert(a.gguf, paths[row], builds[row])
-        elif row == "llama.cpp" and not paths[row].exists():
+        elif row in ("llama.cpp", *from_f16) and not paths[row].exists():
             f16 = a.work / "source-f16.gguf"
             if not f16.exists():
                 f16_gguf(a.gguf, f16)
+            if row in from_f16:
+                own = kquant.quantize_blocks
+                if row.endswith("-ggml"):
+                    kquant.quantize_blocks = ggml_blocks(a.ggml_lib)
+                try:
+                    convert(f16, paths[row], from_f16[row])
+                finally:
+                    kquant.quantize_blocks = own
+                seconds[row] = time.perf_counter() - t0
+                continue
             subprocess.run([str(a.llama_quantize), str(f16), str(paths[row]), "Q4_K_M"], check=True,
                            stdout=subprocess.DEVNULL)
         seconds[row] = time.perf_counter() - t0

@@ -248,7 +248,10 @@ def test_bad_options():
         conv.ConvertOptions(quant="q3")
     with pytest.raises(InputError, match="--group-size"):
         conv.ConvertOptions(group_size=48)
-    assert conv.ConvertOptions(quant="Q4_K_M").quant == "q4" and conv.ConvertOptions(quant="q8_0").quant == "q8"
+    assert conv.ConvertOptions(quant="q4_0").quant == "q4"
+    # llama.cpp's file types: a K-quant recipe over the base policy (tests/test_kquant_recipe.py)
+    assert (conv.ConvertOptions(quant="Q4_K_M").quant, conv.ConvertOptions(quant="Q4_K_M").recipe) == ("q4", "q4_k_m")
+    assert (conv.ConvertOptions(quant="q8_0").quant, conv.ConvertOptions(quant="q8_0").recipe) == ("q8", "q8_0")
 
 
 def test_enospc_fails_cleanly(tiny_model_dir, tmp_path, monkeypatch):

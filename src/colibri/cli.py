@@ -128,7 +128,14 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "output": (dict(required=True, help="container directory to create, or a NAME.gguf file: the --input container"
                                         " written back as a GGUF that llama.cpp loads (docs/format.md, \"Export to"
                                         " GGUF\")"), None),
-    "quant": (dict(default="q4", help="q4 (alias q4_k_m), q8 (alias q8_0), bf16, f16 or f32 (default q4)"), None),
+    "quant": (dict(default="q4", help="q4 (Colibri's own policy; alias q4_0), q8, bf16, f16, f32, or a llama.cpp"
+                                      " file type made from float weights as its quantizer would: q4_k_m, q6_k,"
+                                      " q8_0 (default q4)"), None),
+    "imatrix": (dict(default="none", metavar="none|builtin|FILE",
+                     help="q4_k_m / q6_k: weight the block fits by each input channel's importance: 'builtin'"
+                          " (measured on CPython's own prose and source, --calibration-tokens of it) or FILE, an"
+                          " importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default none)"),
+                None),
     "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
                   None),
@@ -282,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert an HF directory or GGUF file into a Colibri container, or a"
                                           " container into a GGUF (--output NAME.gguf)")
     add(conv, "input", "output", "quant", "group_size", "page_size", "calibration", "calibration_tokens",
-        "bits_per_weight", "mix", "requantize", "force", "debug")
+        "bits_per_weight", "mix", "requantize", "imatrix", "force", "debug")
     cal = sub.add_parser("calibrate", help="calibrate a container's LOSSY sparse FFN (--sparse-ffn): per-layer"
                                            " thresholds and the neurons' co-activation order, in a sidecar")
     add(cal, "model", "text", "target_sparsity", "max_ppl_increase", "allocation", "calibration_tokens", "output",
@@ -632,7 +639,8 @@ def cmd_convert(args) -> int:
     if not export:
         opts = ConvertOptions(quant=args.quant, group_size=args.group_size, page_size_mb=args.page_size,
                               calibration=args.calibration, bits_per_weight=args.bits_per_weight,
-                              calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize)
+                              calibration_tokens=args.calibration_tokens, mix=args.mix, requantize=args.requantize,
+                              imatrix=args.imatrix)
     bars: dict[str, tqdm] = {}
     if not sys.stderr.isatty():  # a log file or a pipe: whole lines
         progress = progress_lines(args.input)

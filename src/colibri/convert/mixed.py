@@ -28,26 +28,39 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m_bytes(shapes: dict[str, tuple[int, ...]], num_layers: int, tied: bool) -> int:
-    """Bytes of these tensors under llama.cpp's Q4_K_M rules: the head (for a tied model, its one table) Q6_K;
-    attn_v and ffn_down Q6_K in the `_more_bits` layers, else Q4_K; other matrices Q4_K; vectors f32."""
-    total = 0
+RECIPES = ("q4_k_m", "q6_k", "q8_0")  # llama.cpp's file types that `colibri convert --quant` reproduces
+_RECIPE_BASE = {"q4_k_m": "Q4_K", "q6_k": "Q6_K", "q8_0": "Q8_0"}
+
+
+def llama_types(shapes: dict[str, tuple[int, ...]], num_layers: int, tied: bool, recipe: str) -> dict[str, str]:
+    """The GGUF block type llama.cpp's quantizer gives each matrix under `recipe` (its llama_tensor_get_type for
+    dense models): the head (for a tied model, its one table) Q6_K (Q8_0 under q8_0); under q4_k_m, attn_v and
+    ffn_down Q6_K in the `_more_bits` layers; every other matrix the recipe's own type. A row length not divisible
+    by 256 falls back to Q5_0 / Q8_0 as llama.cpp does; one not divisible by 32 is left out (the base policy)."""
+    base = _RECIPE_BASE[recipe]
+    out = {}
     for name, shape in shapes.items():
-        n = _numel(shape)
-        if len(shape) == 1:
-            total += 4 * n
+        if len(shape) != 2:
             continue
         m = _LAYER.match(name)
+        kind = base
         if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+            kind = "Q8_0" if base == "Q8_0" else "Q6_K"
+        elif recipe == "q4_k_m" and m and (".v_proj." in name or "down_proj." in name) \
+                and _more_bits(int(m.group(1)), num_layers):
             kind = "Q6_K"
-        elif m and (".v_proj." in name or "down_proj." in name) and _more_bits(int(m.group(1)), num_layers):
-            kind = "Q6_K"
-        else:
-            kind = "Q4_K"
-        if shape[-1] % 256:
+        if shape[-1] % 256 and kind in FALLBACK:
             kind = FALLBACK[kind]
-        total += int(n * BITS[kind] / 8)
-    return total
+        if shape[-1] % 32 == 0:
+            out[name] = kind
+    return out
+
+
+def q4_k_m_bytes(shapes: dict[str, tuple[int, ...]], num_layers: int, tied: bool) -> int:
+    """Bytes of these tensors under llama.cpp's Q4_K_M rules (`llama_types`); vectors f32."""
+    types = llama_types(shapes, num_layers, tied, "q4_k_m")
+    return sum(_numel(s) * 4 if len(s) == 1 else int(_numel(s) * BITS[types.get(n, "Q4_K")] / 8)
+               for n, s in shapes.items())
 
 
 def extent(kind: str, shape, group_size: int | None) -> int:

@@ -25,9 +25,11 @@ import torch
 
 from colibri.core import __version__
 from colibri.convert import calibrate
+from colibri.convert import imatrix
 from colibri.formats import container
 from colibri.convert import mixed
 from colibri.quant import kinds as quant
+from colibri.quant import kquant
 from colibri.convert import tied
 from colibri.convert.managed import mark_verified, trusted
 from colibri.core import log
@@ -39,7 +41,11 @@ from colibri.core.errors import ColibriError, InputError, ModelLoadError
 from colibri.formats.checkpoint import check_tensors
 from colibri.models import family, open_model
 
-QUANT_ALIASES = {"q4_k_m": "q4", "q4_0": "q4", "q8_0": "q8", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+QUANT_ALIASES = {"q4_0": "q4", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# llama.cpp file types reproduced from float weights (mixed.llama_types, quant/kquant.py): the base kind whose
+# policy takes any tensor the recipe leaves out
+RECIPE_BASE = {"q4_k_m": "q4", "q6_k": "q8", "q8_0": "q8"}
+IMATRIX = ("none", "builtin")  # or a llama.cpp importance matrix file (convert/imatrix.py)
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"
 # the phases a conversion reports, in order; the byte-counted ones give (done, total) in bytes, calibrating in layers
@@ -64,10 +70,12 @@ class ConvertOptions:
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"
     requantize: bool = False  # GGUF K-quants, IQ4, Q5_0: re-quantized by the policy (lossy), not kept exactly
+    imatrix: str = "none"  # K-quant recipes: "builtin" (measured on calibration text) or a llama.cpp imatrix file
+    recipe: str | None = None  # set from `quant` when it names a llama.cpp file type (RECIPE_BASE)
 
     @property
     def calibrated(self) -> bool:
-        return self.quant == "q4" and self.calibration != "none"
+        return self.quant == "q4" and self.recipe is None and self.calibration != "none"
 
     @property
     def calibration_file(self) -> str | None:
@@ -75,9 +83,20 @@ class ConvertOptions:
 
     def __post_init__(self) -> None:
         self.quant = QUANT_ALIASES.get(self.quant.lower(), self.quant.lower())
+        if self.quant in RECIPE_BASE:
+            self.recipe, self.quant = self.quant, RECIPE_BASE[self.quant]
         if self.quant not in QUANTS:
-            raise InputError(f"--quant {self.quant!r} is not supported; choose one of {', '.join(QUANTS)} "
-                             f"(aliases: {', '.join(QUANT_ALIASES)})")
+            raise InputError(f"--quant {self.quant!r} is not supported; choose one of {', '.join(QUANTS)}, "
+                             f"{', '.join(RECIPE_BASE)} (aliases: {', '.join(QUANT_ALIASES)})")
+        if self.recipe and self.requantize:
+            raise InputError(f"--requantize re-quantizes a GGUF by the q4 policy; it does not combine with --quant "
+                             f"{self.recipe}")
+        if self.imatrix not in IMATRIX and not Path(self.imatrix).is_file():
+            raise InputError(f"--imatrix {self.imatrix}: no such file (give llama-imatrix's .gguf / .dat file, "
+                             f"or one of {', '.join(IMATRIX)})")
+        if self.imatrix != "none" and self.recipe is None:
+            raise InputError(f"--imatrix applies to the K-quant recipes ({', '.join(RECIPE_BASE)}), not --quant "
+                             f"{self.quant}; use --calibration for q4")
         if self.group_size not in (32, 64, 128):
             raise InputError(f"--group-size must be 32, 64 or 128 (got {self.group_size})")
         if not 1 <= self.page_size_mb <= 4096:
@@ -161,9 +180,16 @@ def _page_checksum(fds: list[int], page: container.PageEntry) -> str:
     return container.range_checksum(lambda o, n: os.pread(fd, n, o), page.offset, page.nbytes)
 
 
-def encode(entry: container.TensorEntry, ckpt, cal=None) -> object:
+def encode(entry: container.TensorEntry, ckpt, cal=None, recipe: dict[str, str] | None = None) -> object:
     """Source tensor -> the stored value: a float tensor or a quantized weight (q4: fitted with the importance
-    of its input channels from the calibration `cal` when given, or the weight calibration already fitted)."""
+    of its input channels from the calibration `cal` when given, or the weight calibration already fitted;
+    `recipe`: name -> the GGUF block type a K-quant recipe makes of a float source tensor, weighted by `cal`'s
+    importance when given)."""
+    gtype = (recipe or {}).get(entry.name)
+    if gtype is not None and entry.kind in container.QUANT_KINDS:
+        w = ckpt.load(entry.name)
+        importance = cal.importance.get(entry.name) if cal is not None else None
+        return quant.from_gguf(kquant.quantize_blocks(w, gtype, importance), gtype, tuple(w.shape))
     if entry.kind in container.QUANT_KINDS and ckpt.format == "gguf":
         qtype, raw, shape = ckpt.raw_tensor(entry.name, copy=False)  # converted from the map a block at a time
         try:
@@ -234,12 +260,27 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
     source_types = {n: ckpt.tensor_dtype(n) for n in shapes} if gguf and opts.quant in container.QUANT_KINDS else {}
     source = {"kind": "gguf" if gguf else "huggingface", "path": str(src.resolve())}
     fingerprint = source_fingerprint(src, opts)
-    if kinds or opts.calibration_file:  # an explicit plan, a calibration text: part of the output's identity
-        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}"
+    imatrix_file = None if opts.imatrix in IMATRIX else opts.imatrix
+    if kinds or opts.calibration_file or imatrix_file:  # an explicit plan, a text, an imatrix: the output's identity
+        extra = f"{sorted((kinds or {}).items())}{calibrate.text_digest(opts.calibration_file)}" \
+                f"{calibrate.text_digest(imatrix_file)}"
         fingerprint = hashlib.sha256(f"{fingerprint}{extra}".encode()).hexdigest()[:16]
-    cal, policy = None, None
+    cal, policy, recipe = None, None, None
+    if opts.recipe:  # the float tensors get llama.cpp's block types; a GGUF's quantized ones stay as they are
+        recipe = {n: t for n, t in mixed.llama_types(shapes, args.num_layers, tie, opts.recipe).items()
+                  if source_types.get(n, "F32") in ("F32", "F16", "BF16")}
+        source_types = {**source_types, **recipe}  # so the layout plans them as those blocks kept exactly
+        policy = {**{k: v for k, v in container.policy_for(opts.quant).items() if k != "sensitive"},
+                  "recipe": opts.recipe + ("" if opts.imatrix == "none" else f" (imatrix {opts.imatrix})")}
     try:
         fresh = force
+        if recipe and opts.imatrix == "builtin":
+            ids = calibrate.calibration_ids(getattr(ckpt, "tokenizer", None), args.vocab_size, None,
+                                            opts.calibration_tokens)
+            cal = calibrate.calibrate(ckpt, args, decoder, ids, {}, progress=progress, measure=False)
+        elif recipe and opts.imatrix != "none":
+            cal = calibrate.Calibration(importance=imatrix.importance(
+                imatrix.read(opts.imatrix), {n: shapes[n] for n in recipe}, ckpt.config["model_type"], opts.imatrix))
         if opts.calibrated and not kinds:
             work = dst.with_name(f"{dst.name}.partial-{fingerprint}")
             _open_journal(work, fingerprint, fresh)  # --force: the calibration starts over too
@@ -248,7 +289,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, force: bool 
                                                         progress)
             policy = {"linear": "q4", "small": "f32", "mixed": record} if record else None
         return write_container(dst, ckpt.config, shapes, tie, opts,
-                               lambda entry: encode(entry, ckpt, cal), fingerprint, source,
+                               lambda entry: encode(entry, ckpt, cal, recipe), fingerprint, source,
                                lambda work: tokenizer_files(ckpt, work), source_types, progress,
                                kinds, policy, fresh=fresh)
     finally:
