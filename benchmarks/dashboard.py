@@ -94,12 +94,17 @@ def paired(url: str, a, browser) -> dict:
     """Decode while the dashboard is switched on and off every a.window seconds; the drop per on-window against
     the mean of its neighbouring off-windows (see the module docstring)."""
     arrivals: list[float] = []
+    errors: list[str] = []
     lock = threading.Lock()
 
     def one(i: int) -> None:
         body = {"model": "m", "prompt": prompt(i), "max_tokens": a.tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+            if r.status_code != 200:  # e.g. --tokens past the context the memory limit leaves
+                r.read()
+                errors.append(f"stream {i}: HTTP {r.status_code}: {r.text[:300]}")
+                return
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     with lock:
@@ -139,6 +144,8 @@ def paired(url: str, a, browser) -> dict:
               if windows[i][0] and 0 < i < len(windows) - 1 and i + 1 in full and rates[i - 1] + rates[i + 1] > 0]
     if page is not None:
         page.close()
+    if errors:
+        raise SystemExit("\n".join(errors))
     return {"mode": a.paired, "window_s": a.window, "windows": len(full), "pairs": len(ratios),
             "drop_pct_median": round(100 * (1 - statistics.median(ratios)), 2) if ratios else None,
             "ratios": [round(r, 4) for r in ratios]}

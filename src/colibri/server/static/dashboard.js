@@ -7,6 +7,16 @@ const STATE_COLORS = ["var(--pinned)", "var(--resident)", "var(--loading)", "var
 
 function text(id, value) { const el = $(id); if (el.textContent !== value) el.textContent = value; }
 
+// A section's nodes are rebuilt only when its data changed since the last frame: a browser on the engine's own
+// machine spends its layout and paint on the same cores as the engine (docs/performance.md, dashboard overhead).
+const last = {};
+function changed(key, data) {
+  const s = JSON.stringify(data);
+  if (last[key] === s) return false;
+  last[key] = s;
+  return true;
+}
+
 function drawMemory(mem) {
   const total = mem.limit_bytes || mem.parts.reduce((a, p) => a + p.bytes, 0) || 1;
   text("limit", mem.limit_bytes ? "limit " + colibri.fmtBytes(mem.limit_bytes) :
@@ -35,19 +45,28 @@ function drawMemory(mem) {
 function drawLayers(pic) {
   $("layers-section").hidden = false;
   const strip = $("layers");
-  strip.replaceChildren(...pic.layers.map((row, i) => {
-    const cell = document.createElement("div");
-    const sum = row.reduce((a, b) => a + b, 0) || 1;
+  if (strip.children.length !== pic.layers.length) {  // built once: a cell per layer, a span per state
+    strip.replaceChildren(...pic.layers.map(() => {
+      const cell = document.createElement("div");
+      STATE_COLORS.forEach((c) => {
+        const s = document.createElement("span");
+        s.style.background = c;
+        cell.appendChild(s);
+      });
+      return cell;
+    }));
+  }
+  pic.layers.forEach((row, i) => {  // then only heights and titles change
+    const cell = strip.children[i], sum = row.reduce((a, b) => a + b, 0) || 1;
     row.forEach((b, k) => {
-      if (!b) return;
-      const s = document.createElement("span");
-      s.style.height = (100 * b / sum).toFixed(1) + "%";
-      s.style.background = STATE_COLORS[k];
-      cell.appendChild(s);
+      const span = cell.children[k], h = b ? (100 * b / sum).toFixed(1) + "%" : "";
+      if (span.style.height !== h) span.style.height = h;
+      const shown = b ? "" : "none";  // not `hidden`: the stylesheet's display: block would win over it
+      if (span.style.display !== shown) span.style.display = shown;
     });
-    cell.title = "layer " + i + ": " + pic.tiers.map((t, k) => t + " " + colibri.fmtBytes(row[k])).join(", ");
-    return cell;
-  }));
+    const title = "layer " + i + ": " + pic.tiers.map((t, k) => t + " " + colibri.fmtBytes(row[k])).join(", ");
+    if (cell.title !== title) cell.title = title;
+  });
 }
 
 function drawHeat(pic) {
@@ -70,19 +89,22 @@ function drawHeat(pic) {
 function drawRequests(rows) {
   const body = $("requests");
   if (!rows.length) {
-    body.innerHTML = '<tr><td colspan="8" class="muted">no requests</td></tr>';
+    if (!body.querySelector(".muted")) body.innerHTML = '<tr><td colspan="8" class="muted">no requests</td></tr>';
     return;
   }
-  body.replaceChildren(...rows.map((r) => {
-    const tr = document.createElement("tr");
-    for (const v of [r.id, r.state, r.prompt_tokens, r.reused_tokens, r.generated_tokens + " / " + r.max_tokens,
-                     colibri.fmt(r.ttft_s, 2), colibri.fmt(r.decode_tok_s), colibri.fmt(r.age_s, 1)]) {
-      const td = document.createElement("td");
-      td.textContent = v;
-      tr.appendChild(td);
-    }
-    return tr;
-  }));
+  if (body.querySelector(".muted")) body.replaceChildren();
+  while (body.rows.length > rows.length) body.deleteRow(-1);
+  while (body.rows.length < rows.length) {
+    const tr = body.insertRow();
+    for (let k = 0; k < 8; k++) tr.insertCell();
+  }
+  rows.forEach((r, i) => {  // cells updated in place: only the text that changed is laid out again
+    const cells = body.rows[i].cells;
+    [r.id, r.state, r.prompt_tokens, r.reused_tokens, r.generated_tokens + " / " + r.max_tokens,
+     colibri.fmt(r.ttft_s, 2), colibri.fmt(r.decode_tok_s), colibri.fmt(r.age_s, 1)].forEach((v, k) => {
+      if (cells[k].textContent !== String(v)) cells[k].textContent = v;
+    });
+  });
 }
 
 function draw(f) {
@@ -95,9 +117,9 @@ function draw(f) {
   text("ttft", colibri.fmt(r.ttft_s, 2) + " / " + colibri.fmt(r.ttft_mean_s, 2));
   text("disk", colibri.fmt(r.disk_gb_s, 2));
   text("seqs", f.running + " / " + f.queued);
-  drawMemory(f.memory);
-  if (f.picture && f.picture.layers) drawLayers(f.picture);
-  if (f.picture && f.picture.heat) drawHeat(f.picture);
+  if (changed("memory", f.memory)) drawMemory(f.memory);
+  if (f.picture && f.picture.layers && changed("layers", [f.picture.layers, f.picture.tiers])) drawLayers(f.picture);
+  if (f.picture && f.picture.heat && changed("heat", [f.picture.heat, f.picture.pinned_experts])) drawHeat(f.picture);
   const extra = [];
   if (f.speculation) {
     const s = f.speculation;
