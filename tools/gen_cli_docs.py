@@ -53,7 +53,8 @@ def commands(p: argparse.ArgumentParser, prefix: str) -> list[tuple[str, str, ar
     out = []
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
-            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            # argparse expands a command's help with %: "%%" is a literal percent sign
+            helps = {a.dest: (a.help or "") % {"prog": "colibri"} for a in action._choices_actions}
             for name, sub in action.choices.items():
                 full = f"{prefix} {name}".strip()
                 nested = commands(sub, full)

@@ -121,6 +121,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
     "plot": (dict(help="also draw a picture into this file (.png, .svg, .pdf; needs matplotlib: pip install"
                        " 'colibri[plots]')"), None),
     "repeats": (dict(type=int, default=3, help="measurements of each candidate setting (default 3)"), None),
+    "prefill_tokens": (dict(type=int, default=2 * config.DEFAULT_BATCH,
+                            help="prompt tokens of each prefill measurement, which tunes --batch-size (default"
+                                 f" {2 * config.DEFAULT_BATCH}; 0: decode settings only)"), None),
     "dir": (dict(help="directory whose filesystem the disk checks test (default: the model's, else Colibri's cache"
                       " directory, where KV swap files go)"), None),
     "input": (dict(required=True, help="HF model directory or .gguf file to convert (or a container, to export it"
@@ -183,7 +186,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "top_p": (0, 1), "top_k": (0, None), "min_p": (0, 1), "repetition_penalty": (0, None),
     "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2),
     "seed": (-2**63, 2**64 - 1), "tokens": (1, None), "repeats": (1, 20), "probe_seconds": (0, 3600), "group_size": (1, None),
-    "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16),
+    "page_size": (1, 4096), "calibration_tokens": (1, None), "bits_per_weight": (1, 16), "prefill_tokens": (0, None),
     "port": (0, 65535), "replicas": (1, 1024), "max_queue": (0, None), "shutdown_grace": (0, 3600),
     "target_sparsity": (0, 0.95), "max_ppl_increase": (0, 1000),
     "draft_tokens": (0, config.MAX_DRAFT_TOKENS), "ngram": (1, 16), "ngram_cache_size": (0, None),
@@ -318,9 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     kern = sub.add_parser("kernels", help="the native kernel tiers: which this CPU runs, which are built, which one"
                                           " is used and why (COLIBRI_KERNELS)")
     add(kern, "build", "json", "debug", json=dict(help="print one JSON object instead of the listing"))
-    tun = sub.add_parser("tune", help="measure settings (io threads, prefetch depth, threads) under a memory limit"
-                                      " and keep a profile beside the container only when one wins by 3 %%")
-    add(tun, "model", "memory_limit", "tokens", "repeats", "json", "debug",
+    tun = sub.add_parser("tune", help="measure settings (io threads, prefetch depth, threads, OpenMP wait policy,"
+                                      " batch size) under a memory limit and keep a profile beside the container"
+                                      " only when one wins by 3 %%")
+    add(tun, "model", "memory_limit", "tokens", "repeats", "prefill_tokens", "json", "debug",
         model=dict(required=True, help="Colibri container to tune (the profile is written into it)"),
         memory_limit=dict(required=True, help="the memory limit the profile is for, e.g. 400M (run, chat, serve"
                                               " and batch use the profile at exactly this limit)"),
@@ -372,16 +376,21 @@ def tuned(args, cfg: config.EngineConfig) -> config.EngineConfig:
     profile = profile_for(cfg.model, cfg.memory_limit) if os.path.isdir(cfg.model) else None
     if profile is None:
         return cfg
+    settings = dict(profile["settings"])
+    policy = settings.pop("omp_wait_policy", None)  # set by quiet_openmp before torch loaded, if at all
     given = {"threads": getattr(args, "threads", None) is not None,
              "prefetch_depth": getattr(args, "prefetch_depth", None) is not None,
-             # an explicit --io-threads equal to the default cannot be told from none
-             "io_threads": getattr(args, "io_threads", config.DEFAULT_IO_THREADS) != config.DEFAULT_IO_THREADS}
-    taken = {k: v for k, v in profile["settings"].items() if not given[k]}
-    if taken:
-        log.notice(f"colibri: tuned profile {os.path.join(cfg.model, PROFILE)}: "
-                   + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
-                   + f" ({profile['gain_pct']:+.1f} % decode tok/s measured by colibri tune; an option given"
-                     " overrides it)")
+             # an explicit --io-threads or --batch-size equal to the default cannot be told from none
+             "io_threads": getattr(args, "io_threads", config.DEFAULT_IO_THREADS) != config.DEFAULT_IO_THREADS,
+             "batch_size": getattr(args, "batch_size", config.DEFAULT_BATCH) != config.DEFAULT_BATCH}
+    taken = {k: v for k, v in settings.items() if not given[k]}
+    said = [f"--{k.replace('_', '-')} {v}" for k, v in taken.items()]
+    if policy not in (None, "default") and os.environ.get("OMP_WAIT_POLICY", "").upper() == policy:
+        said.append(f"OMP_WAIT_POLICY={policy}")
+    if said:
+        log.notice(f"colibri: tuned profile {os.path.join(cfg.model, PROFILE)}: " + ", ".join(said)
+                   + f" ({profile['gain_pct']:+.1f} % decode, {profile.get('prefill_gain_pct', 0.0):+.1f} % prefill"
+                     " tok/s measured by colibri tune; an option given overrides it)")
     return cfg.replace(**taken)
 
 
@@ -581,7 +590,8 @@ def cmd_tune(args) -> int:
     args.model = model_path(args)  # a listed name or a hub id, as a path
     if not is_container(Path(args.model)):
         raise InputError(f"--model {args.model}: tune measures a Colibri container; convert the model first")
-    report = tune.tune(args.model, args.memory_limit, tokens=args.tokens, repeats=args.repeats)
+    report = tune.tune(args.model, args.memory_limit, tokens=args.tokens, repeats=args.repeats,
+                       prefill_tokens=args.prefill_tokens)
     if args.json:
         print(json.dumps(report))
     return 0
@@ -785,8 +795,24 @@ def quiet_openmp(args) -> None:
     all in RAM, where nothing is read. The figures are in docs/performance.md, section "Disk" ("Spinning
     OpenMP workers slow the reads"). OpenMP reads it once, when torch loads: a user's own OMP_WAIT_POLICY
     wins, and in-process callers keep theirs."""
-    if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ and streams_dense(args):
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        return
+    policy = tuned_openmp(args)
+    if policy is not None:  # measured by colibri tune for this container and limit
+        if policy != "default":
+            os.environ["OMP_WAIT_POLICY"] = policy
+    elif streams_dense(args):
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def tuned_openmp(args) -> str | None:
+    """The OpenMP wait policy of a `colibri tune` profile beside --model for --memory-limit, or None."""
+    model, limit = getattr(args, "model", None), getattr(args, "memory_limit", None)
+    if args.command not in ("run", "chat", "serve", "batch") or not model or not os.path.isdir(model):
+        return None
+    from colibri.perf.tune import profile_for
+    profile = profile_for(model, limit)
+    return profile["settings"].get("omp_wait_policy") if profile else None
 
 
 def check_kernel_env() -> None:
