@@ -278,14 +278,15 @@ def sampling_params(req: Sampling, prompt_tokens: int, context: int, grammar: st
     """The engine's SamplingParams (`grammar`: what the reply must match, see grammar()); a prompt plus
     `max_tokens` beyond the context is a 400 (never truncated). Without max_tokens a reply may run to the end of
     the context."""
-    max_tokens = getattr(req, "max_completion_tokens", None)
+    chat = isinstance(req, ChatRequest)
+    max_tokens = req.max_completion_tokens if chat else None
     param = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
     if prompt_tokens >= context:
         raise APIError(400, f"the prompt is {prompt_tokens} tokens but this model's context holds {context}"
-                            " (with the reply); shorten the prompt", param="messages"
-                       if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+                            " (with the reply); shorten the prompt", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = context - prompt_tokens
     elif max_tokens < 1:
