@@ -214,16 +214,23 @@ inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
   else codes128_half<0>(block, out);
 }
 
-// Q4_K's 12-byte packing of 8 + 8 6-bit codes (bytes 4-15 of the block): scale codes sc (Mins false) or offset
-// codes m (Mins true), each given to both 16s of its 32, into out[16].
+// Q4_K's 12-byte packing of 8 + 8 6-bit codes (bytes 4-15 of the block, as three little-endian words a, b, c):
+// scale codes sc (Mins false: 0-3 the low 6 bits of a's bytes, 4-7 c's low nibbles under a's top 2 bits) or offset
+// codes m (Mins true: b's, and c's high nibbles under b's top 2 bits), each given to both 16s of its 32, into
+// out[16]. Word arithmetic, not a loop over bytes: the kernels decode every row's codes once per call.
 template <bool Mins>
 inline void codes16(const uint8_t* block, int8_t* out) {
-  const uint8_t* s = block + 4;
-  for (int j = 0; j < 8; ++j) {
-    const int c = j < 4 ? s[j + 4 * Mins] & 63
-                        : ((s[j + 4] >> (4 * Mins)) & 15) | ((s[j - 4 + 4 * Mins] >> 6) << 4);
-    out[2 * j] = out[2 * j + 1] = static_cast<int8_t>(c);
-  }
+  uint32_t w[3];
+  std::memcpy(w, block + 4, 12);
+  const uint32_t lo = w[Mins] & 0x3f3f3f3fu;
+  const uint32_t hi = ((w[2] >> (4 * Mins)) & 0x0f0f0f0fu) | ((w[Mins] >> 2) & 0x30303030u);
+  const uint64_t v = lo | static_cast<uint64_t>(hi) << 32;  // code j in byte j
+#if defined(__AVX2__)
+  const __m128i c = _mm_cvtsi64_si128(static_cast<int64_t>(v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(c, c));
+#else
+  for (int j = 0; j < 8; ++j) out[2 * j] = out[2 * j + 1] = static_cast<int8_t>((v >> (8 * j)) & 0xff);
+#endif
 }
 inline void scales16(const uint8_t* block, int8_t* out) { codes16<false>(block, out); }
 inline void mins16(const uint8_t* block, int8_t* out) { codes16<true>(block, out); }
