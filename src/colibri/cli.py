@@ -129,11 +129,11 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                         " written back as a GGUF that llama.cpp loads (docs/format.md, \"Export to"
                                         " GGUF\")"), None),
     "quant": (dict(default="q4", help="q4 (Colibri's own policy; alias q4_0), q8, bf16, f16, f32, or a llama.cpp"
-                                      " file type made from float weights as its quantizer would: q4_k_m, q6_k,"
-                                      " q8_0 (default q4)"), None),
+                                      " file type made from float weights as its quantizer would: q4_k_m, q5_k_m,"
+                                      " q6_k, q8_0 (default q4)"), None),
     "imatrix": (dict(default="none", metavar="none|builtin|FILE",
-                     help="q4_k_m / q6_k: weight the block fits by each input channel's importance: 'builtin'"
-                          " (measured on CPython's own prose and source, --calibration-tokens of it) or FILE, an"
+                     help="q4_k_m / q5_k_m / q6_k: weight the block fits by each input channel's importance:"
+                          " 'builtin' (measured on CPython's own prose and source, --calibration-tokens of it) or FILE, an"
                           " importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default none)"),
                 None),
     "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
