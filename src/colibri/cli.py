@@ -150,7 +150,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
     "requantize": (dict(action="store_true",
-                        help="GGUF input: re-quantize its Q4_K / Q6_K / Q3_K / IQ4 / Q5_0 tensors by the q4 policy"
+                        help="GGUF input: re-quantize its Q4_K / Q5_K / Q6_K / Q3_K / IQ4 / Q5_0 tensors by the q4 policy"
                              " (lossy: rounded a second time; faster where q4 is) instead of keeping them exactly"
                              " (default)"),
                    None),
