@@ -133,8 +133,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                       " q6_k, q8_0 (default q4)"), None),
     "imatrix": (dict(default="none", metavar="none|builtin|FILE",
                      help="q4_k_m / q5_k_m / q6_k: weight the block fits by each input channel's importance:"
-                          " 'builtin' (measured on CPython's own prose and source, --calibration-tokens of it) or FILE, an"
-                          " importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default none)"),
+                          " 'builtin' (measured on CPython's own prose and source, --calibration-tokens of it) or"
+                          " FILE, an importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default"
+                          " none)"),
                 None),
     "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
