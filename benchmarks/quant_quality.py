@@ -16,6 +16,8 @@ Rows, all scored by colibri itself with f32 activations (only the stored weights
   q6_k, q8_0    `colibri convert --quant q6_k` / `--quant q8_0` of that f16 GGUF
   q4_k_m-ggml   (--ggml-lib) the q4_k_m container with every block made by llama.cpp's own ggml_quantize_chunk
                 (q4_k_m-imat-ggml: with the same builtin importance): llama.cpp's Q4_K_M of the source, same layout
+  q5_k_m, q5_k_m-ggml   the same for Q5_K_M
+  llama.cpp-q5_k_m      llama-quantize Q5_K_M of the f16 GGUF, loaded by colibri (its Q5_K kept exactly as q5k)
 Texts: the start of CPython's pydoc topics (keys sorted; calibration reads only its end) and held-out standard
 library source (modules the built-in calibration does not read). Two ways: llama.cpp's (independent windows of
 512 tokens, the second half of each scored) and one causal pass over the first --full tokens.
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--full", type=int, default=1024, help="tokens of the full-sequence pass (default 1024)")
     ap.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize binary (peer row)")
     ap.add_argument("--rows", nargs="*", default=["source", "new", "old", "llama.cpp"],
-                    help="of source, new, old, calibrated, llama.cpp, q4_k_m, q4_k_m-imat, q4-f16, q6_k, q8_0")
+                    help="of source, new, old, calibrated, llama.cpp, llama.cpp-q5_k_m, q4_k_m, q4_k_m-imat, q5_k_m,"
+                         " q4-f16, q6_k, q8_0 (and the -ggml rows)")
     ap.add_argument("--container", action="append", default=[], metavar="LABEL=PATH",
                     help="also score an existing container (an ablation), as row LABEL")
     ap.add_argument("--threads", type=int, default=2)
@@ -148,13 +151,16 @@ def main() -> None:
              "calibrated": a.work / "calibrated", "llama.cpp": a.work / "llamacpp-q4_k_m.gguf",
              "q4_k_m": a.work / "kq-q4_k_m", "q4_k_m-imat": a.work / "kq-q4_k_m-imat", "q4-f16": a.work / "f16-q4",
              "q6_k": a.work / "kq-q6_k", "q8_0": a.work / "kq-q8_0",
-             "q4_k_m-ggml": a.work / "ggml-q4_k_m", "q4_k_m-imat-ggml": a.work / "ggml-q4_k_m-imat"}
+             "q4_k_m-ggml": a.work / "ggml-q4_k_m", "q4_k_m-imat-ggml": a.work / "ggml-q4_k_m-imat",
+             "q5_k_m": a.work / "kq-q5_k_m", "q5_k_m-ggml": a.work / "ggml-q5_k_m",
+             "llama.cpp-q5_k_m": a.work / "llamacpp-q5_k_m.gguf"}
     builds = {"new": ConvertOptions(quant="q4"), "old": ConvertOptions(quant="q4", requantize=True),
               "calibrated": ConvertOptions(quant="q4", requantize=True, calibration="builtin")}
     from_f16 = {"q4_k_m": ConvertOptions(quant="q4_k_m"), "q4_k_m-imat": ConvertOptions(quant="q4_k_m", imatrix="builtin"),
                 "q4-f16": ConvertOptions(quant="q4"), "q6_k": ConvertOptions(quant="q6_k"),
                 "q8_0": ConvertOptions(quant="q8_0"), "q4_k_m-ggml": ConvertOptions(quant="q4_k_m"),
-                "q4_k_m-imat-ggml": ConvertOptions(quant="q4_k_m", imatrix="builtin")}
+                "q4_k_m-imat-ggml": ConvertOptions(quant="q4_k_m", imatrix="builtin"),
+                "q5_k_m": ConvertOptions(quant="q5_k_m"), "q5_k_m-ggml": ConvertOptions(quant="q5_k_m")}
     seconds = {}
     for extra in a.container:
         label, path = extra.split("=", 1)
@@ -164,7 +170,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if row in builds and not paths[row].exists():
             convert(a.gguf, paths[row], builds[row])
-        elif row in ("llama.cpp", *from_f16) and not paths[row].exists():
+        elif row in ("llama.cpp", "llama.cpp-q5_k_m", *from_f16) and not paths[row].exists():
             f16 = a.work / "source-f16.gguf"
             if not f16.exists():
                 f16_gguf(a.gguf, f16)
@@ -178,7 +184,8 @@ def main() -> None:
                     kquant.quantize_blocks = own
                 seconds[row] = time.perf_counter() - t0
                 continue
-            subprocess.run([str(a.llama_quantize), str(f16), str(paths[row]), "Q4_K_M"], check=True,
+            ftype = "Q5_K_M" if row == "llama.cpp-q5_k_m" else "Q4_K_M"
+            subprocess.run([str(a.llama_quantize), str(f16), str(paths[row]), ftype], check=True,
                            stdout=subprocess.DEVNULL)
         seconds[row] = time.perf_counter() - t0
     tok = colibri.load(a.gguf).tokenizer

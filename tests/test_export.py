@@ -27,7 +27,7 @@ D, FFN, HEADS, KV, LAYERS = 256, 512, 4, 2, 1  # K = 256 or 512: whole super-blo
 BYTE_TOKENS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)] \
     + [chr(256 + c) for c in range(68)]  # the GPT-2 byte alphabet (256 pieces)
 TOKENS = BYTE_TOKENS + ["Ġt", "<|endoftext|>"]
-EXACT = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.IQ4_NL]
+EXACT = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_K]
 
 
 def _matrix(qtype, n: int, k: int, seed: int) -> np.ndarray:
@@ -152,7 +152,7 @@ def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
 
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_0, "q4"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8"), (QT.Q5_0, "q5_0"),
                                         (QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl")])
+                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
 def test_to_gguf_inverts_from_gguf(qtype, kind):
     n, k = 80, 512  # q4 kinds: a full 64-row tile and a 16-row tail
     raw = _matrix(qtype, n, k, seed=5)

@@ -22,17 +22,18 @@ from colibri.formats.container import ContainerCheckpoint
 from colibri.quant.kinds import from_gguf
 from synthetic_gguf import llama_writer
 
-BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.IQ4_NL: 18}  # bytes per block
+BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.IQ4_NL: 18, QT.Q5_K: 176}  # bytes a block
 VALUES = {QT.IQ4_NL: 32}  # values per block (the others: 256)
 
 
 def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
     """Valid random blocks [n, k / block values * block bytes]: random codes and scales, sane positive f16
-    super-scales (Q4_K: d, dmin first; the IQ4 kinds: d first; Q6_K, Q3_K: d last)."""
+    super-scales (Q4_K, Q5_K: d, dmin first; the IQ4 kinds: d first; Q6_K, Q3_K: d last)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // VALUES.get(qtype, 256), BLOCK[qtype]), dtype=np.uint8)
-    d = rng.uniform(0.2, 1.0, raw.shape[:2] + (2 if qtype == QT.Q4_K else 1,)).astype(np.float16) * np.float16(scale)
-    if qtype in (QT.Q4_K, QT.IQ4_XS, QT.IQ4_NL):
+    two = qtype in (QT.Q4_K, QT.Q5_K)
+    d = rng.uniform(0.2, 1.0, raw.shape[:2] + (2 if two else 1,)).astype(np.float16) * np.float16(scale)
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.IQ4_XS, QT.IQ4_NL):
         raw[..., 0:2 * d.shape[-1]] = d.view(np.uint8)
     else:
         raw[..., BLOCK[qtype] - 2:] = d.view(np.uint8)
@@ -49,7 +50,7 @@ def _k_weight(raw, qtype, kind: str, n: int, k: int):
 
 
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl")])
+                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
 def test_k_quants_dequantize_bit_exactly(qtype, kind):
     n, k = 80, 512  # 80 rows: a full 64-row tile and a 16-row tail tile for q4k
     raw = k_blocks(qtype, n, k, seed=1)
@@ -61,7 +62,7 @@ def test_k_quants_dequantize_bit_exactly(qtype, kind):
     assert torch.equal(w.rows(ids), ref[ids])
     # bytes: the codes plus one byte per scale (and min) code, f16 super-scales
     per_super = {"q4k": 128 + 16 + 4, "q6k": 210, "q8k": 256 + 16 + 2, "q3k": 110, "iq4_xs": 136,
-                 "iq4_nl": 8 * 18}[kind]  # q6k, q3k and the IQ4 kinds: the file's own bytes
+                 "iq4_nl": 8 * 18, "q5k": 176}[kind]  # q6k, q3k, q5k and the IQ4 kinds: the file's own bytes
     assert w.nbytes == n * k // 256 * per_super
     # a reader's views over the stored buffers give the same weight
     again = type(w).from_buffers(w.shape, w.group_size, w.buffers())
@@ -78,7 +79,7 @@ def mode(request):
 
 
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl")])
+                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
 def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, kind, mode):
     n, k = 80, 512
     raw = k_blocks(qtype, n, k, seed=2)
@@ -137,13 +138,13 @@ def test_q5_0_is_kept_exactly_with_q8_bits(mode):
 
 def test_other_k_quants_are_not_imported():
     with pytest.raises(ValueError, match="not supported"):
-        from_gguf(np.zeros((4, 176), np.uint8), QT.Q5_K, (4, 256))
+        from_gguf(np.zeros((4, 84), np.uint8), QT.Q2_K, (4, 256))
 
 
 def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
     """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K
-    matrices (and one of each other kind kept exactly: Q5_0 attn_k, as Qwen2.5's K = 896 matrices are; IQ4_XS
-    attn_output, Q3_K ffn_gate, IQ4_NL ffn_up) as llama.cpp's Q4_K_M
+    matrices (and one of each other kind kept exactly: Q5_0 attn_k, as Qwen2.5's K = 896 matrices are; Q5_K
+    attn_v, IQ4_XS attn_output, Q3_K ffn_gate, IQ4_NL ffn_up) as llama.cpp's Q4_K_M
     writes them, and a tied table stored twice: output.weight Q6_K, token_embd the same matrix as Q4_0 (or, with
     `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
     the file stores one Q4_K table (no output.weight: tied)."""
@@ -160,7 +161,7 @@ def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
     if not one_q4k_table:
         w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-    mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q5_0), "attn_v": (d // heads * kv, d, QT.Q6_K),
+    mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q5_0), "attn_v": (d // heads * kv, d, QT.Q5_K),
             "attn_output": (d, d, QT.IQ4_XS), "ffn_gate": (f, d, QT.Q3_K), "ffn_up": (f, d, QT.IQ4_NL),
             "ffn_down": (d, f, QT.Q6_K)}
     for i, (name, (n, k, qtype)) in enumerate(mats.items()):
@@ -195,15 +196,26 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "q6k"
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4k"
     assert kinds["model.layers.0.self_attn.k_proj.weight"] == "q5_0"
+    assert kinds["model.layers.0.self_attn.v_proj.weight"] == "q5k"
     assert [kinds[f"model.layers.0.{n}.weight"] for n in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")] == [
         "iq4_xs", "q3k", "iq4_nl"]
     c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
     for name, kind in kinds.items():
-        if kind in ("q4k", "q6k", "q5_0", "iq4_xs", "q3k", "iq4_nl"):
+        if kind in ("q4k", "q6k", "q5_0", "iq4_xs", "q3k", "iq4_nl", "q5k"):
             source = "lm_head.weight" if name == "model.embed_tokens.weight" else name
             assert torch.equal(c.load(name).dequantize(), g.load(source)), name
     container_bytes = sum(f["size"] for f in m["files"])
     assert container_bytes < sum(int(t.n_bytes) for t in g._reader.tensors) + 64 * 4096  # table once; alignment
+
+
+def test_q5_k_is_kept_without_a_notice(tmp_path, capsys):
+    """Q5_K has an exact kind (q5k): converting a GGUF that holds one re-quantizes nothing, so no notice names it."""
+    src = k_gguf(tmp_path / "k.gguf")
+    capsys.readouterr()
+    conv.convert(src, tmp_path / "c", conv.ConvertOptions(quant="q4", page_size_mb=1))
+    err = capsys.readouterr().err
+    assert "no exact kind" not in err and "Q5_K" not in err, err
+    assert ContainerCheckpoint(tmp_path / "c").tensors["model.layers.0.self_attn.v_proj.weight"].kind == "q5k"
 
 
 def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):

@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gguf import GGMLQuantizationType as QT
+
 from colibri import kernels
-from colibri.quant.kinds import quantize
+from colibri.quant.kinds import from_gguf, quantize
+from test_kquant import k_blocks
 
 ROWS = (1, 2, 3, 5, 16, 17, 64)
 
@@ -93,3 +96,28 @@ def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
                     assert torch.equal(fn(o, t), ref[:t]), f"{tier} T={t} threads={n}"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_q5k_int8_mode_agrees_on_every_tier_and_pass_size():
+    """q5k's LOSSY int8 mode (two q4k_linear_i8 calls on the split weight, summed in f32): every int8 tier gives a
+    64-row pass's rows at every pass size, close to the exact result."""
+    n, k = 200, 512
+    w = from_gguf(k_blocks(QT.Q5_K, n, k, seed=3), QT.Q5_K, (n, k))
+    x = _randn(max(ROWS), k, seed=4)
+    exact = x.double() @ w.dequantize().double().T
+    out = {}
+    try:
+        kernels.set_int8_activations(True)
+        for tier in _int8_tiers():
+            kernels.use(tier)
+            for dtype in (torch.float32, torch.bfloat16):
+                ref = w.linear(x.to(dtype))
+                for t in ROWS:
+                    assert torch.equal(w.linear(x[:t].to(dtype)), ref[:t]), (tier, dtype, t)
+                out[tier, dtype] = ref
+    finally:
+        kernels.set_int8_activations(None)
+        kernels.use(None)
+    for (tier, dtype), y in out.items():
+        assert torch.equal(y, out["portable", dtype]), (tier, dtype)
+        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 3e-2

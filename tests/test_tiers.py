@@ -44,6 +44,8 @@ def _linear_cases(n: int, k: int):
         q8 = q6.as_q8k()._buffers
         cases.append(("q8k", both, lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"])))
         cases.append(("q6k", both, lambda o, x: o.q6k_linear(x, q6._buffers["qweight"])))
+        q5k = from_gguf(k_blocks(QT.Q5_K, n, k, seed=n), QT.Q5_K, (n, k))._buffers["qweight"]
+        cases.append(("q5k", both, lambda o, x: o.q5k_linear(x, q5k)))
     if k % 32 == 0:
         q5 = from_gguf(gguf_quantize(w.numpy(), QT.Q5_0), QT.Q5_0, (n, k))
         cases.append(("q5_0", both, lambda o, x: o.q5_0_linear(x, q5._buffers["qweight"])))
@@ -101,6 +103,22 @@ def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, ki
         for tier, o in tier_ops.items():
             for t in ROWS:
                 assert torch.equal(blocks(o, x[:t]), widened(o, x[:t])), (kind, tier, dtype, t)
+
+
+@pytest.mark.parametrize("shape", [(200, 256), (37, 2304)])
+def test_q5k_is_the_dot_form_of_its_dequantized_values_on_every_tier(tier_ops, shape):
+    """Q5_K blocks as stored (q5k_linear) give, on every tier and pass size, the bits of the dense dot form over
+    gguf's dequantized f32 values (bf16 x: those values rounded once to bf16): the weights (d sc) q - dmin m are
+    formed exactly, then q6k's accumulation."""
+    n, k = shape
+    w = from_gguf(k_blocks(QT.Q5_K, n, k, seed=5), QT.Q5_K, (n, k))
+    dense = w.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(max(ROWS), k, seed=6).to(dtype)
+        for tier, o in tier_ops.items():
+            for t in ROWS:
+                assert torch.equal(o.q5k_linear(x[:t], w._buffers["qweight"]),
+                                   o.dense_linear(x[:t], dense.to(dtype))), (tier, dtype, t)
 
 
 def test_veltkamp_split_is_bf16_round_to_nearest_even():

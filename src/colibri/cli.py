@@ -132,12 +132,13 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                                         " written back as a GGUF that llama.cpp loads (docs/format.md, \"Export to"
                                         " GGUF\")"), None),
     "quant": (dict(default="q4", help="q4 (Colibri's own policy; alias q4_0), q8, bf16, f16, f32, or a llama.cpp"
-                                      " file type made from float weights as its quantizer would: q4_k_m, q6_k,"
-                                      " q8_0 (default q4)"), None),
+                                      " file type made from float weights as its quantizer would: q4_k_m, q5_k_m,"
+                                      " q6_k, q8_0 (default q4)"), None),
     "imatrix": (dict(default="none", metavar="none|builtin|FILE",
-                     help="q4_k_m / q6_k: weight the block fits by each input channel's importance: 'builtin'"
-                          " (measured on CPython's own prose and source, --calibration-tokens of it) or FILE, an"
-                          " importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default none)"),
+                     help="q4_k_m / q5_k_m / q6_k: weight the block fits by each input channel's importance:"
+                          " 'builtin' (measured on CPython's own prose and source, --calibration-tokens of it) or"
+                          " FILE, an importance matrix llama-imatrix wrote (.gguf or .dat) for this model (default"
+                          " none)"),
                 None),
     "group_size": (dict(type=int, default=64, help="quantization group size: 32, 64 or 128 (default 64)"), None),
     "page_size": (dict(type=int, default=64, help="page size in MB: the unit of I/O and caching (default 64)"),
@@ -153,9 +154,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
     "requantize": (dict(action="store_true",
-                        help="GGUF input: re-quantize its Q4_K / Q6_K / Q3_K / IQ4 / Q5_0 tensors by the q4 policy"
-                             " (lossy: rounded a second time; faster where q4 is) instead of keeping them exactly"
-                             " (default)"),
+                        help="GGUF input: re-quantize its Q4_K / Q5_K / Q6_K / Q3_K / IQ4 / Q5_0 tensors by the q4"
+                             " policy (lossy: rounded a second time; faster where q4 is) instead of keeping them"
+                             " exactly (default)"),
                    None),
     "host": (dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"), None),
     "port": (dict(type=int, default=8000, help="TCP port (default 8000)"), None),

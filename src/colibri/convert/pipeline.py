@@ -44,7 +44,7 @@ from colibri.models import family, open_model
 QUANT_ALIASES = {"q4_0": "q4", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # llama.cpp file types reproduced from float weights (mixed.llama_types, quant/kquant.py): the base kind whose
 # policy takes any tensor the recipe leaves out
-RECIPE_BASE = {"q4_k_m": "q4", "q6_k": "q8", "q8_0": "q8"}
+RECIPE_BASE = {"q4_k_m": "q4", "q5_k_m": "q8", "q6_k": "q8", "q8_0": "q8"}
 IMATRIX = ("none", "builtin")  # or a llama.cpp importance matrix file (convert/imatrix.py)
 QUANTS = ("q4", "q8", "bf16", "f16", "f32")
 JOURNAL = "progress.json"

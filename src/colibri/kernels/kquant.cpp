@@ -13,6 +13,8 @@
 // q6k (Q6_K as stored, 210-byte blocks [N, K/256 * 210]) and q3k (Q3_K, 110-byte blocks): q8k's values and steps,
 //   codes and scales decoded from the blocks (generic/gguf_blocks.h) where q8k loads them, so y equals q8k_linear's
 //   bit for bit on the same codes and scales.
+// q5k (Q5_K as stored, 176-byte blocks [N, K/256 * 176]): the same with codes q in [0, 31] and each weight
+//   (d * sc) * q - dmin * m, the f32 value gguf's dequantize gives (bf16 x: rounded once to bf16).
 
 #include "tiles.h"
 #include "generic/gguf_blocks.h"
@@ -92,13 +94,13 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
                      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
 }
 
-// Rows [n0, n0 + cols) of a q6k / q3k weight (B: the block kind) as f32 (exact) or bf16 (RNE) rows of K:
-// q8k_dequant_rows's values for the same codes and scales.
+// Rows [n0, n0 + cols) of a q6k / q3k / iq4_xs / q5k weight (B: the block kind) as f32 (exact) or bf16 (RNE) rows of
+// K: q8k_dequant_rows's values for the same codes and scales (q5k: minus dmin * m per 16).
 template <class B>
 void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
   const int64_t esz = bf ? 2 : 4, nb = k / 256;
   alignas(64) int8_t q[256];
-  alignas(16) int8_t sc[16];
+  alignas(16) int8_t sc[16], mc[16];
   for (int64_t j = 0; j < cols; ++j) {
     void* dst = static_cast<char*>(out) + j * k * esz;
     for (int64_t b = 0; b < nb; ++b) {
@@ -108,21 +110,36 @@ void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t c
       B::scales16(blk, sc);
       const float d = _cvtsh_ss(B::d_bits(blk));
       void* dst_b = static_cast<char*>(dst) + b * 256 * esz;
-      for (int64_t i = 0; i < 16; ++i)
-        q8_store16(q, _mm512_set1_ps(d * static_cast<float>(sc[i])), 0xffff, bf, dst_b, i * 16);
+      if constexpr (B::kMins) {
+        B::mins16(blk, mc);
+        const float dmin = _cvtsh_ss(B::dmin_bits(blk));
+        for (int64_t i = 0; i < 16; ++i) {
+          const __m512 v = scaled_min_f32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i)),
+                                          d * static_cast<float>(sc[i]), dmin * static_cast<float>(mc[i]));
+          if (bf)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst_b) + 16 * i),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+          else
+            _mm512_storeu_ps(static_cast<float*>(dst_b) + 16 * i, v);
+        }
+      } else {
+        for (int64_t i = 0; i < 16; ++i)
+          q8_store16(q, _mm512_set1_ps(d * static_cast<float>(sc[i])), 0xffff, bf, dst_b, i * 16);
+      }
     }
   }
 }
 
-// Weight rows of a q6k / q3k weight dequantized in registers: Q8kRows over codes decoded a half block (128
-// values) at a time into a small buffer per row of the register block (the dot form walks a block's rows side by
-// side, k ascending, from a multiple of 128: kDotChunk is one).
+// Weight rows of a q6k / q3k / iq4_xs / q5k weight dequantized in registers: Q8kRows over codes decoded a half
+// block (128 values) at a time into a small buffer per row of the register block (the dot form walks a block's rows
+// side by side, k ascending, from a multiple of 128: kDotChunk is one). s: per row (stride ls) d * sc per 16 values
+// [K/16], then for q5k dmin * m per 16 [K/16].
 template <class B>
 struct BlockRows {
   static constexpr bool kStream = true;
   const uint8_t* blocks;  // row n0's first block
-  const float* s;         // d * sc per 16 values, [cols][K/16]
-  int64_t k;
+  const float* s;
+  int64_t k, ls;
   mutable int8_t cache[kDotCols][128];
   const int8_t* codes(int64_t j, int64_t k0) const {
     int8_t* c = cache[j & (kDotCols - 1)];  // j >= 0; kDotCols a power of two
@@ -131,15 +148,20 @@ struct BlockRows {
   }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
     const int8_t* c = codes(j, k0);
-    const float* sj = s + j * (k / 16) + k0 / 16;
-    return scaled_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), sj[0], sj[1]);
+    const float* sj = s + j * ls + k0 / 16;
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    if constexpr (B::kMins) return scaled_min_bf16(q, sj[0], sj[1], sj[k / 16], sj[k / 16 + 1]);
+    return scaled_bf16(q, sj[0], sj[1]);
   }
   // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's bytes
   const void* at(int64_t j, int64_t k0) const {
     return blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes + (k0 % 256) * B::kBlockBytes / 256;
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
-    return scaled_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0))), s[j * (k / 16) + k0 / 16]);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0)));
+    const float* sj = s + j * ls + k0 / 16;
+    if constexpr (B::kMins) return scaled_min_f32(q, sj[0], sj[k / 16]);
+    return scaled_f32(q, sj[0]);
   }
 };
 
@@ -153,15 +175,20 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
       blocks_dequant_rows<B>(bw, k, n0, cols, bf, buf);
     });
   auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * B::kBlockBytes; };
-  return decode_rows(x, n, k / 16,
+  const int64_t ls = k / 16 * (B::kMins ? 2 : 1);
+  return decode_rows(x, n, ls,
                      [&](int64_t r, float* s) {
                        alignas(16) int8_t sc[16];
                        for (int64_t g = 0; g < nb; ++g) {
                          B::scales16(block(r, g), sc);
                          kquant_scales(sc, _cvtsh_ss(B::d_bits(block(r, g))), s + g * 16);
+                         if constexpr (B::kMins) {
+                           B::mins16(block(r, g), sc);
+                           kquant_scales(sc, _cvtsh_ss(B::dmin_bits(block(r, g))), s + k / 16 + g * 16);
+                         }
                        }
                      },
-                     [&](int64_t n0, const float* s) { return BlockRows<B>{block(n0, 0), s, k}; });
+                     [&](int64_t n0, const float* s) { return BlockRows<B>{block(n0, 0), s, k, ls}; });
 }
 
 at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
@@ -172,6 +199,9 @@ at::Tensor q3k_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear<Iq4xsBlocks>(x, blocks, "iq4_xs_linear");
+}
+at::Tensor q5k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q5kBlocks>(x, blocks, "q5k_linear");
 }
 
 }  // namespace

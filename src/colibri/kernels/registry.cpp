@@ -13,6 +13,7 @@
   X(q6k_linear, "Tensor x, Tensor blocks")                                                                        \
   X(q3k_linear, "Tensor x, Tensor blocks")                                                                        \
   X(iq4_xs_linear, "Tensor x, Tensor blocks")                                                                     \
+  X(q5k_linear, "Tensor x, Tensor blocks")                                                                        \
   X(q5_0_linear, "Tensor x, Tensor blocks")                                                                       \
   X(iq4_nl_linear, "Tensor x, Tensor blocks")                                                                     \
   X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \

@@ -383,6 +383,18 @@ inline __m512bh scaled_bf16(__m256i q, float s_lo, float s_hi) {
 inline __m512 scaled_f32(__m128i q, float s) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
 }
+// The same minus an offset per 16 codes (q5k: q * (d * sc) - dmin * m): one fused multiply-subtract, whose
+// product is exact (22 significant bits), so its one rounding is the subtraction's (gguf's two f32 steps).
+inline __m512bh scaled_min_bf16(__m256i q, float s_lo, float s_hi, float z_lo, float z_hi) {
+  const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                    _mm512_set1_ps(s_lo), _mm512_set1_ps(z_lo));
+  const __m512 hi = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                    _mm512_set1_ps(s_hi), _mm512_set1_ps(z_hi));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+inline __m512 scaled_min_f32(__m128i q, float s, float z) {
+  return _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s), _mm512_set1_ps(z));
+}
 
 // Weight rows of the dot form as a source: bf16(j, k0) gives 32 bf16 weights of row j from column k0, f32(j, k0)
 // 16 f32 ones, both masked by m; at(j, k0) is where they are read from, and kStream says whether that is the

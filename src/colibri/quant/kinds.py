@@ -21,8 +21,8 @@ q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
 q4k / q6k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout,
 q6k the file's own blocks; q8k, Q6_K with its codes in bytes, is what older containers hold). q3k, iq4_xs (Q3_K,
-IQ4_XS: q8k's form), q5_0, iq4_nl (Q5_0, IQ4_NL: q8 g32's form) and q4_1 (Q4_1: q4 with f16 (d, m)) likewise keep
-the file's bytes; docs/format.md describes each.
+IQ4_XS: q8k's form), q5k (Q5_K: q8k's form with an offset per 32), q5_0, iq4_nl (Q5_0, IQ4_NL: q8 g32's form) and q4_1
+(Q4_1: q4 with f16 (d, m)) likewise keep the file's bytes; docs/format.md describes each.
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -48,7 +48,7 @@ from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 # two-level GGUF kinds in super-blocks of 256 values (section "GGUF K-quants")
-K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs")
+K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs", "q5k")
 QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "iq4_nl", "q4_1")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
@@ -602,7 +602,7 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
 
 
 def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
-    if name in ("Q4_K", "Q6_K", "Q3_K", "IQ4_XS"):
+    if name in ("Q4_K", "Q6_K", "Q3_K", "IQ4_XS", "Q5_K"):
         return _k_from_gguf(raw, name, n, k)
     if name in ("Q5_0", "IQ4_NL"):  # the blocks as they are
         if k % 32:
@@ -649,7 +649,8 @@ GGUF_EXACT = {
 # ... and the K-quants, kept exactly unless a conversion asks to re-quantize them by the q4 policy (--requantize)
 GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16),
                 "Q3_K": QuantKind("q3k", 16, torch.float16), "IQ4_XS": QuantKind("iq4_xs", 16, torch.float16),
-                "Q5_0": QuantKind("q5_0", 32, torch.float16), "IQ4_NL": QuantKind("iq4_nl", 32, torch.float16)}
+                "Q5_0": QuantKind("q5_0", 32, torch.float16), "IQ4_NL": QuantKind("iq4_nl", 32, torch.float16),
+                "Q5_K": QuantKind("q5k", 32, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -665,7 +666,8 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
     cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight, "q3k": Q3KWeight,
-           "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight}[kind]
+           "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight,
+           "q5k": Q5KWeight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -695,6 +697,10 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #   scales   int8 [N, K/16]    sc per 16 values
 #   supers   f16  [N, K/256]   d per 256 values
 #   w = (d * sc) * q, exact in f32.
+# q5k: 5.5 bits per weight, Q5_K's own blocks as the file stores them
+#   qweight  uint8 [N, K/256 * 176]  per 256 values: d, dmin (f16), scales[12] (8 + 8 6-bit (sc, m): Q4_K's
+#                                    packing), qh[32] (fifth bits), qs[128] (low 4 bits); order: gguf_blocks.h
+#   w = (d * sc) * q - dmin * m per 32 values, q in [0, 31]: q4k's formula with a fifth bit, the same f32 steps.
 # Compute: colibri.kernels (kquant.cpp) decodes the scales per group on the fly; the torch fallback dequantizes a
 # few MiB at a time (exactly `dequantize()`), as q4 / q8 do.
 
@@ -702,6 +708,7 @@ SUPER = 256  # values per K-quant super-block
 Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
 Q3K_BLOCK = 110  # ... of a Q3_K block
 IQ4XS_BLOCK = 136  # ... of an IQ4_XS block
+Q5K_BLOCK = 176  # ... of a Q5_K block
 IQ4NL_BLOCK = 18  # bytes per 32 values of an IQ4_NL block
 Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
@@ -716,8 +723,8 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
-    if kind.name in ("q6k", "q3k", "iq4_xs"):
-        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK}[kind.name]
+    if kind.name in ("q6k", "q3k", "iq4_xs", "q5k"):
+        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK}[kind.name]
         return {"qweight": (torch.uint8, (n, k // SUPER * per_block))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
@@ -970,6 +977,84 @@ class IQ4XSWeight(_KBlocksWeight):
         return b[..., 0:2].contiguous().view(torch.float16).reshape(b.shape[0], -1)
 
 
+def _k_scale_codes(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's / Q5_K's 12-byte packing of 8 + 8 6-bit codes, uint8 [..., 12] -> (sc, m), uint8 [..., 8] each."""
+    a, b, c = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+class Q5KWeight(_BlocksWeight):
+    """GGUF Q5_K kept exactly at its own size (5.5 bits a weight): per 256 values d, dmin (f16), 8 (sc, m) 6-bit
+    pairs, codes q in [0, 31]; w = (d * sc) * q - dmin * m per 32 (see the top of the section). The native kernels
+    read the blocks in place (q5k_linear: q6k's dot form with the offset). The LOSSY int8 mode splits each row
+    block's weight into two q4k weights on the same int8 activations, w = (s q_lo - dmin m) + (2 d sc) (8 q_hi)
+    (q_lo the low four bits, q_hi the fifth), runs q4k_linear_i8 on both in f32 and adds them: the weights stay
+    exact, no int8 kernel of its own (q5k's codes overflow the q4 kernels' int16 sums)."""
+
+    KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_K"], Q5K_BLOCK, SUPER, "q5k_linear"
+
+    def _parts(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(low codes, fifth bits) uint8 [rows, K]; (sc, m) uint8 [rows, K/32]; (d, dmin) f16 [rows, K/256]."""
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        lo = (b[..., 48:].reshape(r, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15
+        hi = (b[..., 16:48].reshape(r, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
+        sc, mn = _k_scale_codes(b[..., 4:16])
+        dd = b[..., 0:4].contiguous().view(torch.float16)  # [rows, nb, 2]
+        return (lo.reshape(r, -1), hi.reshape(r, -1), sc.reshape(r, -1), mn.reshape(r, -1), dd[..., 0], dd[..., 1])
+
+    def _values(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """f32 [rows, K]: gguf's dequantize steps, (d * sc) * q - dmin * m (each product exact, one rounding)."""
+        lo, hi, sc, mn, d, dmin = self._parts(rows)
+        r = lo.shape[0]
+        s = d.float().repeat_interleave(8, dim=1) * sc.float()
+        z = dmin.float().repeat_interleave(8, dim=1) * mn.float()
+        q = (lo | (hi << 4)).float().view(r, -1, 32)
+        return (q * s.unsqueeze(-1) - z.unsqueeze(-1)).view(r, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._values(slice(0, self.shape[0])).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._values(ids)
+
+    def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        step = max(1, _CHUNK_BYTES // (k * 4))
+        for r in range(0, n, step):
+            w = self._values(slice(r, r + step))
+            y[:, r:r + w.shape[0]] = x @ w.to(x.dtype).T
+        return y
+
+    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
+        """Two q4k weights' buffers (prefixed lo. / hi.) whose sum is rows' weights exactly (class docstring)."""
+        lo, hi, sc, mn, d, dmin = self._parts(rows)
+        c, k = lo.shape
+        if torch.isinf(d * 2).any():
+            raise ValueError("q5k: a block's d is beyond half of f16's range; the LOSSY int8 mode cannot take it")
+        np_ = _round16(c)
+        out = {}
+        for part, codes, m, sup in (("lo", lo, mn, (d, dmin)), ("hi", hi << 3, torch.zeros_like(mn),
+                                                                 (d * 2, torch.zeros_like(dmin)))):
+            qp = torch.zeros(np_, k, dtype=torch.uint8)
+            qp[:c] = codes
+            scales = torch.zeros(k // 32, np_, 2, dtype=torch.uint8)
+            scales[:, :c] = torch.stack([sc, m], dim=-1).transpose(0, 1)
+            supers = torch.zeros(k // SUPER, np_, 2, dtype=torch.float16)
+            supers[:, :c] = torch.stack(sup, dim=-1).transpose(0, 1)
+            out.update({f"{part}.qweight": _pack_q4(qp), f"{part}.scales": scales, f"{part}.supers": supers})
+        out["qweight"] = lo  # its row count: the caller's
+        return out
+
+    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
+        xf, lib, w = x.float(), kernels.library(), widened
+        lo, hi = (lib.q4k_linear_i8(xf, w[f"{p}.qweight"], w[f"{p}.scales"], w[f"{p}.supers"]) for p in ("lo", "hi"))
+        return (lo + hi)[:, :w["qweight"].shape[0]].to(x.dtype)
+
+
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
     """GGUF Q4_K / Q6_K blocks (uint8 [N, K / 256 * block bytes], rows in HF order) re-expressed without loss."""
     if k % SUPER:
@@ -992,10 +1077,10 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
-    if name in ("Q6_K", "Q3_K", "IQ4_XS"):  # the blocks as they are
-        cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight}[name]
+    if name in ("Q6_K", "Q3_K", "IQ4_XS", "Q5_K"):  # the blocks as they are
+        cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight, "Q5_K": Q5KWeight}[name]
         return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
-    raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K)")
+    raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K, Q3_K, IQ4_XS, Q5_K)")
 
 
 # ---- back to GGUF blocks --------------------------------------------------------------------------------------

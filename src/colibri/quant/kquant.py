@@ -1,7 +1,7 @@
-"""GGUF Q4_K / Q6_K / Q8_0 / Q5_0 blocks from float weights, the way llama.cpp's quantizer makes them.
+"""GGUF Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 blocks from float weights, the way llama.cpp's quantizer makes them.
 
 `quantize_blocks(w, "Q4_K", importance)` returns the GGUF block bytes of a [N, K] weight, which `kinds.from_gguf`
-turns into the exact kinds (q4k, q6k, q8 g32, q5_0): a container made from HF weights then streams through the
+turns into the exact kinds (q4k, q5k, q6k, q8 g32, q5_0): a container made from HF weights then streams through the
 same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time (torch, f32).
 
 The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here from their description):
@@ -12,6 +12,8 @@ The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here fro
   and the wider grid of make_qkx3_quants. The 8 scales and 8 mins of a super-block are then quantized to 6 bits
   against their maximum (without importance) or, weighted by each sub-block's total weight, by make_qp_quants'
   grid search and per-code refinement (with importance); the codes are re-rounded against the stored scales.
+* Q5_K: Q4_K's fit with codes in [0, 31] (make_qkx2_quants over 16 grids from 31 - 0.5 without importance, the same
+  37 as Q4_K's with it), its fifth bits in qh.
 * Q6_K: per 16-value sub-block a symmetric 6-bit fit (`_sym_fit`, make_qx_quants) weighted by w^2, or by the
   importance itself; the 16 scales become int8 against the largest, codes re-rounded.
 * Q5_0 with importance: `_sym_fit` over 32 values weighted by importance * sqrt(sigma^2 + w^2), sigma^2 the row's
@@ -115,8 +117,11 @@ def _scales_6bit(v: torch.Tensor, sw: torch.Tensor | None, nmax: int = 63) -> tu
     return d, torch.where(zero, 0, q)
 
 
-def _q4k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
-    """rows: f32 [M, K], imp: [K] or None -> uint8 [M, K / 256 * 144] Q4_K blocks."""
+def _kq_asym(rows: torch.Tensor, imp: torch.Tensor | None, nmax: int) -> np.ndarray:
+    """rows: f32 [M, K], imp: [K] or None -> uint8 [M, K / 256 * (144 | 176)] Q4_K (nmax 15) / Q5_K (nmax 31)
+    blocks. The two share the fit (codes in [0, nmax] per 32 values, 6-bit (sc, m) per super-block, f16 d and dmin);
+    without importance Q5_K's grids are narrower (llama.cpp's quantize_row_q5_K_ref: 16 grids from nmax - 0.5,
+    Q4_K's 21 from nmax - 1), with importance both take make_qkx3_quants' 37."""
     m = rows.shape[0]
     x = rows.reshape(-1, SUPER)
     b = x.shape[0]
@@ -124,18 +129,18 @@ def _q4k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
     xs = x.view(b, 8, 32)
     if imp is None:
         w = xs.square().mean(-1, keepdim=True).sqrt() + xs.abs()
-        scale, mn = _asym_fit(xs, w, 15, -1.0, 0.1, 20)
+        scale, mn = _asym_fit(xs, w, nmax, *((-1.0, 0.1, 20) if nmax == 15 else (-0.5, 0.1, 15)))
         (d, ls), (dmin, lm) = _scales_6bit(scale, None), _scales_6bit(mn, None)
     else:
         sigma2 = 2 * x.square().mean(-1, keepdim=True).unsqueeze(-1)
         w = imp.view(b, 8, 32) * (sigma2 + xs.square()).sqrt()
-        scale, mn = _asym_fit(xs, w, 15, -0.9, 0.05, 36)
+        scale, mn = _asym_fit(xs, w, nmax, -0.9, 0.05, 36)
         sw = w.sum(-1)
         (d, ls), (dmin, lm) = _scales_6bit(scale, sw), _scales_6bit(mn, sw)
     d16, dmin16 = _f16(d), _f16(dmin)
     dj = (d16.unsqueeze(-1) * ls).unsqueeze(-1)
     mj = (dmin16.unsqueeze(-1) * lm).unsqueeze(-1)
-    q = torch.where(dj > 0, torch.round((xs + mj) / dj.clamp_min(1e-30)), 0).clamp_(0, 15).to(torch.uint8)
+    q = torch.where(dj > 0, torch.round((xs + mj) / dj.clamp_min(1e-30)), 0).clamp_(0, nmax).to(torch.uint8)
     ls, lm = ls.to(torch.uint8), lm.to(torch.uint8)
     # 12 scale bytes: sub-blocks 0-3 hold 6-bit scale / min in bytes 0-3 / 4-7; 4-7 keep their low nibbles in
     # bytes 8-11 and their top 2 bits in the top bits of bytes 0-7
@@ -143,10 +148,22 @@ def _q4k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
     sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     sc[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    head = torch.stack([d16, dmin16], -1).to(torch.float16).view(torch.uint8)
+    if nmax == 31:  # Q5_K: the fifth bit of value 32 i + l at bit i of qh[l], then the low nibbles as Q4_K's
+        qh = ((q >> 4) << torch.arange(8, dtype=torch.uint8).view(1, 8, 1)).sum(1, dtype=torch.uint8)  # [b, 32]
+        q = q & 15
     q = q.view(b, 4, 2, 32)  # 64-value chunks: the first 32 in low nibbles, the next 32 in high
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(b, 128)
-    head = torch.stack([d16, dmin16], -1).to(torch.float16).view(torch.uint8)
-    return torch.cat([head, sc, qs], 1).reshape(m, -1).numpy()
+    parts = [head, sc, qh, qs] if nmax == 31 else [head, sc, qs]
+    return torch.cat(parts, 1).reshape(m, -1).numpy()
+
+
+def _q4k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
+    return _kq_asym(rows, imp, 15)
+
+
+def _q5k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
+    return _kq_asym(rows, imp, 31)
 
 
 def _sym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,13 +232,13 @@ def _q5_0(rows: torch.Tensor, imp: torch.Tensor) -> np.ndarray:
     return torch.cat([d, qh, qs], -1).reshape(m, -1).numpy()
 
 
-_K = {"Q4_K": _q4k, "Q6_K": _q6k}
-TYPES = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
+_K = {"Q4_K": _q4k, "Q5_K": _q5k, "Q6_K": _q6k}
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")
 
 
 def quantize_blocks(w: torch.Tensor, gguf_type: str, importance: torch.Tensor | None = None) -> np.ndarray:
     """GGUF blocks of `w` [N, K] (any float dtype) as uint8 [N, K / block * block bytes]. `importance`: f32 [K]
-    per input channel (mean x^2 over calibration activations, llama.cpp's imatrix), used by Q4_K, Q6_K and Q5_0
+    per input channel (mean x^2 over calibration activations, llama.cpp's imatrix), used by Q4_K, Q5_K, Q6_K and Q5_0
     (llama.cpp's Q8_0 has no use for it)."""
     n, k = w.shape
     if gguf_type == "Q5_0" and importance is not None:

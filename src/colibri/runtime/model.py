@@ -126,7 +126,7 @@ def describe(path: str | Path) -> dict[str, str]:
 
 # kinds the int8 kernels take: their group of x (None: the weight's)
 INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q6k": 16, "q3k": 16, "iq4_xs": 16, "q5_0": 32,
-              "iq4_nl": 32, "q4_1": 32}
+              "iq4_nl": 32, "q4_1": 32, "q5k": 32}
 
 
 def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str | None:

@@ -8,7 +8,7 @@
 // q8k's values, so the kernels give q8k's bits for the same weight.
 // q3k: Q3_K, 110 bytes for 256 values: hmask[32] (the third bit), qs[64] (the low 2 bits), scales[12] (16 6-bit
 // codes), d (f16); w = (d * (sc - 32)) * (q - 4) per 16 values: q8k's form too (codes in [-4, 3]).
-// iq4_xs, iq4_nl: below, beside their decoders.
+// iq4_xs, iq4_nl, q5k: below, beside their decoders.
 // q5_0: Q5_0, 22 bytes for 32 values: d (f16), qh (32 high bits, little-endian), qs[16]; value j < 16 is the low
 // nibble of qs[j] with bit j of qh above it, value j + 16 the high nibble with bit j + 16, code q - 16, and
 // w = d * (q - 16) (exact in f32): the values of q8 with group 32 and those d as f16 scales, so the kernels give
@@ -172,11 +172,80 @@ inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
 
 }  // namespace iq4_xs
 
-// The two-level int8-valued block kinds as template arguments of the kernels (q8k's form: codes and d * sc per 16).
+// q5k: Q5_K, 176 bytes for 256 values: d (f16), dmin (f16), scales[12] (8 + 8 6-bit codes sc, m: Q4_K's packing),
+// qh[32] (the fifth bit), qs[128] (the low 4); value 32 i + l (i < 8, l < 32) has its low bits in nibble i % 2 of
+// qs[32 (i / 2) + l] and its fifth bit in qh[l] >> i, code q in [0, 31], and
+// w = (d * sc[i]) * q - dmin * m[i]: d * sc and dmin * m are exact in f32 (11 + 6 bits), so is their product by q
+// (22 bits), one rounding in the subtraction (gguf's dequantize: the same f32 steps). q8k's form with an offset per
+// 32 (kMins below): the kernels take q8k's steps over these codes and subtract the offset from each weight before
+// it is used, so a fused multiply-subtract and the two steps give the same bits (the product is exact).
+namespace q5k {
+
+constexpr int64_t kBlockBytes = 176;
+
+// The codes q (in [0, 31]) of half H of a block (values [128 H, 128 H + 128): i = 4 H + j) into out[128]. (The
+// half a template argument: every shift count a constant.)
+template <int H>
+inline void codes128_half(const uint8_t* block, int8_t* out) {
+#if defined(__AVX2__)
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 48 + 64 * H));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 80 + 64 * H));
+  const __m256i m4 = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(16);
+  // qh bit 4 H + j moved to bit 4 (16-bit shifts: the mask drops what crosses from the neighbouring byte)
+  const __m256i hi[4] = {H ? qh : _mm256_slli_epi16(qh, 4), H ? _mm256_srli_epi16(qh, 1) : _mm256_slli_epi16(qh, 3),
+                         H ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2),
+                         H ? _mm256_srli_epi16(qh, 3) : _mm256_slli_epi16(qh, 1)};
+  const __m256i lo[4] = {a, _mm256_srli_epi16(a, 4), b, _mm256_srli_epi16(b, 4)};
+  for (int j = 0; j < 4; ++j)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
+                        _mm256_or_si256(_mm256_and_si256(lo[j], m4), _mm256_and_si256(hi[j], b4)));
+#else
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      const int i = 4 * H + j;
+      const int lo = (block[48 + 32 * (i / 2) + l] >> (4 * (i % 2))) & 15, hi = (block[16 + l] >> i) & 1;
+      out[32 * j + l] = static_cast<int8_t>(lo | (hi << 4));
+    }
+#endif
+}
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
+  if (h) codes128_half<1>(block, out);
+  else codes128_half<0>(block, out);
+}
+
+// Q4_K's 12-byte packing of 8 + 8 6-bit codes (bytes 4-15 of the block, as three little-endian words a, b, c):
+// scale codes sc (Mins false: 0-3 the low 6 bits of a's bytes, 4-7 c's low nibbles under a's top 2 bits) or offset
+// codes m (Mins true: b's, and c's high nibbles under b's top 2 bits), each given to both 16s of its 32, into
+// out[16]. Word arithmetic, not a loop over bytes: the kernels decode every row's codes once per call.
+template <bool Mins>
+inline void codes16(const uint8_t* block, int8_t* out) {
+  uint32_t w[3];
+  std::memcpy(w, block + 4, 12);
+  const uint32_t lo = w[Mins] & 0x3f3f3f3fu;
+  const uint32_t hi = ((w[2] >> (4 * Mins)) & 0x0f0f0f0fu) | ((w[Mins] >> 2) & 0x30303030u);
+  const uint64_t v = lo | static_cast<uint64_t>(hi) << 32;  // code j in byte j
+#if defined(__AVX2__)
+  const __m128i c = _mm_cvtsi64_si128(static_cast<int64_t>(v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(c, c));
+#else
+  for (int j = 0; j < 8; ++j) out[2 * j] = out[2 * j + 1] = static_cast<int8_t>((v >> (8 * j)) & 0xff);
+#endif
+}
+inline void scales16(const uint8_t* block, int8_t* out) { codes16<false>(block, out); }
+inline void mins16(const uint8_t* block, int8_t* out) { codes16<true>(block, out); }
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
+inline uint16_t dmin_bits(const uint8_t* block) { return u16_at(block + 2); }
+
+}  // namespace q5k
+
+// The two-level int8-valued block kinds as template arguments of the kernels (q8k's form: codes and d * sc per 16;
+// kMins: minus dmin * m per 16, mins16 / dmin_bits giving the codes m and dmin).
 template <int64_t Bytes, void (*Codes)(const uint8_t*, int64_t, int8_t*), void (*Scales)(const uint8_t*, int8_t*),
           uint16_t (*D)(const uint8_t*)>
 struct KBlocks {
   static constexpr int64_t kBlockBytes = Bytes;
+  static constexpr bool kMins = false;
   static void codes128(const uint8_t* block, int64_t h, int8_t* out) { Codes(block, h, out); }
   static void scales16(const uint8_t* block, int8_t* out) { Scales(block, out); }
   static uint16_t d_bits(const uint8_t* block) { return D(block); }
@@ -184,6 +253,11 @@ struct KBlocks {
 using Q6kBlocks = KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits>;
 using Q3kBlocks = KBlocks<q3k::kBlockBytes, q3k::codes128, q3k::scales16, q3k::d_bits>;
 using Iq4xsBlocks = KBlocks<iq4_xs::kBlockBytes, iq4_xs::codes128, iq4_xs::scales16, iq4_xs::d_bits>;
+struct Q5kBlocks : KBlocks<q5k::kBlockBytes, q5k::codes128, q5k::scales16, q5k::d_bits> {
+  static constexpr bool kMins = true;
+  static void mins16(const uint8_t* block, int8_t* out) { q5k::mins16(block, out); }
+  static uint16_t dmin_bits(const uint8_t* block) { return q5k::dmin_bits(block); }
+};
 
 namespace q5_0 {
 

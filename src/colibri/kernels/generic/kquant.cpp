@@ -1,5 +1,5 @@
-// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k, q6k): the same ops, arguments and bits
-// as the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
+// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k, q6k, q3k, iq4_xs, q5k): the same ops,
+// arguments and bits as the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
 
 #include "tiles.h"
 #include "gguf_blocks.h"
@@ -50,38 +50,55 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
 }
 
-// q6k, q3k (B: the block kind): q8k's values and steps over the codes and scales decoded from the stored blocks
-// (gguf_blocks.h), so the same bits as q8k.
+// q6k, q3k, iq4_xs, q5k (B: the block kind): q8k's values and steps over the codes and scales decoded from the
+// stored blocks (gguf_blocks.h), so the same bits as q8k; q5k's weights minus dmin * m per 16 (B::kMins).
 template <class B>
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
   check_blocks(x, blocks, op, 256, B::kBlockBytes);
   const int64_t k = x.size(1), n = blocks.size(0), nb = k / 256;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
   auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * B::kBlockBytes; };
-  auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]
+  // per row: d * sc [K/16], then (kMins) dmin * m [K/16]
+  const int64_t ls = k / 16 * (B::kMins ? 2 : 1);
+  auto row_scales = [&](int64_t j, float* s) {
     int8_t sc[16];
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = block(j, b);
       B::scales16(bp, sc);
       const float d = simd::f16_to_f32(B::d_bits(bp));
       for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[i]);
+      if constexpr (B::kMins) {
+        B::mins16(bp, sc);
+        const float dmin = simd::f16_to_f32(B::dmin_bits(bp));
+        for (int64_t i = 0; i < 16; ++i) s[k / 16 + 16 * b + i] = dmin * static_cast<float>(sc[i]);
+      }
     }
   };
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
-    std::vector<float> s(k / 16);
+    std::vector<float> s(ls);
     alignas(32) int8_t q[256];
     for (int64_t j = 0; j < cols; ++j) {
       row_scales(n0 + j, s.data());
       for (int64_t b = 0; b < nb; ++b) {
         B::codes128(block(n0 + j, b), 0, q);
         B::codes128(block(n0 + j, b), 1, q + 128);
-        for (int64_t i = 0; i < 16; ++i)
-          q8_values(q + 16 * i, 16, s[16 * b + i], bf, out + j * k + 256 * b + 16 * i, true);
+        for (int64_t i = 0; i < 16; ++i) {
+          float* o = out + j * k + 256 * b + 16 * i;
+          if constexpr (B::kMins) {  // q * s exact, then one rounding in the subtraction (ffp-contract off)
+            const f8 sv = simd::set1(s[16 * b + i]), zv = simd::set1(s[k / 16 + 16 * b + i]);
+            for (int h = 0; h < 2; ++h) {
+              const f8 v = simd::to_f(simd::s8x8(q + 16 * i + 8 * h)) * sv - zv;
+              simd::store(o + 8 * h, bf ? simd::round_bf16_normal(v) : v);
+            }
+          } else {
+            q8_values(q + 16 * i, 16, s[16 * b + i], bf, o, true);
+          }
+        }
       }
     }
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
-    // the row's scratch: its d * sc [K/16], then the codes of the half block k0 is in, decoded at its start
-    int8_t* c = reinterpret_cast<int8_t*>(s + k / 16);
+    // the row's scratch: its scales (ls floats), then the codes of the half block k0 is in, decoded at its start
+    int8_t* c = reinterpret_cast<int8_t*>(s + ls);
     if (k0 == 0) row_scales(j, s);
     if (k0 % 128 == 0) {
       const uint8_t* bp = block(j, k0 / 256);
@@ -92,7 +109,12 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
     for (int h = 0; h < 2; ++h) {
       const Pair v = simd::code_pairs(q + 16 * h);
       const f8 sv = simd::set1(s[k0 / 16 + h]);
-      (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
+      if constexpr (B::kMins) {
+        const f8 zv = simd::set1(s[k / 16 + k0 / 16 + h]);
+        (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv - zv), simd::round_bf16_normal(v.odd * sv - zv)};
+      } else {
+        (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
+      }
     }
   });
 }
@@ -105,6 +127,9 @@ at::Tensor q3k_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear<Iq4xsBlocks>(x, blocks, "iq4_xs_linear");
+}
+at::Tensor q5k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q5kBlocks>(x, blocks, "q5k_linear");
 }
 
 }  // namespace
