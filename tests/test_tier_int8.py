@@ -98,26 +98,20 @@ def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
         torch.set_num_threads(threads)
 
 
-def test_q5k_int8_mode_agrees_on_every_tier_and_pass_size():
-    """q5k's LOSSY int8 mode (two q4k_linear_i8 calls on the split weight, summed in f32): every int8 tier gives a
-    64-row pass's rows at every pass size, close to the exact result."""
-    n, k = 200, 512
-    w = from_gguf(k_blocks(QT.Q5_K, n, k, seed=3), QT.Q5_K, (n, k))
-    x = _randn(max(ROWS), k, seed=4)
-    exact = x.double() @ w.dequantize().double().T
-    out = {}
-    try:
-        kernels.set_int8_activations(True)
+def test_gguf_block_kinds_stay_exact_in_the_int8_mode():
+    """The GGUF kinds kept as blocks (q5k, q6k, q3k, iq4_xs, q5_0, iq4_nl) have no int8 kernel of their own: in the
+    LOSSY int8 mode each gives its exact kernel's bits, on every tier (decoding them to int8 codes per call cost
+    10-40x the exact kernel)."""
+    n, k = 64, 512
+    x = _randn(8, k, seed=4)
+    for qt in (QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS):
+        w = from_gguf(k_blocks(qt, n, k, seed=3), qt, (n, k))
         for tier in _int8_tiers():
             kernels.use(tier)
-            for dtype in (torch.float32, torch.bfloat16):
-                ref = w.linear(x.to(dtype))
-                for t in ROWS:
-                    assert torch.equal(w.linear(x[:t].to(dtype)), ref[:t]), (tier, dtype, t)
-                out[tier, dtype] = ref
-    finally:
-        kernels.set_int8_activations(None)
-        kernels.use(None)
-    for (tier, dtype), y in out.items():
-        assert torch.equal(y, out["portable", dtype]), (tier, dtype)
-        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 3e-2
+            try:
+                exact = w.linear(x)
+                kernels.set_int8_activations(True)
+                assert torch.equal(w.linear(x), exact), (qt, tier)
+            finally:
+                kernels.set_int8_activations(None)
+                kernels.use(None)

@@ -788,8 +788,10 @@ class Q8KWeight(Q8Weight):
 
 class _BlocksWeight(Q8Weight):
     """A GGUF kind kept as the file's blocks whose values are those of a kind with int8 codes (q8k or q8 g32): the
-    native kernels read the blocks in place (`OP`); the LOSSY int8 mode runs the widened kind's int8 kernel over a
-    few MiB of rows decoded at a time, and the torch fallback dequantizes as q8 does (`_codes`, `_scales_f32`)."""
+    native kernels read the blocks in place (`OP`), and the torch fallback dequantizes as q8 does (`_codes`,
+    `_scales_f32`). The LOSSY int8 mode leaves these weights exact: no int8 kernel reads their blocks, and decoding
+    them to int8 codes on every call (in torch) cost 10-40x their exact kernel at every pass size up to 256
+    (docs/performance.md, "LOSSY int8 activations")."""
 
     KIND: QuantKind
     BLOCK: int  # bytes per block
@@ -804,25 +806,8 @@ class _BlocksWeight(Q8Weight):
         b = self._buffers["qweight"][rows]
         return b.view(b.shape[0], self.shape[1] // self.VALUES, self.BLOCK)
 
-    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
-        """The widened kind's buffers of `rows` (codes in bytes)."""
-        raise NotImplementedError
-
-    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The widened kind's LOSSY int8 kernel on those buffers."""
-        raise NotImplementedError
-
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
-                # a few MiB of weight rows at a time: each output element's arithmetic is its own row's
-                n, k = self.shape
-                y = torch.empty(x.shape[0], n, dtype=x.dtype)
-                step = max(1, _CHUNK_BYTES // k)
-                for r in range(0, n, step):
-                    w = self._widened(slice(r, r + step))
-                    y[:, r:r + w["qweight"].shape[0]] = self._int8_linear(x, w)
-                return y
             return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
@@ -849,8 +834,6 @@ class _KBlocksWeight(_BlocksWeight):
         b = self._blocks(rows)
         return {"qweight": self._codes(rows).contiguous(), "scales": self._scale_codes(b), "supers": self._supers(b)}
 
-    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
-        return kernels.library().q8k_linear_i8(x, widened["qweight"], widened["scales"], widened["supers"])
 
     def as_q8k(self) -> Q8KWeight:
         """The same weight in the q8k kind (its codes and scales widened to bytes)."""
@@ -913,8 +896,6 @@ class _G32BlocksWeight(_BlocksWeight):
     def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
         return {"qweight": self._codes(rows).contiguous(), "scales": self._d(self._blocks(rows))}
 
-    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
-        return kernels.library().q8_linear_i8(x, widened["qweight"], widened["scales"], 32)
 
     def as_q8(self) -> Q8Weight:
         """The same weight as q8 with group 32 and f16 scales (its codes widened to bytes)."""
@@ -988,10 +969,8 @@ def _k_scale_codes(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Q5KWeight(_BlocksWeight):
     """GGUF Q5_K kept exactly at its own size (5.5 bits a weight): per 256 values d, dmin (f16), 8 (sc, m) 6-bit
     pairs, codes q in [0, 31]; w = (d * sc) * q - dmin * m per 32 (see the top of the section). The native kernels
-    read the blocks in place (q5k_linear: q6k's dot form with the offset). The LOSSY int8 mode splits each row
-    block's weight into two q4k weights on the same int8 activations, w = (s q_lo - dmin m) + (2 d sc) (8 q_hi)
-    (q_lo the low four bits, q_hi the fifth), runs q4k_linear_i8 on both in f32 and adds them: the weights stay
-    exact, no int8 kernel of its own (q5k's codes overflow the q4 kernels' int16 sums)."""
+    read the blocks in place (q5k_linear: q6k's dot form with the offset); the LOSSY int8 mode leaves it exact
+    (see _BlocksWeight)."""
 
     KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_K"], Q5K_BLOCK, SUPER, "q5k_linear"
 
@@ -1028,31 +1007,6 @@ class Q5KWeight(_BlocksWeight):
             w = self._values(slice(r, r + step))
             y[:, r:r + w.shape[0]] = x @ w.to(x.dtype).T
         return y
-
-    def _widened(self, rows: slice) -> dict[str, torch.Tensor]:
-        """Two q4k weights' buffers (prefixed lo. / hi.) whose sum is rows' weights exactly (class docstring)."""
-        lo, hi, sc, mn, d, dmin = self._parts(rows)
-        c, k = lo.shape
-        if torch.isinf(d * 2).any():
-            raise ValueError("q5k: a block's d is beyond half of f16's range; the LOSSY int8 mode cannot take it")
-        np_ = _round16(c)
-        out = {}
-        for part, codes, m, sup in (("lo", lo, mn, (d, dmin)), ("hi", hi << 3, torch.zeros_like(mn),
-                                                                 (d * 2, torch.zeros_like(dmin)))):
-            qp = torch.zeros(np_, k, dtype=torch.uint8)
-            qp[:c] = codes
-            scales = torch.zeros(k // 32, np_, 2, dtype=torch.uint8)
-            scales[:, :c] = torch.stack([sc, m], dim=-1).transpose(0, 1)
-            supers = torch.zeros(k // SUPER, np_, 2, dtype=torch.float16)
-            supers[:, :c] = torch.stack(sup, dim=-1).transpose(0, 1)
-            out.update({f"{part}.qweight": _pack_q4(qp), f"{part}.scales": scales, f"{part}.supers": supers})
-        out["qweight"] = lo  # its row count: the caller's
-        return out
-
-    def _int8_linear(self, x: torch.Tensor, widened: dict[str, torch.Tensor]) -> torch.Tensor:
-        xf, lib, w = x.float(), kernels.library(), widened
-        lo, hi = (lib.q4k_linear_i8(xf, w[f"{p}.qweight"], w[f"{p}.scales"], w[f"{p}.supers"]) for p in ("lo", "hi"))
-        return (lo + hi)[:, :w["qweight"].shape[0]].to(x.dtype)
 
 
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:

@@ -27,6 +27,7 @@ from colibri.kv.cache import KVCache
 from colibri.kv.space import KVSpace
 from colibri.models import open_model
 from colibri.models.base import SLIDING
+from colibri.quant.kinds import QUANT_KINDS_ALL
 from colibri.runtime import budget, heap, warmup
 from colibri.weights.store import RamStore
 
@@ -124,9 +125,9 @@ def describe(path: str | Path) -> dict[str, str]:
     return info
 
 
-# kinds the int8 kernels take: their group of x (None: the weight's)
-INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q6k": 16, "q3k": 16, "iq4_xs": 16, "q5_0": 32,
-              "iq4_nl": 32, "q4_1": 32, "q5k": 32}
+# kinds the int8 kernels take: their group of x (None: the weight's). The other GGUF kinds kept as blocks stay
+# exact in the LOSSY int8 mode (quant.kinds._BlocksWeight says why).
+INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q4_1": 32}
 
 
 def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str | None:
@@ -136,21 +137,30 @@ def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str 
     if not isinstance(ckpt, ContainerCheckpoint):
         return (f"do not apply to a {ckpt.format} checkpoint (its weights compute in floats); convert it to a"
                 " quantized container (colibri convert) to use them; running exact")
-    taken, left = 0, []
+    taken, left, blocks = 0, [], Counter()
     for name in shapes:
         t = ckpt.tensors[name]
         if t.kind not in INT8_KINDS:
+            if t.kind in QUANT_KINDS_ALL:
+                blocks[t.kind] += 1
             continue
         group = INT8_KINDS[t.kind] or t.group_size
         if kernels.int8_supports(t.shape[1], group):
             taken += 1
         else:
             left.append(name)
-    if not taken and not left:
-        return "do not apply: this container has no q4/q8/q4k/q8k or GGUF-kept quantized weights; running exact"
+    if not taken:
+        return ("do not apply: this container has no q4/q8/q4k/q8k/q4_1 weights that they can take; running"
+                " exact")
+    why = []
+    if blocks:
+        why.append(", ".join(f"{k} x{v}" for k, v in blocks.most_common()) + ": no int8 kernel reads those GGUF"
+                   " blocks")
     if left:
-        return (f"leave {len(left)} of {taken + len(left)} quantized weights exact (K not a multiple of 64 or an"
-                f" unsupported group size: {left[0]}{', ...' if len(left) > 1 else ''})")
+        why.append(f"K not a multiple of 64 or an unsupported group size: {left[0]}{', ...' if len(left) > 1 else ''}")
+    if why:
+        n = len(left) + sum(blocks.values())
+        return f"leave {n} of {taken + n} quantized weights exact ({'; '.join(why)})"
     return None
 
 
