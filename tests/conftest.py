@@ -85,3 +85,15 @@ def tier_ops():
     built = {name: kernels.tier_ops(name) for name in kernels.runnable_tiers()}
     assert "portable" in built
     return built
+
+
+@pytest.fixture()
+def artifacts(request, tmp_path) -> Path:
+    """Where a test saves what a person may want to look at afterwards (screenshots): a directory per test under
+    $COLIBRI_TEST_ARTIFACTS when set (.ci/run sets it to .ci/artifacts), else the test's tmp_path."""
+    root = os.environ.get("COLIBRI_TEST_ARTIFACTS")
+    if not root:
+        return tmp_path
+    out = Path(root) / request.node.name.replace("/", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -96,7 +96,7 @@ def test_usage_chunk_carries_the_replys_engine_stats(server):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
-def test_dashboard_and_chat_in_headless_chromium(server, tmp_path):
+def test_dashboard_and_chat_in_headless_chromium(server, artifacts):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a test extra: pip install -e .[test]")
     errors: list[str] = []
     load_done = threading.Event()
@@ -134,7 +134,7 @@ def test_dashboard_and_chat_in_headless_chromium(server, tmp_path):
             assert load_done.wait(300)
             page.wait_for_function("document.getElementById('seqs').textContent === '0 / 0'", timeout=30000)
             assert page.text_content("#totals") != before
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
             phone = context.new_page()
             phone.set_viewport_size({"width": 390, "height": 844})
@@ -175,12 +175,12 @@ def test_dashboard_and_chat_in_headless_chromium(server, tmp_path):
                 time.sleep(0.1)
             assert running(server) == 0
             assert server.metrics()['colibri_requests_total{reason="abort"}'] >= 1
-            chat.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
+            chat.screenshot(path=str(artifacts / "chat.png"), full_page=True)
         except Exception:
             for pg in context.pages:  # what the pages showed, beside the failure
-                pg.screenshot(path=str(tmp_path / f"failed-{context.pages.index(pg)}.png"), full_page=True)
+                pg.screenshot(path=str(artifacts / f"failed-{context.pages.index(pg)}.png"), full_page=True)
             raise
         finally:
             browser.close()
     assert not errors, errors
-    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert (artifacts / "dashboard.png").stat().st_size > 10_000
