@@ -71,12 +71,13 @@ def measure(path: Path, memory_limit: int, settings: dict, objective: str, token
 
 
 def _long_prompt(m, n: int) -> list[int]:
-    """`n` tokens of real English text (CPython's pydoc topics), or counting ids where there is no tokenizer."""
+    """`n` tokens of real English text (the built-in calibration prose: CPython's pydoc topics), or counting ids
+    where there is no tokenizer."""
     if m.tokenizer is None:
         return [1 + i % 97 for i in range(n)]
-    from pydoc_data.topics import topics
-    text = "\n".join(topics[k] for k in sorted(topics))
-    return m.tokenizer.encode(text[: n * 8])[:n]
+    from colibri.convert.calibrate import builtin_text
+    prose, _ = builtin_text()
+    return m.tokenizer.encode(prose[: n * 8])[:n]
 
 
 def _in_child(path: Path, memory_limit: int, settings: dict, objective: str, tokens: int,
