@@ -60,8 +60,8 @@ def test_k_quants_dequantize_bit_exactly(qtype, kind):
     assert torch.equal(w.dequantize(), ref)
     ids = torch.tensor([0, 63, 64, 79, 5, 0])  # tile edges, the tail tile, a repeat
     assert torch.equal(w.rows(ids), ref[ids])
-    # bytes: the codes plus one byte per scale (and min) code, f16 super-scales
-    per_super = {"q4k": 128 + 16 + 4, "q6k": 210, "q8k": 256 + 16 + 2, "q3k": 110, "iq4_xs": 136,
+    # bytes: the codes, the scale (and min) codes (q4k: 12 bits a (sc, m) pair, as Q4_K), f16 super-scales
+    per_super = {"q4k": 128 + 12 + 4, "q6k": 210, "q8k": 256 + 16 + 2, "q3k": 110, "iq4_xs": 136,
                  "iq4_nl": 8 * 18, "q5k": 176}[kind]  # q6k, q3k, q5k and the IQ4 kinds: the file's own bytes
     assert w.nbytes == n * k // 256 * per_super
     # a reader's views over the stored buffers give the same weight
@@ -191,7 +191,7 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
 
     src, out, _ = k_container
     m = json.loads((out / "manifest.json").read_text())
-    assert m["version"] == 3  # required checksums; kinds a version-1 reader does not know
+    assert m["version"] == 4  # q4k's packed scale codes (and 3's required checksums)
     kinds = {t["name"]: t["kind"] for t in m["tensors"]}
     assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q6k"  # output.weight's Q6_K
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "q6k"
@@ -207,6 +207,48 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
             assert torch.equal(c.load(name).dequantize(), g.load(source)), name
     container_bytes = sum(f["size"] for f in m["files"])
     assert container_bytes < sum(int(t.n_bytes) for t in g._reader.tensors) + 64 * 4096  # table once; alignment
+
+
+def test_a_container_made_before_q4k_packed_its_codes_reads_the_same(tmp_path, monkeypatch):
+    """Containers of format version 3 hold q4k's (sc, m) codes a byte each ([K/32, Np, 2]): written here as the
+    converter wrote them then, they read (no repack) and give the version-4 container's logits bit for bit, the
+    table read by tiles from disk included."""
+    from colibri.formats import container as cont
+    from colibri.quant import kinds
+
+    src = k_gguf(tmp_path / "t.gguf", one_q4k_table=True)
+    new = tmp_path / "new"
+    conv.convert(src, new, conv.ConvertOptions(quant="q4", page_size_mb=1))
+    with monkeypatch.context() as mp:  # the writer before version 4
+        legacy = kinds._k_buffer_layout
+
+        def bytes_each(kind, n, k):
+            layout = legacy(kind, n, k)
+            if kind.name == "q4k":
+                layout["scales"] = (torch.uint8, kinds.q4k_legacy_scales((n, k)))
+            return layout
+
+        mp.setattr(kinds, "_k_buffer_layout", bytes_each)
+        mp.setattr(kinds, "q4k_pack_codes", lambda sc, m: torch.stack([sc, m], dim=-1).contiguous())
+        mp.setattr(cont, "version_for", lambda kinds: 3)
+        conv.convert(src, tmp_path / "old", conv.ConvertOptions(quant="q4", page_size_mb=1))
+    old = tmp_path / "old"
+    m = json.loads((old / "manifest.json").read_text())
+    q = next(t for t in m["tensors"] if t["name"] == "model.embed_tokens.weight")
+    assert m["version"] == 3 and q["kind"] == "q4k" and q["parts"]["scales"]["shape"][-1] == 2
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(ContainerCheckpoint(old).load(name).dequantize(), ContainerCheckpoint(new).load(name).dequantize())
+    ids = list(range(0, 2048, 37))
+    want = colibri.load(new, dtype="float32").logits(ids)
+    assert torch.equal(colibri.load(old, dtype="float32").logits(ids), want)
+    assert torch.equal(colibri.load(old, dtype="bfloat16").logits(ids), colibri.load(new, dtype="bfloat16").logits(ids))
+    monkeypatch.setattr(placement, "BLOCK_BYTES", 4096)  # the table by tiles and row blocks from disk
+    monkeypatch.setattr(placement, "HEAD_BUFFERS", 1)
+    for path in (old, new):
+        minimum = colibri.runtime.model.plan(path, None, dtype=torch.float32, batch_size=1)[0].minimum
+        streamed = colibri.load(path, dtype="float32", memory_limit=minimum, prefetch_depth=0, batch_size=1)
+        assert torch.equal(streamed.logits(ids), want), path.name
+        assert streamed.store.stats.row_bytes_read > 0
 
 
 def test_q5_k_is_kept_without_a_notice(tmp_path, capsys):

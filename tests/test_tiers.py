@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from colibri import kernels
-from colibri.quant.kinds import from_gguf, quantize
+from colibri.quant.kinds import from_gguf, q4k_codes, quantize
 from test_kquant import k_blocks
+from test_tier_int8 import _int8_tiers
 
 ROWS = (1, 3, 16, 64)
 TIERS = kernels.runnable_tiers()
@@ -40,6 +41,8 @@ def _linear_cases(n: int, k: int):
     if k % 256 == 0:
         b = from_gguf(k_blocks(QT.Q4_K, n, k, seed=n), QT.Q4_K, (n, k))._buffers
         cases.append(("q4k", both, lambda o, x: o.q4k_linear(x, b["qweight"], b["scales"], b["supers"])))
+        old = q4k_legacy_buffers(b)  # as containers before format version 4 hold them
+        cases.append(("q4k-bytes", both, lambda o, x: o.q4k_linear(x, old["qweight"], old["scales"], old["supers"])))
         q6 = from_gguf(k_blocks(QT.Q6_K, n, k, seed=n), QT.Q6_K, (n, k))
         q8 = q6.as_q8k()._buffers
         cases.append(("q8k", both, lambda o, x: o.q8k_linear(x, q8["qweight"], q8["scales"], q8["supers"])))
@@ -50,6 +53,30 @@ def _linear_cases(n: int, k: int):
         q5 = from_gguf(gguf_quantize(w.numpy(), QT.Q5_0), QT.Q5_0, (n, k))
         cases.append(("q5_0", both, lambda o, x: o.q5_0_linear(x, q5._buffers["qweight"])))
     return cases
+
+
+def q4k_legacy_buffers(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q4k buffers with the (sc, m) codes a byte each, [K/32, Np, 2]: the layout before format version 4."""
+    sc, mn = q4k_codes(b["scales"], 0, b["qweight"].shape[0])
+    return {**b, "scales": torch.stack([sc, mn], dim=-1).contiguous()}
+
+
+def test_q4k_packed_codes_give_the_bits_of_a_byte_each(tier_ops):
+    """The packed (sc, m) codes of format version 4 and the byte-each layout before it: the same rows on every tier,
+    in both modes (exact and LOSSY int8), at every pass size, for full and tail tiles."""
+    n, k = 200, 512
+    b = from_gguf(k_blocks(QT.Q4_K, n, k, seed=3), QT.Q4_K, (n, k))._buffers
+    old = q4k_legacy_buffers(b)
+    assert b["scales"].shape == (k // 32, 104, 3) and old["scales"].shape == (k // 32, 208, 2)
+    int8 = set(_int8_tiers())
+    for tier, o in tier_ops.items():
+        ops = [o.q4k_linear] + ([o.q4k_linear_i8] if tier in int8 else [])
+        for op in ops:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = _randn(64, k, seed=4).to(dtype)
+                for t in ROWS:
+                    new = op(x[:t], b["qweight"], b["scales"], b["supers"])
+                    assert torch.equal(new, op(x[:t], old["qweight"], old["scales"], old["supers"])), (tier, op, t)
 
 
 # 200 rows: q4 pads to 208 (a 16-column tail tile); K = 96: a dot-form tail; K = 2304: past a 1024-column chunk

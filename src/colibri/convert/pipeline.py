@@ -375,7 +375,7 @@ def write_container(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]],
             os.close(fd)
 
     manifest = {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT, "version": container.version_for({t.kind for t in tensors}),
         "created_by": f"colibri {__version__}",
         "source": {**source, "fingerprint": fingerprint},
         "config": config,

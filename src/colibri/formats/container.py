@@ -23,11 +23,13 @@ from colibri.quant import kinds as quant
 from colibri.core.errors import ModelLoadError, UnsupportedModelError
 
 FORMAT = "colibri-container"
-# Version 3 (written by this Colibri): the manifest's own checksum and the checksums of the tokenizer and chat
-# template files are required, so damage cannot switch a check off by renaming its key. Versions 1 (no K-quant
-# kinds) and 2 (K-quant kinds) are still read; their checks apply where the field is present.
-VERSION = 3
-READS = (1, 2, 3)
+# Version 3: the manifest's own checksum and the checksums of the tokenizer and chat template files are required,
+# so damage cannot switch a check off by renaming its key. Version 4: version 3 with q4k's scale codes packed (12
+# bits a group and row, GGUF Q4_K's size; colibri.quant.kinds), written only for a container that holds a q4k
+# tensor (else 3), so an older Colibri refuses by version what it would misread. Versions 1 (no K-quant kinds) and
+# 2 (K-quant kinds) are still read; their checks apply where the field is present.
+VERSION = 4
+READS = (1, 2, 3, 4)
 ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
@@ -394,6 +396,9 @@ def _parts_problem(e: dict) -> str | None:
         except ValueError as err:
             return f"kind {kind} cannot hold it ({err})"
         want = {n: (str(dt).removeprefix("torch."), list(s)) for n, (dt, s) in layout.items()}
+        legacy = list(quant.q4k_legacy_scales(tuple(shape))) if kind == "q4k" else None
+        if legacy and e["parts"].get("scales", {}).get("shape") == legacy:
+            want["scales"] = ("uint8", legacy)  # made before version 4: (sc, m) a byte each
     else:
         return None  # a kind this Colibri does not know: tensor_from_bytes says so, naming it
     parts = e["parts"]
@@ -410,6 +415,12 @@ def _parts_problem(e: dict) -> str | None:
         if math.prod(pshape) * dt.itemsize != p["nbytes"] or p["offset"] < 0 or p["offset"] + p["nbytes"] > e["nbytes"]:
             return f"part {name}'s extent does not hold its shape"
     return None
+
+
+def version_for(kinds) -> int:
+    """The format version a converter writes for a container of tensors of these kinds: 4 where q4k's packed
+    scale codes are in it, else 3 (every reader since version 3 reads it)."""
+    return VERSION if "q4k" in kinds else 3
 
 
 def records(manifest: dict) -> tuple[dict[str, TensorEntry], list[PageEntry]]:

@@ -35,16 +35,29 @@ inline void check_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
               x.size(1) % (g ? g : x.size(1)) == 0, "q8_linear: shapes do not match the stored layout");
 }
 
-// q4k: the q4 tiles, scales u8 [K/32, Np, 2] (sc, m), supers f16 [K/256, Np, 2] (d, dmin).
-inline void check_q4k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+// q4k: the q4 tiles, supers f16 [K/256, Np, 2] (d, dmin), and the 6-bit (sc, m) codes of each group of 32 and
+// column either packed, u8 [K/32, Np/2, 3] (12 bits sc | m << 6 a column, columns 2i and 2i + 1 in the 24-bit
+// little-endian word of bytes 3i..3i+2: GGUF Q4_K's 12 bits a group; containers of format version 4), or a byte
+// each, u8 [K/32, Np, 2] (containers made before). Returns whether they are packed.
+inline bool check_q4k_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& supers,
+                             int64_t k, const char* op) {
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous(), op,
+              ": the q4k parts must be contiguous");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
+              supers.scalar_type() == at::kHalf, op, ": u8 codes and scale codes, f16 supers");
+  const int64_t np = qweight.size(0);
+  const bool packed = scales.dim() == 3 && scales.size(2) == 3;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 &&
+              scales.dim() == 3 && scales.size(0) == k / 32 && scales.size(1) == (packed ? np / 2 : np) &&
+              (packed || scales.size(2) == 2) && supers.dim() == 3 && supers.size(0) == k / 256 &&
+              supers.size(1) == np && supers.size(2) == 2, op, ": shapes do not match the stored layout");
+  return packed;
+}
+
+inline bool check_q4k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   check_x(x, "q4k_linear");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous());
-  TORCH_CHECK(scales.scalar_type() == at::kByte && supers.scalar_type() == at::kHalf, "q4k_linear: u8 / f16 scales");
-  const int64_t k = x.size(1), np = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 && scales.size(0) == k / 32 &&
-              scales.size(1) == np && supers.size(0) == k / 256 && supers.size(1) == np,
-              "q4k_linear: shapes do not match the stored layout");
+  return check_q4k_layout(qweight, scales, supers, x.size(1), "q4k_linear");
 }
 
 // q8k: codes int8 [N, K], scales int8 [N, K/16], supers f16 [N, K/256].

@@ -288,6 +288,7 @@ struct Weight {
   // K-quants: f16 super-scales; sc then holds 8-bit codes. q4k: (d, dmin) [G/8, Np, 2] with sc (sc, m) u8 [G, Np, 2];
   // q8k: d [N, G/16] with sc s8 [N, G]. Null: sc holds the scales themselves.
   const uint16_t* sup = nullptr;
+  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
 };
 
 // q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
@@ -300,7 +301,8 @@ inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
 // (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column): the exact kernels' own
 // (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
-  if (w.sup) return q4k_params(static_cast<const uint8_t*>(w.sc), w.sup, w.cols, gi, n0, true, prm, prm + 4);
+  if (w.sup)
+    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4);
   q4_group_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, gi, n0, prm, prm + 4);
 }
 
@@ -601,20 +603,15 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return q8_run(x, w, group_size);
 }
 
-// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tiles (group 32), (sc, m) u8 [K/32, Np, 2], (d, dmin) f16
-// [K/256, Np, 2]. Bit for bit q4_linear_i8 with the f32 (s, z) of q4k_params, group 32.
+// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tiles (group 32), the (sc, m) codes (args.h), (d, dmin)
+// f16 [K/256, Np, 2]. Bit for bit q4_linear_i8 with the f32 (s, z) of q4k_params, group 32.
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
   check_x(x, k, "q4k_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous() &&
-              qweight.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
-              supers.scalar_type() == at::kHalf && np % 16 == 0 && k % 256 == 0 && scales.dim() == 3 &&
-              scales.size(0) == k / 32 && scales.size(1) == np && scales.size(2) == 2 && supers.dim() == 3 &&
-              supers.size(0) == k / 256 && supers.size(1) == np && supers.size(2) == 2,
-              "q4k_linear_i8: shapes do not match the stored layout");
+  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
   Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, 1, np, k, 32,
-           reinterpret_cast<const uint16_t*>(supers.data_ptr())};
+           reinterpret_cast<const uint16_t*>(supers.data_ptr()), packed};
   return linear_i8<kQ4>(x, w, 32);
 }
 

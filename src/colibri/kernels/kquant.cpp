@@ -1,7 +1,8 @@
 // Linear kernels for GGUF K-quants imported exactly (colibri/quant/kinds.py, "GGUF K-quants"): y = x @ W.T, batch-invariant as the
 // kernels of linear.cpp (one f32 accumulation per output element in an order fixed by K alone).
 //
-// q4k (Q4_K): the q4 code tiles, group 32; per group and row uint8 (sc, m), per 256 values and row f16 (d, dmin):
+// q4k (Q4_K): the q4 code tiles, group 32; per group and row the 6-bit (sc, m) codes (args.h: packed 12 bits a
+// row, or a byte each in containers made before), per 256 values and row f16 (d, dmin):
 //   w = (d * sc) * q - dmin * m, q in [0, 15]. The group parameters are decoded per tile on the fly:
 //   bf16 x: x . (q - 8) over the exact codes, then s * A + (8 s - dmin m) * sum(x) with s = d * sc (f32);
 //   f32 x: the exact weights q * s + (-dmin m) (s * q is exact in f32, one rounding as gguf's dequantize).
@@ -23,13 +24,17 @@ namespace {
 
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
-  check_q4k(x, qweight, scales, supers);
+  const bool packed = check_q4k(x, qweight, scales, supers);
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, 2, np, k, 32};
   const uint8_t* sc = scales.data_ptr<uint8_t>();
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
-  auto bf = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) { q4k_params(sc, sup, np, gi, n0, true, s, z); };
-  auto f32 = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) { q4k_params(sc, sup, np, gi, n0, false, s, z); };
+  auto bf = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+    q4k_params(sc, packed, sup, np, gi, n0, true, s, z);
+  };
+  auto f32 = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+    q4k_params(sc, packed, sup, np, gi, n0, false, s, z);
+  };
   return q4_tiles_linear(x, w, bf, f32, 0);
 }
 

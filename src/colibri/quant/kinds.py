@@ -146,6 +146,8 @@ def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> 
         if t is None:
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
         exact_dtype = name == "qweight" or kind.name in K_KINDS
+        if kind.name == "q4k" and name == "scales" and tuple(t.shape) == q4k_legacy_scales(shape):
+            want = tuple(t.shape)  # read from a container made before the codes were packed
         if tuple(t.shape) != want or (exact_dtype and t.dtype != dtype) or not t.is_contiguous():
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
                              f"expected contiguous {dtype} {want}")
@@ -596,8 +598,9 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
             out = {b: torch.empty(layout[b][1], dtype=t.dtype) for b, t in part.buffers().items()}
             axes = {b: next(i for i, (c, f) in enumerate(zip(t.shape, out[b].shape)) if c != f)
                     for b, t in part.buffers().items()}
+            per_row = {b: t.shape[axes[b]] / rows for b, t in part.buffers().items()}  # q4k's packed scale codes: 1/2
         for b, t in part.buffers().items():
-            out[b].narrow(axes[b], r0, t.shape[axes[b]]).copy_(t)
+            out[b].narrow(axes[b], int(r0 * per_row[b]), t.shape[axes[b]]).copy_(t)
     return type(first)(first.kind, (n, k), out)
 
 
@@ -680,11 +683,13 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 # kinds store the GGUF's own codes and scales, so a container's weights are the source's, bit for bit
 # (`dequantize()` equals `gguf.quants.dequantize` in f32), at about the source's bytes.
 #
-# q4k (N out, K in, K % 256 == 0, Np = N rounded up to 16): 4.625 bits per weight (Q4_K: 4.5, its 6-bit scale
-# codes packed; here one byte each)
-#   qweight  uint8 [Np, K/2]       codes q in [0, 15] in the q4 tile layout (colibri.quant.kinds, top of the file)
-#   scales   uint8 [K/32, Np, 2]   (sc, m) per group of 32 and row, 6-bit codes
-#   supers   f16   [K/256, Np, 2]  (d, dmin) per 256 values and row
+# q4k (N out, K in, K % 256 == 0, Np = N rounded up to 16): 4.5 bits per weight, Q4_K's
+#   qweight  uint8 [Np, K/2]        codes q in [0, 15] in the q4 tile layout (colibri.quant.kinds, top of the file)
+#   scales   uint8 [K/32, Np/2, 3]  the 6-bit (sc, m) per group of 32 and row as 12 bits sc | m << 6, rows 2i and
+#                                   2i + 1 in the 24-bit little-endian word of bytes 3i..3i+2 (containers of format
+#                                   version 4; those made before hold uint8 [K/32, Np, 2], (sc, m) a byte each,
+#                                   4.625 bits per weight: read still, see q4k_legacy_scales)
+#   supers   f16    [K/256, Np, 2]  (d, dmin) per 256 values and row
 #   w = (d * sc) * q - dmin * m, in f32: d * sc and dmin * m are exact (11 + 6 bits), so is their product by q;
 #   one rounding, in the subtraction, as gguf's dequantize.
 # q6k: 6.5625 bits per weight, Q6_K's own blocks as the file stores them
@@ -718,10 +723,41 @@ _K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["
            **{k.name: k for k in GGUF_K_EXACT.values()}}
 
 
+def q4k_legacy_scales(shape: tuple[int, int]) -> tuple[int, int, int]:
+    """The shape of a q4k weight's `scales` in containers made before version 4: (sc, m) a byte each."""
+    n, k = shape
+    return (k // 32, _round16(n), 2)
+
+
+def q4k_pack_codes(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """6-bit (sc, m) codes, uint8 [G, Np] each (Np even) -> the packed q4k scales, uint8 [G, Np/2, 3]."""
+    v = (sc.to(torch.int32) | (m.to(torch.int32) << 6)).view(sc.shape[0], -1, 2)
+    w = v[..., 0] | (v[..., 1] << 12)  # [G, Np/2]: 24 bits
+    return torch.stack([w & 0xFF, (w >> 8) & 0xFF, w >> 16], dim=-1).to(torch.uint8)
+
+
+def q4k_codes(scales: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sc, m) uint8 [G, r1 - r0] each of rows [r0, r1) from a q4k weight's scales, packed or not."""
+    if scales.shape[-1] == 2:  # a byte each (containers before version 4)
+        return scales[:, r0:r1, 0], scales[:, r0:r1, 1]
+    b = scales[:, r0 // 2:(r1 + 1) // 2].to(torch.int32)  # the pairs holding the rows
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    v = torch.stack([w & 0xFFF, w >> 12], dim=-1).flatten(1)[:, r0 % 2:r0 % 2 + r1 - r0]
+    return (v & 63).to(torch.uint8), (v >> 6).to(torch.uint8)
+
+
+def tile_side_rows(kind: str, part: str, v: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) (whole tiles) of a tiled kind's side part ([G, Np, ...], or q4k's packed scales
+    [G, Np/2, 3]), contiguous."""
+    if kind == "q4k" and part == "scales" and v.shape[-1] == 3:
+        return v[:, r0 // 2:r1 // 2].contiguous()
+    return v[:, r0:r1].contiguous()
+
+
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     if kind.name == "q4k":
         np_ = _round16(n)
-        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_, 2)),
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_ // 2, 3)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
     if kind.name in ("q6k", "q3k", "iq4_xs", "q5k"):
         per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK}[kind.name]
@@ -753,9 +789,9 @@ class Q4KWeight(Q4Weight):
 
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(d * sc, -dmin * m), f32 [K/32, r1 - r0] each: w = q * scale + zero."""
-        sc = self._buffers["scales"][:, r0:r1].float()
+        sc, mn = q4k_codes(self._buffers["scales"], r0, r1)
         sup = self._buffers["supers"][:, r0:r1].float().repeat_interleave(SUPER // 32, dim=0)
-        return sup[..., 0] * sc[..., 0], -(sup[..., 1] * sc[..., 1])
+        return sup[..., 0] * sc.float(), -(sup[..., 1] * mn.float())
 
     def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As Q4Weight's, [tiles, K/32, 1, 64] each, built per dequantize step from the two-level codes."""
@@ -1026,8 +1062,9 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         np_ = _round16(n)
         qp = torch.zeros(np_, k, dtype=torch.uint8)
         qp[:n] = torch.from_numpy(q)
-        scales = torch.zeros(k // 32, np_, 2, dtype=torch.uint8)
-        scales[:, :n] = torch.from_numpy(np.stack([sc, mn], axis=-1).reshape(n, k // 32, 2).transpose(1, 0, 2).copy())
+        codes = torch.zeros(2, k // 32, np_, dtype=torch.uint8)  # (sc, m) [G, Np]
+        codes[:, :, :n] = torch.from_numpy(np.stack([sc, mn]).reshape(2, n, k // 32).transpose(0, 2, 1).copy())
+        scales = q4k_pack_codes(codes[0], codes[1])
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
@@ -1108,8 +1145,7 @@ def _q4k_blocks(b: dict[str, torch.Tensor], n: int, k: int) -> np.ndarray:
     nb = k // SUPER
     out = np.empty((n, nb, 144), dtype=np.uint8)
     out[..., 0:4] = b["supers"][:, :n].transpose(0, 1).contiguous().view(torch.uint8).numpy()  # [N, nb, 4]
-    sm = b["scales"][:, :n].transpose(0, 1).reshape(n, nb, 8, 2).numpy()
-    sc, mn = sm[..., 0], sm[..., 1]  # [N, nb, 8]
+    sc, mn = (c.transpose(0, 1).reshape(n, nb, 8).numpy() for c in q4k_codes(b["scales"], 0, n))  # [N, nb, 8]
     out[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     out[..., 8:12] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
     out[..., 12:16] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)

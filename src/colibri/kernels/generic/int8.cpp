@@ -231,11 +231,12 @@ struct Weight {
   const void* sc;           // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
   at::ScalarType st;
   int64_t cols, k, g;       // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
-  // GGUF K-quant mode (q4k_linear_i8 / q8k_linear_i8): sc holds the stored 8-bit scale codes (q4k: uint8 (sc, m)
-  // [K/32, Np, 2]; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k:
+  // GGUF K-quant mode (q4k_linear_i8 / q8k_linear_i8): sc holds the stored scale codes (q4k: (sc, m) packed or a
+  // byte each, see `packed` and args.h; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k:
   // [N, K/256]); tile_params decodes them per tile into the f32 (scale, zero) / scale values a stored-f32 call
   // would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
   const void* sup = nullptr;
+  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
 };
 
 // One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
@@ -348,8 +349,8 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
       if (w.sup)
-        q4k_params(static_cast<const uint8_t*>(w.sc), static_cast<const uint16_t*>(w.sup), w.cols, gi, n0, true, o,
-                   o + kCols);
+        q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, static_cast<const uint16_t*>(w.sup), w.cols, gi, n0,
+                   true, o, o + kCols);
       else
         q4_group_params(q4, gi, n0, o, o + kCols);
     }
@@ -497,21 +498,14 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
 }
 
-// GGUF Q4_K kept as stored (colibri.quant.kinds's q4k): the q4 tile codes, (sc, m) uint8 [K/32, Np, 2], (d, dmin) f16
-// [K/256, Np, 2]; the bits of q4_linear_i8 with group 32 and the f32 (d * sc, 8 * d * sc - dmin * m).
+// GGUF Q4_K kept as stored (colibri.quant.kinds's q4k): the q4 tile codes, the (sc, m) codes (args.h), (d, dmin)
+// f16 [K/256, Np, 2]; the bits of q4_linear_i8 with group 32 and the f32 (d * sc, 8 * d * sc - dmin * m).
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
   check_x(x, k, "q4k_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kByte && np % 16 == 0 && k % 256 == 0,
-              "q4k_linear_i8: qweight must be contiguous uint8 [Np, K/2], Np a multiple of 16, K of 256");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.dim() == 3 &&
-              scales.size(0) == k / 32 && scales.size(1) == np && scales.size(2) == 2,
-              "q4k_linear_i8: scales must be contiguous uint8 [K/32, Np, 2]");
-  TORCH_CHECK(supers.is_contiguous() && supers.scalar_type() == at::kHalf && supers.dim() == 3 &&
-              supers.size(0) == k / 256 && supers.size(1) == np && supers.size(2) == 2,
-              "q4k_linear_i8: supers must be contiguous f16 [K/256, Np, 2]");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type(), np, k, 32, supers.data_ptr()};
+  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type(), np, k, 32, supers.data_ptr(), packed};
   return linear_i8<kQ4>(x, w);
 }
 

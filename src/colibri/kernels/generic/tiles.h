@@ -131,16 +131,29 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float
   }
 }
 
+// q4k: the (sc, m) codes of 8 columns from 12 packed bytes (args.h: column c's 12 bits sc | m << 6 at bit 12 c of
+// the little-endian stream), as u32 lanes.
+inline void q4k_codes8(const uint8_t* p, simd::u8& sc, simd::u8& m) {
+  uint32_t w[3];
+  std::memcpy(w, p, 12);
+  const simd::u8 lo{w[0], w[0], w[0], w[1], w[1], w[1], w[2], w[2]}, hi{0, 0, w[1], 0, 0, w[2], 0, 0};
+  const simd::u8 v = ((lo >> simd::u8{0, 12, 24, 4, 16, 28, 8, 20}) | (hi << simd::u8{0, 0, 8, 0, 0, 4, 0, 0})) & 0xfffu;
+  sc = v & 63u;
+  m = v >> 6;
+}
+
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
 // z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
-// w = q * s + z (the f32 path).
-inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, bool signed_codes,
-                       float* s, float* z) {
+// w = q * s + z (the f32 path). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout).
+inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
+                       bool signed_codes, float* s, float* z) {
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const uint16_t* pm = reinterpret_cast<const uint16_t*>(sc) + gi * np + n0;       // (sc | m << 8) per column
+  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
+  const uint8_t* pc = sc + (packed ? at / 2 * 3 : at * 2);
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
   // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  prefetch_span(pm + kTile, 2 * kTile);
+  const int64_t tile_bytes = packed ? kTile / 2 * 3 : 2 * kTile;
+  prefetch_span(pc + tile_bytes, tile_bytes);
   if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
   for (int64_t j = 0; j < kTile; j += 8) {
     if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
@@ -149,12 +162,19 @@ inline void q4k_params(const uint8_t* sc, const uint16_t* sup, int64_t np, int64
       continue;
     }
     const simd::u8 halves = simd::loadu(pd + j);
-    simd::h8 m16;
-    std::memcpy(&m16, pm + j, 16);
-    const simd::u8 codes = __builtin_convertvector(m16, simd::u8);
+    simd::u8 c, mc;
+    if (packed) {
+      q4k_codes8(pc + j / 2 * 3, c, mc);
+    } else {
+      simd::h8 m16;
+      std::memcpy(&m16, pc + 2 * j, 16);
+      const simd::u8 codes = __builtin_convertvector(m16, simd::u8);  // (sc | m << 8) per column
+      c = codes & 0xffu;
+      mc = codes >> 8;
+    }
     const f8 d = simd::f16x8(halves), dmin = simd::f16x8(halves >> 16);
-    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(codes & 0xffu));
-    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(codes >> 8));
+    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(c));
+    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(mc));
     simd::store(s + j, sv);
     simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
   }

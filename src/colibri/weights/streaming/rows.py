@@ -80,7 +80,7 @@ class RowTables:
         if t.kind in FLOAT_KINDS:
             return rows
         if t.kind in quant.TILED_KINDS:  # whole tiles; side parts [G, Np, 2] -> this block's [G, r1 - r0, 2]
-            side = {n: v[:, r0:r1].contiguous() for n, v in self.side.get(name, {}).items()}
+            side = {n: quant.tile_side_rows(t.kind, n, v, r0, r1) for n, v in self.side.get(name, {}).items()}
             n = min(r1, t.shape[0]) - r0  # the last block carries the padding rows
         else:
             side = {n: v[r0:r1] for n, v in self.side.get(name, {}).items()}
