@@ -36,9 +36,10 @@ inline void check_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
 }
 
 // q4k: the q4 tiles, supers f16 [K/256, Np, 2] (d, dmin), and the 6-bit (sc, m) codes of each group of 32 and
-// column either packed, u8 [K/32, Np/2, 3] (12 bits sc | m << 6 a column, columns 2i and 2i + 1 in the 24-bit
-// little-endian word of bytes 3i..3i+2: GGUF Q4_K's 12 bits a group; containers of format version 4), or a byte
-// each, u8 [K/32, Np, 2] (containers made before). Returns whether they are packed.
+// row either packed, u8 [K/32, Np/16, 24] (12 bits v = sc | m << 6 a row, GGUF Q4_K's 12 bits a group: per 16 rows
+// the low bytes of their v, then 8 bytes whose low nibbles hold rows 0-7's v >> 8 and high nibbles rows 8-15's;
+// containers of format version 4), or a byte each, u8 [K/32, Np, 2] (containers made before). Returns whether they
+// are packed.
 inline bool check_q4k_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& supers,
                              int64_t k, const char* op) {
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous(), op,
@@ -46,9 +47,9 @@ inline bool check_q4k_layout(const at::Tensor& qweight, const at::Tensor& scales
   TORCH_CHECK(qweight.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
               supers.scalar_type() == at::kHalf, op, ": u8 codes and scale codes, f16 supers");
   const int64_t np = qweight.size(0);
-  const bool packed = scales.dim() == 3 && scales.size(2) == 3;
+  const bool packed = scales.dim() == 3 && scales.size(2) == 24;
   TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 &&
-              scales.dim() == 3 && scales.size(0) == k / 32 && scales.size(1) == (packed ? np / 2 : np) &&
+              scales.dim() == 3 && scales.size(0) == k / 32 && scales.size(1) == (packed ? np / 16 : np) &&
               (packed || scales.size(2) == 2) && supers.dim() == 3 && supers.size(0) == k / 256 &&
               supers.size(1) == np && supers.size(2) == 2, op, ": shapes do not match the stored layout");
   return packed;

@@ -94,29 +94,30 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
                        bool signed_codes, __m512 s[4], __m512 z[4]) {
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 2 * 3 : at * 2);
+  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
-  const int64_t tile_bytes = packed ? kTile / 2 * 3 : 2 * kTile;
+  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
   prefetch_span(pc + tile_bytes, tile_bytes);  // the next tile's codes of this group, used a tile from now
   if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
   const __m512i lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
-  // packed: 16 columns' 12-bit codes from 24 bytes (column c at bit 12 c): each lane takes the dword its bits
-  // start in, shifted down, and (lanes whose bits cross a dword) the next dword's bits shifted up (count 32: none)
-  const __m512i dw_lo = _mm512_setr_epi32(0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5);
-  const __m512i dw_hi = _mm512_setr_epi32(0, 0, 1, 0, 0, 2, 0, 0, 0, 0, 4, 0, 0, 5, 0, 0);
-  const __m512i sh_lo = _mm512_setr_epi32(0, 12, 24, 4, 16, 28, 8, 20, 0, 12, 24, 4, 16, 28, 8, 20);
-  const __m512i sh_hi = _mm512_setr_epi32(32, 32, 8, 32, 32, 4, 32, 32, 32, 32, 8, 32, 32, 4, 32, 32);
   for (int c = 0; c < 4; ++c) {
     const int64_t left = cols - 16 * c;
     const __mmask16 m = left <= 0 ? 0 : tail_mask16(left);  // tiles are whole 16-column vectors: all or none
     __m512i csc, cm;
-    if (packed) {
-      const __m512i raw = _mm512_maskz_loadu_epi8(m ? 0xffffffull : 0, pc + 24 * c);
-      const __m512i v = _mm512_and_si512(_mm512_or_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(dw_lo, raw), sh_lo),
-                                                         _mm512_sllv_epi32(_mm512_permutexvar_epi32(dw_hi, raw), sh_hi)),
-                                         _mm512_set1_epi32(0xfff));
-      csc = _mm512_and_si512(v, _mm512_set1_epi32(63));
-      cm = _mm512_srli_epi32(v, 6);
+    if (packed) {  // 16 columns a unit of 24 bytes (args.h): their low bytes, then 8 bytes of high nibbles
+      if (!m) {  // past the tail tile's last column: whole vectors
+        s[c] = z[c] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc + 24 * c)));
+      int64_t nb;
+      std::memcpy(&nb, pc + 24 * c + 16, 8);
+      const __m512i nib = _mm512_cvtepu8_epi32(_mm_set1_epi64x(nb));  // rows 0-7 low nibbles, 8-15 high
+      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(nib, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4,
+                                                                                    4, 4, 4, 4)),
+                                          _mm512_set1_epi32(15));
+      csc = _mm512_and_si512(lo, _mm512_set1_epi32(63));
+      cm = _mm512_or_si512(_mm512_srli_epi32(lo, 6), _mm512_slli_epi32(hi, 2));
     } else {
       const __m512i codes =
           _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(pc) + 16 * c));

@@ -685,8 +685,9 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #
 # q4k (N out, K in, K % 256 == 0, Np = N rounded up to 16): 4.5 bits per weight, Q4_K's
 #   qweight  uint8 [Np, K/2]        codes q in [0, 15] in the q4 tile layout (colibri.quant.kinds, top of the file)
-#   scales   uint8 [K/32, Np/2, 3]  the 6-bit (sc, m) per group of 32 and row as 12 bits sc | m << 6, rows 2i and
-#                                   2i + 1 in the 24-bit little-endian word of bytes 3i..3i+2 (containers of format
+#   scales   uint8 [K/32, Np/16, 24]  the 6-bit (sc, m) per group of 32 and row as 12 bits v = sc | m << 6: per 16
+#                                   rows their v & 255, then 8 bytes of v >> 8 (rows 0-7 low nibbles, 8-15 high),
+#                                   so 8 or 16 rows decode with two zero-extending loads (containers of format
 #                                   version 4; those made before hold uint8 [K/32, Np, 2], (sc, m) a byte each,
 #                                   4.625 bits per weight: read still, see q4k_legacy_scales)
 #   supers   f16    [K/256, Np, 2]  (d, dmin) per 256 values and row
@@ -730,34 +731,35 @@ def q4k_legacy_scales(shape: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def q4k_pack_codes(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """6-bit (sc, m) codes, uint8 [G, Np] each (Np even) -> the packed q4k scales, uint8 [G, Np/2, 3]."""
-    v = (sc.to(torch.int32) | (m.to(torch.int32) << 6)).view(sc.shape[0], -1, 2)
-    w = v[..., 0] | (v[..., 1] << 12)  # [G, Np/2]: 24 bits
-    return torch.stack([w & 0xFF, (w >> 8) & 0xFF, w >> 16], dim=-1).to(torch.uint8)
+    """6-bit (sc, m) codes, uint8 [G, Np] each (Np % 16 == 0) -> the packed q4k scales, uint8 [G, Np/16, 24]: per
+    16 rows the low bytes of v = sc | m << 6, then 8 bytes whose low / high nibbles hold rows 0-7's / 8-15's v >> 8."""
+    v = (sc.to(torch.int32) | (m.to(torch.int32) << 6)).view(sc.shape[0], -1, 16)
+    hi = v >> 8
+    return torch.cat([v & 0xFF, hi[..., :8] | (hi[..., 8:] << 4)], dim=-1).to(torch.uint8)
 
 
 def q4k_codes(scales: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sc, m) uint8 [G, r1 - r0] each of rows [r0, r1) from a q4k weight's scales, packed or not."""
     if scales.shape[-1] == 2:  # a byte each (containers before version 4)
         return scales[:, r0:r1, 0], scales[:, r0:r1, 1]
-    b = scales[:, r0 // 2:(r1 + 1) // 2].to(torch.int32)  # the pairs holding the rows
-    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    v = torch.stack([w & 0xFFF, w >> 12], dim=-1).flatten(1)[:, r0 % 2:r0 % 2 + r1 - r0]
+    u = scales[:, r0 // 16:(r1 + 15) // 16].to(torch.int32)  # the 16-row units holding the rows
+    hi = torch.cat([u[..., 16:] & 15, u[..., 16:] >> 4], dim=-1)
+    v = (u[..., :16] | (hi << 8)).flatten(1)[:, r0 % 16:r0 % 16 + r1 - r0]
     return (v & 63).to(torch.uint8), (v >> 6).to(torch.uint8)
 
 
 def tile_side_rows(kind: str, part: str, v: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """Rows [r0, r1) (whole tiles) of a tiled kind's side part ([G, Np, ...], or q4k's packed scales
-    [G, Np/2, 3]), contiguous."""
-    if kind == "q4k" and part == "scales" and v.shape[-1] == 3:
-        return v[:, r0 // 2:r1 // 2].contiguous()
+    [G, Np/16, 24]), contiguous."""
+    if kind == "q4k" and part == "scales" and v.shape[-1] == 24:
+        return v[:, r0 // 16:(r1 + 15) // 16].contiguous()
     return v[:, r0:r1].contiguous()
 
 
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     if kind.name == "q4k":
         np_ = _round16(n)
-        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_ // 2, 3)),
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_ // 16, 24)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
     if kind.name in ("q6k", "q3k", "iq4_xs", "q5k"):
         per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK}[kind.name]

@@ -131,15 +131,15 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float
   }
 }
 
-// q4k: the (sc, m) codes of 8 columns from 12 packed bytes (args.h: column c's 12 bits sc | m << 6 at bit 12 c of
-// the little-endian stream), as u32 lanes.
-inline void q4k_codes8(const uint8_t* p, simd::u8& sc, simd::u8& m) {
-  uint32_t w[3];
-  std::memcpy(w, p, 12);
-  const simd::u8 lo{w[0], w[0], w[0], w[1], w[1], w[1], w[2], w[2]}, hi{0, 0, w[1], 0, 0, w[2], 0, 0};
-  const simd::u8 v = ((lo >> simd::u8{0, 12, 24, 4, 16, 28, 8, 20}) | (hi << simd::u8{0, 0, 8, 0, 0, 4, 0, 0})) & 0xfffu;
-  sc = v & 63u;
-  m = v >> 6;
+// q4k: the (sc, m) codes of columns [c, c + 8) (c % 8 == 0) of a group's packed row p (args.h: 24 bytes per 16
+// columns, their v's low bytes then the nibbles of v >> 8), as u32 lanes.
+inline void q4k_codes8(const uint8_t* p, int64_t c, simd::u8& sc, simd::u8& m) {
+  const uint8_t* unit = p + c / 16 * 24;
+  const simd::u8 lo = reinterpret_cast<simd::u8>(simd::u8x8(unit + c % 16));
+  const simd::u8 nib = reinterpret_cast<simd::u8>(simd::u8x8(unit + 16));
+  const simd::u8 hi = c % 16 ? nib >> 4 : nib & 15u;
+  sc = lo & 63u;
+  m = (lo >> 6) | (hi << 2);
 }
 
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
@@ -149,10 +149,10 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
                        bool signed_codes, float* s, float* z) {
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 2 * 3 : at * 2);
+  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
   const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
   // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  const int64_t tile_bytes = packed ? kTile / 2 * 3 : 2 * kTile;
+  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
   prefetch_span(pc + tile_bytes, tile_bytes);
   if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
   for (int64_t j = 0; j < kTile; j += 8) {
@@ -164,7 +164,7 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
     const simd::u8 halves = simd::loadu(pd + j);
     simd::u8 c, mc;
     if (packed) {
-      q4k_codes8(pc + j / 2 * 3, c, mc);
+      q4k_codes8(pc, j, c, mc);
     } else {
       simd::h8 m16;
       std::memcpy(&m16, pc + 2 * j, 16);
