@@ -23,13 +23,13 @@ from colibri.quant.kinds import GGUF_KEPT_KINDS, from_gguf
 from synthetic_gguf import llama_writer
 
 BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.IQ4_NL: 18, QT.Q5_K: 176, QT.Q2_K: 84,
-         QT.Q5_1: 24}  # bytes a block
-VALUES = {QT.IQ4_NL: 32, QT.Q5_1: 32}  # values per block (the others: 256)
+         QT.Q5_1: 24, QT.Q5_0: 22}  # bytes a block
+VALUES = {QT.IQ4_NL: 32, QT.Q5_1: 32, QT.Q5_0: 32}  # values per block (the others: 256)
 
 
 def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
     """Valid random blocks [n, k / block values * block bytes]: random codes and scales, sane positive f16
-    super-scales (Q4_K, Q5_K: d, dmin first; the IQ4 kinds: d first; Q6_K, Q3_K: d last; Q2_K: d, dmin last;
+    super-scales (Q4_K, Q5_K: d, dmin first; the IQ4 kinds, Q5_0: d first; Q6_K, Q3_K: d last; Q2_K: d, dmin last;
     Q5_1: d and a negative m, about a block's minimum, first)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // VALUES.get(qtype, 256), BLOCK[qtype]), dtype=np.uint8)
@@ -37,7 +37,7 @@ def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarra
     d = rng.uniform(0.2, 1.0, raw.shape[:2] + (2 if two else 1,)).astype(np.float16) * np.float16(scale)
     if qtype == QT.Q5_1:
         d[..., 1] *= np.float16(-16)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_1):
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_1, QT.Q5_0):
         raw[..., 0:2 * d.shape[-1]] = d.view(np.uint8)
     else:
         raw[..., BLOCK[qtype] - 2 * d.shape[-1]:] = d.view(np.uint8)
