@@ -1,8 +1,9 @@
 """GGUF Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q5_1 blocks from float weights, the way llama.cpp's quantizer makes them.
 
 `quantize_blocks(w, "Q4_K", importance)` returns the GGUF block bytes of a [N, K] weight, which `kinds.from_gguf`
-turns into the exact kinds (q4k, q5k, q6k, q8 g32, q5_0, q5_1): a container made from HF weights then streams through the
-same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time (torch, f32).
+turns into the exact kinds (q4k, q5k, q6k, q8 g32, q5_0, q5_1): a container made from HF weights then streams
+through the same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time
+(torch, f32).
 
 The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here from their description):
 * Q4_K: per 32-value sub-block an asymmetric 4-bit fit w ~ scale * L - min (make_qkx2_quants: candidate grids of
