@@ -4,8 +4,8 @@
     python benchmarks/convert_bench.py --synthetic-hf llama-2-7b --workdir /nvme/bench [--quant q4]
     python benchmarks/convert_bench.py --synthetic-gguf llama-2-7b --workdir /nvme/bench
 
---synthetic-gguf writes a Q4_K_M-like GGUF of that shape (tests/synthetic_gguf.py: Q4_K / Q6_K blocks kept exactly,
-one F16 and one Q5_0 matrix re-quantized) and converts it.
+--synthetic-gguf writes a Q4_K_M-like GGUF of that shape (tests/synthetic_gguf.py: Q4_K / Q6_K / Q5_0 blocks kept
+exactly, one F16 and one IQ2_XXS matrix re-quantized) and converts it.
 
 --synthetic-hf first writes a bf16 HF checkpoint of that architecture shape (random weights, 2 GB shards with
 an index, as real 7B checkpoints ship) and then converts it: the test of "streams tensor by tensor, peak RSS

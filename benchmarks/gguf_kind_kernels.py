@@ -1,7 +1,7 @@
 """Per-call time of the exact GGUF kinds' linear kernels on random valid blocks (no model file needed).
 
-    COLIBRI_KERNELS=avx2 python benchmarks/gguf_kind_kernels.py [--kinds q4k q5k q6k] [--shapes 1536x8960 8960x1536]
-        [--rows 1 16] [--threads 1] [--reps 9] [--int8]
+    COLIBRI_KERNELS=avx2 python benchmarks/gguf_kind_kernels.py [--kinds q4k q5k q6k q2k q5_0 q5_1 ...]
+        [--shapes 1536x8960 8960x1536] [--rows 1 16] [--threads 1] [--reps 9] [--int8]
 
 For each shape N x K (N outputs, K inputs) and pass size T: the best of --reps calls of `w.linear(x)` with bf16 x,
 kinds interleaved so that a load spike on a shared machine hits them all; --int8 times the LOSSY int8 mode.
@@ -24,7 +24,8 @@ from colibri.quant.kinds import from_gguf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_kquant import k_blocks  # noqa: E402  (the tests' random valid blocks)
 
-QTYPES = {"q4k": QT.Q4_K, "q5k": QT.Q5_K, "q6k": QT.Q6_K, "q3k": QT.Q3_K, "iq4_xs": QT.IQ4_XS}
+QTYPES = {"q4k": QT.Q4_K, "q5k": QT.Q5_K, "q6k": QT.Q6_K, "q3k": QT.Q3_K, "iq4_xs": QT.IQ4_XS, "q2k": QT.Q2_K,
+          "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "iq4_nl": QT.IQ4_NL}
 
 
 def main() -> None:

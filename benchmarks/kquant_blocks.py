@@ -36,7 +36,7 @@ def main() -> None:
     print("| type | importance | bytes equal | values equal | weighted error ours / llama.cpp | ours M values/cpu-s | "
           "llama.cpp M values/cpu-s |")
     print("|---|---|---|---|---|---|---|")
-    for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"):
+    for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"):
         for i in (None, imp):
             if i is not None and t == "Q8_0":
                 continue  # llama.cpp's Q8_0 takes no importance

@@ -1,6 +1,6 @@
 """A llama-architecture GGUF of any size with random valid blocks, kinds laid out as llama.cpp's Q4_K_M does
 (Q4_K matrices, Q6_K for attn_v / ffn_down and the output table), plus other kinds in the first layer: Q5_0 for
-attn_k (kept exactly), F16 for attn_output (converted by the q4 policy) and Q5_1 for attn_q (no exact kind yet:
+attn_k (kept exactly), F16 for attn_output (converted by the q4 policy) and IQ2_XXS for attn_q (no exact kind yet:
 converted with a notice).
 
 Every layer's blocks are the same arrays (the writer holds references, not copies), so writing a file of gigabytes
@@ -16,8 +16,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 
-BLOCK_BYTES = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q5_0: 22, QT.Q5_1: 24}
-BLOCK_VALUES = {QT.Q4_K: 256, QT.Q6_K: 256, QT.Q5_0: 32, QT.Q5_1: 32}
+BLOCK_BYTES = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q5_0: 22, QT.IQ2_XXS: 66}
+BLOCK_VALUES = {QT.Q4_K: 256, QT.Q6_K: 256, QT.Q5_0: 32, QT.IQ2_XXS: 256}
 # layer shapes (d, ffn, heads, kv heads, vocab)
 SHAPES = {"llama-2-7b": (4096, 11008, 32, 32, 32000), "test": (2048, 5632, 16, 16, 16384), "small": (1024, 2816, 8, 8, 8192)}
 
@@ -31,9 +31,8 @@ def blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
         raw[..., 0:4] = (rng.uniform(0.2, 1.0, raw.shape[:2] + (2,)) * scale).astype(np.float16).view(np.uint8)
     elif qtype == QT.Q6_K:
         raw[..., 208:210] = (rng.uniform(0.2, 1.0, raw.shape[:2] + (1,)) * scale).astype(np.float16).view(np.uint8)
-    else:  # Q5_0: d first; Q5_1: d, m
-        dm = 1 if qtype == QT.Q5_0 else 2
-        raw[..., 0:2 * dm] = (rng.uniform(0.2, 1.0, raw.shape[:2] + (dm,)) * scale).astype(np.float16).view(np.uint8)
+    else:  # Q5_0, IQ2_XXS: d first
+        raw[..., 0:2] = (rng.uniform(0.2, 1.0, raw.shape[:2] + (1,)) * scale).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -65,13 +64,13 @@ def write(path: Path, shape: str = "small", layers: int = 2) -> Path:
             "ffn_down": (d, f, QT.Q6_K)}
     data = {name: (rng.standard_normal((n, k), dtype=np.float32) * 1e-2).astype(np.float16) if qtype == QT.F16
             else blocks(qtype, n, k, seed=10 + i) for i, (name, (n, k, qtype)) in enumerate(mats.items())}
-    q5_1 = blocks(QT.Q5_1, d, d, seed=30)
+    iq2 = blocks(QT.IQ2_XXS, d, d, seed=30)
     q5_0 = blocks(QT.Q5_0, kvd, d, seed=31)
     norm = np.ones(d, np.float32)
     for layer in range(layers):
         for name, (n, k, qtype) in mats.items():
             if layer == 0 and name == "attn_q":
-                w.add_tensor(f"blk.{layer}.{name}.weight", q5_1, raw_dtype=QT.Q5_1)
+                w.add_tensor(f"blk.{layer}.{name}.weight", iq2, raw_dtype=QT.IQ2_XXS)
             elif layer == 0 and name == "attn_k":
                 w.add_tensor(f"blk.{layer}.{name}.weight", q5_0, raw_dtype=QT.Q5_0)
             elif layer == 0 and qtype == QT.F16:

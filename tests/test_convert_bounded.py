@@ -1,5 +1,5 @@
 """`colibri convert` in bounded memory (issue 24, item 0): a GGUF three times larger than a cgroup memory limit
-converts inside that limit, exact kinds (Q4_K, Q6_K, Q5_0) and re-quantized ones (F16, Q5_1), with progress from
+converts inside that limit, exact kinds (Q4_K, Q6_K, Q5_0) and re-quantized ones (F16, IQ2_XXS), with progress from
 the start and a notice for the kind that has no exact form."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_gguf_three_times_the_memory_limit_converts_inside_it(tmp_path):
     assert lines[0].endswith(": reading")  # before the file is parsed
     assert any("converting" in ln for ln in lines) and any("verifying" in ln for ln in lines)
     assert [ln for ln in lines if "notice" in ln] == [
-        "colibri: notice: 1 Q5_1 tensors have no exact kind in Colibri yet: re-quantized to q4 by the fixed policy "
+        "colibri: notice: 1 IQ2_XXS tensors have no exact kind in Colibri yet: re-quantized to q4 by the fixed policy "
         "(lossy, a few % perplexity: docs/quality.md)"]
 
     from colibri.formats.container import ContainerCheckpoint
@@ -56,7 +56,7 @@ def test_gguf_three_times_the_memory_limit_converts_inside_it(tmp_path):
     c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
     kinds = {t["name"]: t["kind"] for t in json.loads((out / "manifest.json").read_text())["tensors"]}
     assert next(c.verify(), None) is None
-    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4"  # Q5_1 re-quantized
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4"  # IQ2_XXS re-quantized
     assert kinds["model.layers.0.self_attn.o_proj.weight"] == "q4"  # F16 quantized by the policy
     for name in ("model.layers.0.self_attn.k_proj.weight", "lm_head.weight", "model.embed_tokens.weight",
                  "model.layers.47.mlp.down_proj.weight",

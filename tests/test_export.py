@@ -27,13 +27,14 @@ D, FFN, HEADS, KV, LAYERS = 256, 512, 4, 2, 1  # K = 256 or 512: whole super-blo
 BYTE_TOKENS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)] \
     + [chr(256 + c) for c in range(68)]  # the GPT-2 byte alphabet (256 pieces)
 TOKENS = BYTE_TOKENS + ["Ġt", "<|endoftext|>"]
-EXACT = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_K]
+EXACT = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_K, QT.Q2_K,
+         QT.Q5_1]
 
 
 def _matrix(qtype, n: int, k: int, seed: int) -> np.ndarray:
     if qtype == QT.F16:
         return (np.random.default_rng(seed).standard_normal((n, k)) * 0.02).astype(np.float16)
-    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0):  # gguf's own quantizers
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1):  # gguf's own quantizers
         return gguf_quantize((np.random.default_rng(seed).standard_normal((n, k)) * 0.02).astype(np.float32), qtype)
     return k_blocks(qtype, n, k, seed)
 
@@ -152,7 +153,8 @@ def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
 
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_0, "q4"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8"), (QT.Q5_0, "q5_0"),
                                         (QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
+                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k"),
+                                        (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")])
 def test_to_gguf_inverts_from_gguf(qtype, kind):
     n, k = 80, 512  # q4 kinds: a full 64-row tile and a 16-row tail
     raw = _matrix(qtype, n, k, seed=5)

@@ -19,24 +19,28 @@ from colibri.convert import pipeline as conv
 from colibri import kernels
 from colibri.weights import placement
 from colibri.formats.container import ContainerCheckpoint
-from colibri.quant.kinds import from_gguf
+from colibri.quant.kinds import GGUF_KEPT_KINDS, from_gguf
 from synthetic_gguf import llama_writer
 
-BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.IQ4_NL: 18, QT.Q5_K: 176}  # bytes a block
-VALUES = {QT.IQ4_NL: 32}  # values per block (the others: 256)
+BLOCK = {QT.Q4_K: 144, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.IQ4_NL: 18, QT.Q5_K: 176, QT.Q2_K: 84,
+         QT.Q5_1: 24, QT.Q5_0: 22}  # bytes a block
+VALUES = {QT.IQ4_NL: 32, QT.Q5_1: 32, QT.Q5_0: 32}  # values per block (the others: 256)
 
 
 def k_blocks(qtype, n: int, k: int, seed: int, scale: float = 1e-3) -> np.ndarray:
     """Valid random blocks [n, k / block values * block bytes]: random codes and scales, sane positive f16
-    super-scales (Q4_K, Q5_K: d, dmin first; the IQ4 kinds: d first; Q6_K, Q3_K: d last)."""
+    super-scales (Q4_K, Q5_K: d, dmin first; the IQ4 kinds, Q5_0: d first; Q6_K, Q3_K: d last; Q2_K: d, dmin last;
+    Q5_1: d and a negative m, about a block's minimum, first)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // VALUES.get(qtype, 256), BLOCK[qtype]), dtype=np.uint8)
-    two = qtype in (QT.Q4_K, QT.Q5_K)
+    two = qtype in (QT.Q4_K, QT.Q5_K, QT.Q2_K, QT.Q5_1)
     d = rng.uniform(0.2, 1.0, raw.shape[:2] + (2 if two else 1,)).astype(np.float16) * np.float16(scale)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.IQ4_XS, QT.IQ4_NL):
+    if qtype == QT.Q5_1:
+        d[..., 1] *= np.float16(-16)
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.IQ4_XS, QT.IQ4_NL, QT.Q5_1, QT.Q5_0):
         raw[..., 0:2 * d.shape[-1]] = d.view(np.uint8)
     else:
-        raw[..., BLOCK[qtype] - 2:] = d.view(np.uint8)
+        raw[..., BLOCK[qtype] - 2 * d.shape[-1]:] = d.view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -49,8 +53,11 @@ def _k_weight(raw, qtype, kind: str, n: int, k: int):
     return w.as_q8k() if kind == "q8k" else w
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
+KINDS = [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"), (QT.IQ4_XS, "iq4_xs"),
+         (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k"), (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")]
+
+
+@pytest.mark.parametrize("qtype,kind", KINDS)
 def test_k_quants_dequantize_bit_exactly(qtype, kind):
     n, k = 80, 512  # 80 rows: a full 64-row tile and a 16-row tail tile for q4k
     raw = k_blocks(qtype, n, k, seed=1)
@@ -62,7 +69,7 @@ def test_k_quants_dequantize_bit_exactly(qtype, kind):
     assert torch.equal(w.rows(ids), ref[ids])
     # bytes: the codes, the scale (and min) codes (q4k: 12 bits a (sc, m) pair, as Q4_K), f16 super-scales
     per_super = {"q4k": 128 + 12 + 4, "q6k": 210, "q8k": 256 + 16 + 2, "q3k": 110, "iq4_xs": 136,
-                 "iq4_nl": 8 * 18, "q5k": 176}[kind]  # q6k, q3k, q5k and the IQ4 kinds: the file's own bytes
+                 "iq4_nl": 8 * 18, "q5k": 176, "q2k": 84, "q5_1": 8 * 24}[kind]  # the kinds as blocks: the file's
     assert w.nbytes == n * k // 256 * per_super
     # a reader's views over the stored buffers give the same weight
     again = type(w).from_buffers(w.shape, w.group_size, w.buffers())
@@ -78,8 +85,7 @@ def mode(request):
     kernels.use(None)
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
-                                        (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k")])
+@pytest.mark.parametrize("qtype,kind", KINDS)
 def test_k_quant_linear_matches_f32_math_and_is_batch_invariant(qtype, kind, mode):
     n, k = 80, 512
     raw = k_blocks(qtype, n, k, seed=2)
@@ -139,38 +145,41 @@ def test_q5_0_is_kept_exactly_with_q8_bits(mode):
 
 def test_other_k_quants_are_not_imported():
     with pytest.raises(ValueError, match="not supported"):
-        from_gguf(np.zeros((4, 84), np.uint8), QT.Q2_K, (4, 256))
+        from_gguf(np.zeros((4, 66), np.uint8), QT.IQ2_XXS, (4, 256))
 
 
-def k_gguf(path, embedding_as_head: bool = False, one_q4k_table: bool = False):
-    """A one-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K
-    matrices (and one of each other kind kept exactly: Q5_0 attn_k, as Qwen2.5's K = 896 matrices are; Q5_K
-    attn_v, IQ4_XS attn_output, Q3_K ffn_gate, IQ4_NL ffn_up) as llama.cpp's Q4_K_M
-    writes them, and a tied table stored twice: output.weight Q6_K, token_embd the same matrix as Q4_0 (or, with
-    `embedding_as_head`, output.weight's own blocks: the model a one-table container computes). `one_q4k_table`:
-    the file stores one Q4_K table (no output.weight: tied)."""
+def k_gguf(path, embedding_as_head: bool = False, one_table=None):
+    """A two-layer llama GGUF (D 256, FFN 512, vocab 2048: the table is the largest page) with Q4_K and Q6_K
+    matrices (and one of each other kind kept exactly: in layer 0 Q5_0 attn_k, as Qwen2.5's K = 896 matrices are;
+    Q5_K attn_v, IQ4_XS attn_output, Q3_K ffn_gate, IQ4_NL ffn_up; layer 1 its kinds but Q2_K attn_q and Q5_1
+    attn_k) as llama.cpp's Q4_K_M writes them, and a tied table stored twice: output.weight Q6_K, token_embd the
+    same matrix as Q4_0 (or, with `embedding_as_head`, output.weight's own blocks: the model a one-table
+    container computes). `one_table`: the file stores one table of that GGUF type (no output.weight: tied)."""
     d, f, v, heads, kv = 256, 512, 2048, 4, 2
-    w = llama_writer(path, 1, d, f, heads, kv)
+    w = llama_writer(path, 2, d, f, heads, kv)
     out = k_blocks(QT.Q6_K, v, d, seed=10, scale=2e-3)
     table = np.ascontiguousarray(gguf_dequantize(out, QT.Q6_K), dtype=np.float32).reshape(v, d)
-    if one_q4k_table:
-        w.add_tensor("token_embd.weight", k_blocks(QT.Q4_K, v, d, seed=11, scale=2e-3), raw_dtype=QT.Q4_K)
+    if one_table is not None:
+        w.add_tensor("token_embd.weight", k_blocks(one_table, v, d, seed=11, scale=2e-3), raw_dtype=one_table)
     elif embedding_as_head:
         w.add_tensor("token_embd.weight", out, raw_dtype=QT.Q6_K)
     else:
         w.add_tensor("token_embd.weight", gguf_quantize(table, QT.Q4_0), raw_dtype=QT.Q4_0)
-    if not one_q4k_table:
+    if one_table is None:
         w.add_tensor("output.weight", out, raw_dtype=QT.Q6_K)
     w.add_tensor("output_norm.weight", np.ones(d, np.float32))
     mats = {"attn_q": (d, d, QT.Q4_K), "attn_k": (d // heads * kv, d, QT.Q5_0), "attn_v": (d // heads * kv, d, QT.Q5_K),
             "attn_output": (d, d, QT.IQ4_XS), "ffn_gate": (f, d, QT.Q3_K), "ffn_up": (f, d, QT.IQ4_NL),
             "ffn_down": (d, f, QT.Q6_K)}
-    for i, (name, (n, k, qtype)) in enumerate(mats.items()):
-        data = (gguf_quantize(np.random.default_rng(20 + i).standard_normal((n, k), dtype=np.float32) * 0.03, qtype)
-                if qtype == QT.Q5_0 else k_blocks(qtype, n, k, seed=20 + i, scale=1e-3))
-        w.add_tensor(f"blk.0.{name}.weight", data, raw_dtype=qtype)
-    for name in ("attn_norm", "ffn_norm"):
-        w.add_tensor(f"blk.0.{name}.weight", np.ones(d, np.float32))
+    for layer in (0, 1):
+        for i, (name, (n, k, qtype)) in enumerate(mats.items()):
+            qtype = {"attn_q": QT.Q2_K, "attn_k": QT.Q5_1}.get(name, qtype) if layer else qtype
+            seed = 20 + 10 * layer + i
+            data = (gguf_quantize(np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.03, qtype)
+                    if qtype == QT.Q5_0 else k_blocks(qtype, n, k, seed=seed, scale=1e-3))
+            w.add_tensor(f"blk.{layer}.{name}.weight", data, raw_dtype=qtype)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{name}.weight", np.ones(d, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -200,9 +209,10 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
     assert kinds["model.layers.0.self_attn.v_proj.weight"] == "q5k"
     assert [kinds[f"model.layers.0.{n}.weight"] for n in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")] == [
         "iq4_xs", "q3k", "iq4_nl"]
+    assert [kinds[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qk"] == ["q2k", "q5_1"]
     c, g = ContainerCheckpoint(out), GGUFCheckpoint(src)
     for name, kind in kinds.items():
-        if kind in ("q4k", "q6k", "q5_0", "iq4_xs", "q3k", "iq4_nl", "q5k"):
+        if kind in GGUF_KEPT_KINDS:
             source = "lm_head.weight" if name == "model.embed_tokens.weight" else name
             assert torch.equal(c.load(name).dequantize(), g.load(source)), name
     container_bytes = sum(f["size"] for f in m["files"])
@@ -216,7 +226,7 @@ def test_a_container_made_before_q4k_packed_its_codes_reads_the_same(tmp_path, m
     from colibri.formats import container as cont
     from colibri.quant import kinds
 
-    src = k_gguf(tmp_path / "t.gguf", one_q4k_table=True)
+    src = k_gguf(tmp_path / "t.gguf", one_table=QT.Q4_K)
     new = tmp_path / "new"
     conv.convert(src, new, conv.ConvertOptions(quant="q4", page_size_mb=1))
     with monkeypatch.context() as mp:  # the writer before version 4
@@ -251,14 +261,17 @@ def test_a_container_made_before_q4k_packed_its_codes_reads_the_same(tmp_path, m
         assert streamed.store.stats.row_bytes_read > 0
 
 
-def test_q5_k_is_kept_without_a_notice(tmp_path, capsys):
-    """Q5_K has an exact kind (q5k): converting a GGUF that holds one re-quantizes nothing, so no notice names it."""
+def test_every_kind_is_kept_without_a_notice(tmp_path, capsys):
+    """Q5_K, Q2_K and Q5_1 have exact kinds (q5k, q2k, q5_1): converting a GGUF that holds them (and the other
+    kinds kept) re-quantizes nothing, so no notice names one."""
     src = k_gguf(tmp_path / "k.gguf")
     capsys.readouterr()
     conv.convert(src, tmp_path / "c", conv.ConvertOptions(quant="q4", page_size_mb=1))
     err = capsys.readouterr().err
-    assert "no exact kind" not in err and "Q5_K" not in err, err
-    assert ContainerCheckpoint(tmp_path / "c").tensors["model.layers.0.self_attn.v_proj.weight"].kind == "q5k"
+    assert "no exact kind" not in err and "Q5_K" not in err and "Q2_K" not in err and "Q5_1" not in err, err
+    t = ContainerCheckpoint(tmp_path / "c").tensors
+    assert [t[f"model.layers.{n}.weight"].kind for n in ("0.self_attn.v_proj", "1.self_attn.q_proj",
+                                                        "1.self_attn.k_proj")] == ["q5k", "q2k", "q5_1"]
 
 
 def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
@@ -286,13 +299,15 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
                            ContainerCheckpoint(out).load(q).dequantize())
 
 
-def test_q4k_table_is_read_by_tiles(tmp_path, monkeypatch):
-    """A tied Q4_K table (q4k): the lookup reads 64-row tiles, the head streams whole tiles in row blocks, and
-    the logits equal the resident container's and, within the kernels' tolerance, the GGUF's."""
-    src = k_gguf(tmp_path / "t.gguf", one_q4k_table=True)
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")])
+def test_one_table_is_read_by_rows(tmp_path, monkeypatch, qtype, kind):
+    """A tied table kept exactly (q4k: the lookup reads 64-row tiles, the head streams whole tiles in row blocks;
+    q2k, q5_1: rows of blocks): the logits read that way equal the resident container's and, within the kernels'
+    tolerance, the GGUF's."""
+    src = k_gguf(tmp_path / "t.gguf", one_table=qtype)
     out = tmp_path / "c"
     conv.convert(src, out, conv.ConvertOptions(quant="q4", page_size_mb=1))
-    assert ContainerCheckpoint(out).tensors["model.embed_tokens.weight"].kind == "q4k"
+    assert ContainerCheckpoint(out).tensors["model.embed_tokens.weight"].kind == kind
     ids = list(range(0, 2048, 37))
     got = colibri.load(out, dtype="float32").logits(ids)
     want = colibri.load(src, dtype="float32").logits(ids)

@@ -127,7 +127,7 @@ def test_gguf_blocks_are_lossless(gtype):
 
 def test_gguf_rejects_other_types():
     with pytest.raises(ValueError, match="not supported"):
-        from_gguf(np.zeros((4, 84), np.uint8), QT.Q2_K, (4, 256))
+        from_gguf(np.zeros((4, 66), np.uint8), QT.IQ2_XXS, (4, 256))
 
 
 @pytest.mark.parametrize("kind,group_size", [("q4", 64), ("q8", 0), ("q8", 32)])

@@ -99,12 +99,12 @@ def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
 
 
 def test_gguf_block_kinds_stay_exact_in_the_int8_mode():
-    """The GGUF kinds kept as blocks (q5k, q6k, q3k, iq4_xs, q5_0, iq4_nl) have no int8 kernel of their own: in the
-    LOSSY int8 mode each gives its exact kernel's bits, on every tier (decoding them to int8 codes per call cost
-    10-40x the exact kernel)."""
+    """The GGUF kinds kept as blocks (q5k, q6k, q3k, iq4_xs, q2k, q5_0, q5_1, iq4_nl) have no int8 kernel of their
+    own: in the LOSSY int8 mode each gives its exact kernel's bits, on every tier (decoding them to int8 codes per
+    call cost 10-40x the exact kernel)."""
     n, k = 64, 512
     x = _randn(8, k, seed=4)
-    for qt in (QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS):
+    for qt in (QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K, QT.Q5_1, QT.IQ4_NL):
         w = from_gguf(k_blocks(qt, n, k, seed=3), qt, (n, k))
         for tier in _int8_tiers():
             kernels.use(tier)

@@ -49,9 +49,13 @@ def _linear_cases(n: int, k: int):
         cases.append(("q6k", both, lambda o, x: o.q6k_linear(x, q6._buffers["qweight"])))
         q5k = from_gguf(k_blocks(QT.Q5_K, n, k, seed=n), QT.Q5_K, (n, k))._buffers["qweight"]
         cases.append(("q5k", both, lambda o, x: o.q5k_linear(x, q5k)))
+        q2k = from_gguf(k_blocks(QT.Q2_K, n, k, seed=n), QT.Q2_K, (n, k))._buffers["qweight"]
+        cases.append(("q2k", both, lambda o, x: o.q2k_linear(x, q2k)))
     if k % 32 == 0:
         q5 = from_gguf(gguf_quantize(w.numpy(), QT.Q5_0), QT.Q5_0, (n, k))
         cases.append(("q5_0", both, lambda o, x: o.q5_0_linear(x, q5._buffers["qweight"])))
+        q51 = from_gguf(gguf_quantize(w.numpy(), QT.Q5_1), QT.Q5_1, (n, k))._buffers["qweight"]
+        cases.append(("q5_1", both, lambda o, x: o.q5_1_linear(x, q51)))
     return cases
 
 
@@ -132,19 +136,22 @@ def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, ki
                 assert torch.equal(blocks(o, x[:t]), widened(o, x[:t])), (kind, tier, dtype, t)
 
 
-@pytest.mark.parametrize("shape", [(200, 256), (37, 2304)])
-def test_q5k_is_the_dot_form_of_its_dequantized_values_on_every_tier(tier_ops, shape):
-    """Q5_K blocks as stored (q5k_linear) give, on every tier and pass size, the bits of the dense dot form over
-    gguf's dequantized f32 values (bf16 x: those values rounded once to bf16): the weights (d sc) q - dmin m are
-    formed exactly, then q6k's accumulation."""
+@pytest.mark.parametrize("kind,shape", [("q5k", (200, 256)), ("q5k", (37, 2304)), ("q2k", (200, 256)),
+                                        ("q2k", (37, 2304)), ("q5_1", (200, 896)), ("q5_1", (37, 2304)),
+                                        ("q5_1", (64, 96))])
+def test_offset_kinds_are_the_dot_form_of_their_dequantized_values_on_every_tier(tier_ops, kind, shape):
+    """Q5_K, Q2_K and Q5_1 blocks as stored (q5k_linear, q2k_linear, q5_1_linear) give, on every tier and pass
+    size, the bits of the dense dot form over gguf's dequantized f32 values (bf16 x: those values rounded once to
+    bf16): the weights (d sc) q - dmin m (Q5_1: d q + m) are formed exactly, then q6k's (q5_0's) accumulation."""
     n, k = shape
-    w = from_gguf(k_blocks(QT.Q5_K, n, k, seed=5), QT.Q5_K, (n, k))
+    qtype = {"q5k": QT.Q5_K, "q2k": QT.Q2_K, "q5_1": QT.Q5_1}[kind]
+    w = from_gguf(k_blocks(qtype, n, k, seed=5), qtype, (n, k))
     dense = w.dequantize()
     for dtype in (torch.float32, torch.bfloat16):
         x = _randn(max(ROWS), k, seed=6).to(dtype)
         for tier, o in tier_ops.items():
             for t in ROWS:
-                assert torch.equal(o.q5k_linear(x[:t], w._buffers["qweight"]),
+                assert torch.equal(getattr(o, f"{kind}_linear")(x[:t], w._buffers["qweight"]),
                                    o.dense_linear(x[:t], dense.to(dtype))), (tier, dtype, t)
 
 

@@ -154,9 +154,9 @@ OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
                  help="calibrated q4: which tensors get q8 — 'measured' (the most sensitive per byte within"
                       " --bits-per-weight, default) or 'fixed' (v_proj, down_proj and the tables)"), None),
     "requantize": (dict(action="store_true",
-                        help="GGUF input: re-quantize its Q4_K / Q5_K / Q6_K / Q3_K / IQ4 / Q5_0 tensors by the q4"
-                             " policy (lossy: rounded a second time; faster where q4 is) instead of keeping them"
-                             " exactly (default)"),
+                        help="GGUF input: re-quantize its Q4_K / Q5_K / Q6_K / Q3_K / Q2_K / IQ4 / Q5_0 / Q5_1"
+                             " tensors by the q4 policy (lossy: rounded a second time; faster where q4 is) instead of"
+                             " keeping them exactly (default)"),
                    None),
     "host": (dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"), None),
     "port": (dict(type=int, default=8000, help="TCP port (default 8000)"), None),

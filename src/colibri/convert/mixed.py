@@ -17,11 +17,10 @@ from typing import Callable
 from colibri.formats.container import part_layout
 from colibri.core.errors import InputError
 
-# llama.cpp's bits per weight of the block types Q4_K_M uses, and the fallbacks for rows not divisible by 256
-BITS = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q8_0": 8.5}
-# (llama.cpp falls back from Q5_K to Q5_1, a type Colibri keeps no exact kind of; Q5_0, at 5.5 bits against Q5_1's
-# 6, is the nearest one it keeps)
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_0", "Q6_K": "Q8_0"}
+# llama.cpp's bits per weight of the block types its K-quant recipes use, and the fallbacks for rows not divisible
+# by 256 (its llama_tensor_get_type: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)
+BITS = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -38,8 +37,8 @@ def llama_types(shapes: dict[str, tuple[int, ...]], num_layers: int, tied: bool,
     """The GGUF block type llama.cpp's quantizer gives each matrix under `recipe` (its llama_tensor_get_type for
     dense models): the head (for a tied model, its one table) Q6_K (Q8_0 under q8_0); under q4_k_m and q5_k_m,
     attn_v and ffn_down Q6_K in the `_more_bits` layers; every other matrix the recipe's own type. A row length not
-    divisible by 256 falls back to Q5_0 / Q8_0 as llama.cpp does (Q5_K: Q5_0 where llama.cpp takes Q5_1, see
-    FALLBACK); one not divisible by 32 is left out (the base policy)."""
+    divisible by 256 falls back to Q5_0 / Q5_1 / Q8_0 as llama.cpp does (FALLBACK); one not divisible by 32 is left
+    out (the base policy)."""
     base = _RECIPE_BASE[recipe]
     out = {}
     for name, shape in shapes.items():

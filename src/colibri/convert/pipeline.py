@@ -69,7 +69,7 @@ class ConvertOptions:
     bits_per_weight: float | None = None
     calibration_tokens: int = calibrate.DEFAULT_TOKENS
     mix: str = "measured"
-    requantize: bool = False  # GGUF K-quants, IQ4, Q5_0: re-quantized by the policy (lossy), not kept exactly
+    requantize: bool = False  # GGUF K-quants, IQ4, Q5_0, Q5_1: re-quantized by the policy (lossy), not kept exactly
     imatrix: str = "none"  # K-quant recipes: "builtin" (measured on calibration text) or a llama.cpp imatrix file
     recipe: str | None = None  # set from `quant` when it names a llama.cpp file type (RECIPE_BASE)
 

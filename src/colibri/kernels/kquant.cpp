@@ -15,7 +15,8 @@
 //   codes and scales decoded from the blocks (generic/gguf_blocks.h) where q8k loads them, so y equals q8k_linear's
 //   bit for bit on the same codes and scales.
 // q5k (Q5_K as stored, 176-byte blocks [N, K/256 * 176]): the same with codes q in [0, 31] and each weight
-//   (d * sc) * q - dmin * m, the f32 value gguf's dequantize gives (bf16 x: rounded once to bf16).
+//   (d * sc) * q - dmin * m, the f32 value gguf's dequantize gives (bf16 x: rounded once to bf16); q2k (Q2_K,
+//   84-byte blocks) likewise with codes in [0, 3] and its (sc, m) per 16 values.
 
 #include "tiles.h"
 #include "generic/gguf_blocks.h"
@@ -99,8 +100,8 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
                      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
 }
 
-// Rows [n0, n0 + cols) of a q6k / q3k / iq4_xs / q5k weight (B: the block kind) as f32 (exact) or bf16 (RNE) rows of
-// K: q8k_dequant_rows's values for the same codes and scales (q5k: minus dmin * m per 16).
+// Rows [n0, n0 + cols) of a q6k / q3k / iq4_xs / q5k / q2k weight (B: the block kind) as f32 (exact) or bf16 (RNE)
+// rows of K: q8k_dequant_rows's values for the same codes and scales (q5k, q2k: minus dmin * m per 16).
 template <class B>
 void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
   const int64_t esz = bf ? 2 : 4, nb = k / 256;
@@ -118,15 +119,9 @@ void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t c
       if constexpr (B::kMins) {
         B::mins16(blk, mc);
         const float dmin = _cvtsh_ss(B::dmin_bits(blk));
-        for (int64_t i = 0; i < 16; ++i) {
-          const __m512 v = scaled_min_f32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i)),
-                                          d * static_cast<float>(sc[i]), dmin * static_cast<float>(mc[i]));
-          if (bf)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst_b) + 16 * i),
-                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-          else
-            _mm512_storeu_ps(static_cast<float*>(dst_b) + 16 * i, v);
-        }
+        for (int64_t i = 0; i < 16; ++i)
+          q8_min_store16(q + 16 * i, d * static_cast<float>(sc[i]), dmin * static_cast<float>(mc[i]), bf, dst_b,
+                         16 * i);
       } else {
         for (int64_t i = 0; i < 16; ++i)
           q8_store16(q, _mm512_set1_ps(d * static_cast<float>(sc[i])), 0xffff, bf, dst_b, i * 16);
@@ -135,10 +130,10 @@ void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t c
   }
 }
 
-// Weight rows of a q6k / q3k / iq4_xs / q5k weight dequantized in registers: Q8kRows over codes decoded a half
+// Weight rows of a q6k / q3k / iq4_xs / q5k / q2k weight dequantized in registers: Q8kRows over codes decoded a half
 // block (128 values) at a time into a small buffer per row of the register block (the dot form walks a block's rows
 // side by side, k ascending, from a multiple of 128: kDotChunk is one). s: per row (stride ls) d * sc per 16 values
-// [K/16], then for q5k dmin * m per 16 [K/16].
+// [K/16], then for q5k and q2k dmin * m per 16 [K/16].
 template <class B>
 struct BlockRows {
   static constexpr bool kStream = true;
@@ -207,6 +202,9 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor q5k_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear<Q5kBlocks>(x, blocks, "q5k_linear");
+}
+at::Tensor q2k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q2kBlocks>(x, blocks, "q2k_linear");
 }
 
 }  // namespace

@@ -160,22 +160,27 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 
 // q5_0 (Q5_0 as stored, 22-byte blocks [N, K/32 * 22]) and iq4_nl (IQ4_NL, 18-byte blocks): q8_linear's grouped
 // path (g = 32, the blocks' f16 d as scales) with the codes decoded from the blocks (generic/gguf_blocks.h) where q8
-// loads them: the same bits. B: the block kind.
+// loads them: the same bits. q5_1 (Q5_1, 24-byte blocks): the same with each weight d * q - (-m), one fused
+// multiply-subtract (the product exact: gguf's d * q + m). B: the block kind.
 template <class B>
 struct G32Rows {
   static constexpr bool kStream = true;
   const uint8_t* blocks;  // row n0's first block
-  const float* s;         // d per block, [cols][K/32]
-  int64_t k;
+  const float* s;         // per row (stride ls): d per block [K/32], then (kMins) -m per block [K/32]
+  int64_t k, ls;
   const uint8_t* block(int64_t j, int64_t k0) const { return blocks + (j * (k / 32) + k0 / 32) * B::kBlockBytes; }
   const void* at(int64_t j, int64_t k0) const { return block(j, k0); }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {  // k0 % 32 == 0: one block
-    const float d = s[j * (k / 32) + k0 / 32];
-    return scaled_bf16(B::codes32v(block(j, k0)), d, d);
+    const float* sj = s + j * ls + k0 / 32;
+    if constexpr (B::kMins) return scaled_min_bf16(B::codes32v(block(j, k0)), sj[0], sj[0], sj[k / 32], sj[k / 32]);
+    return scaled_bf16(B::codes32v(block(j, k0)), sj[0], sj[0]);
   }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
     const __m256i c = B::codes32v(block(j, k0));
-    return scaled_f32(k0 % 32 ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c), s[j * (k / 32) + k0 / 32]);
+    const __m128i q = k0 % 32 ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c);
+    const float* sj = s + j * ls + k0 / 32;
+    if constexpr (B::kMins) return scaled_min_f32(q, sj[0], sj[k / 32]);
+    return scaled_f32(q, sj[0]);
   }
 };
 
@@ -191,19 +196,26 @@ at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, const char*
       for (int64_t j = 0; j < cols; ++j) {
         void* dst = static_cast<char*>(buf) + j * k * (bf ? 2 : 4);
         for (int64_t gi = 0; gi < groups; ++gi) {
-          B::codes32(block(n0 + j, gi), q);
-          const __m512 s = _mm512_set1_ps(_cvtsh_ss(B::d_bits(block(n0 + j, gi))));
+          const uint8_t* bp = block(n0 + j, gi);
+          B::codes32(bp, q);
+          const float d = _cvtsh_ss(B::d_bits(bp));
           void* dst_g = static_cast<char*>(dst) + gi * 32 * (bf ? 2 : 4);
-          q8_store16(q, s, 0xffff, bf, dst_g, 0);
-          q8_store16(q, s, 0xffff, bf, dst_g, 16);
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (B::kMins) q8_min_store16(q + 16 * h, d, -_cvtsh_ss(B::m_bits(bp)), bf, dst_g, 16 * h);
+            else q8_store16(q, _mm512_set1_ps(d), 0xffff, bf, dst_g, 16 * h);
+          }
         }
       }
     });
-  return decode_rows(x, n, groups,
+  const int64_t ls = groups * (B::kMins ? 2 : 1);
+  return decode_rows(x, n, ls,
                      [&](int64_t r, float* s) {
-                       for (int64_t gi = 0; gi < groups; ++gi) s[gi] = _cvtsh_ss(B::d_bits(block(r, gi)));
+                       for (int64_t gi = 0; gi < groups; ++gi) {
+                         s[gi] = _cvtsh_ss(B::d_bits(block(r, gi)));
+                         if constexpr (B::kMins) s[groups + gi] = -_cvtsh_ss(B::m_bits(block(r, gi)));
+                       }
                      },
-                     [&](int64_t n0, const float* s) { return G32Rows<B>{block(n0, 0), s, k}; });
+                     [&](int64_t n0, const float* s) { return G32Rows<B>{block(n0, 0), s, k, ls}; });
 }
 
 at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
@@ -211,6 +223,9 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return g32_linear<Iq4nlBlocks>(x, blocks, "iq4_nl_linear");
+}
+at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Q51Blocks>(x, blocks, "q5_1_linear");
 }
 
 }  // namespace

@@ -14,7 +14,9 @@
   X(q3k_linear, "Tensor x, Tensor blocks")                                                                        \
   X(iq4_xs_linear, "Tensor x, Tensor blocks")                                                                     \
   X(q5k_linear, "Tensor x, Tensor blocks")                                                                        \
+  X(q2k_linear, "Tensor x, Tensor blocks")                                                                        \
   X(q5_0_linear, "Tensor x, Tensor blocks")                                                                       \
+  X(q5_1_linear, "Tensor x, Tensor blocks")                                                                       \
   X(iq4_nl_linear, "Tensor x, Tensor blocks")                                                                     \
   X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \

@@ -406,8 +406,9 @@ inline __m512bh scaled_bf16(__m256i q, float s_lo, float s_hi) {
 inline __m512 scaled_f32(__m128i q, float s) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
 }
-// The same minus an offset per 16 codes (q5k: q * (d * sc) - dmin * m): one fused multiply-subtract, whose
-// product is exact (22 significant bits), so its one rounding is the subtraction's (gguf's two f32 steps).
+// The same minus an offset per 16 codes (q5k, q2k: q * (d * sc) - dmin * m; q5_1: d * q - (-m)): one fused
+// multiply-subtract, whose product is exact (at most 22 significant bits), so its one rounding is the
+// subtraction's (gguf's two f32 steps).
 inline __m512bh scaled_min_bf16(__m256i q, float s_lo, float s_hi, float z_lo, float z_hi) {
   const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
                                     _mm512_set1_ps(s_lo), _mm512_set1_ps(z_lo));
@@ -604,6 +605,16 @@ inline void q8_store16(const int8_t* src, __m512 s, __mmask16 m, bool bf, void* 
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   else
     _mm512_mask_storeu_ps(static_cast<float*>(out) + off, m, v);
+}
+
+// The same for 16 codes at q with an offset: q * s - z (scaled_min_f32), stored at element off of out.
+inline void q8_min_store16(const int8_t* q, float s, float z, bool bf, void* out, int64_t off) {
+  const __m512 v = scaled_min_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), s, z);
+  if (bf)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + off),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  else
+    _mm512_storeu_ps(static_cast<float*>(out) + off, v);
 }
 
 }  // namespace

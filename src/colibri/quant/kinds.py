@@ -21,8 +21,9 @@ q8 on-disk layout:
   qweight  int8 [N, K];  scales [N] (group_size 0: per output channel) or [N, K/g] (per group), weight = q * scale.
 q4k / q6k: GGUF Q4_K / Q6_K kept exactly, two-level scales (section "GGUF K-quants" below; q4k uses the q4 tile layout,
 q6k the file's own blocks; q8k, Q6_K with its codes in bytes, is what older containers hold). q3k, iq4_xs (Q3_K,
-IQ4_XS: q8k's form), q5k (Q5_K: q8k's form with an offset per 32), q5_0, iq4_nl (Q5_0, IQ4_NL: q8 g32's form) and q4_1
-(Q4_1: q4 with f16 (d, m)) likewise keep the file's bytes; docs/format.md describes each.
+IQ4_XS: q8k's form), q5k, q2k (Q5_K, Q2_K: q8k's form with an offset per 32 / per 16), q5_0, iq4_nl (Q5_0, IQ4_NL:
+q8 g32's form), q5_1 (Q5_1: q8 g32's form with an offset per 32) and q4_1 (Q4_1: q4 with f16 (d, m)) likewise keep
+the file's bytes; docs/format.md describes each.
 
 Compute (benchmarks/quant_kernels.py, docs/performance.md): batch-invariant at every row count, so a row's result
 never depends on the other rows in the pass.
@@ -48,9 +49,9 @@ from colibri import kernels
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 # two-level GGUF kinds in super-blocks of 256 values (section "GGUF K-quants")
-K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs", "q5k")
-QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "iq4_nl", "q4_1")
-GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
+K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs", "q5k", "q2k")
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q5_1", "iq4_nl", "q4_1")
+GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "q5_1", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
 TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
@@ -125,8 +126,8 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
     n, k = _check_shape(kind, shape)
     if kind.name in K_KINDS:
         return _k_buffer_layout(kind, n, k)
-    if kind.name in ("q5_0", "iq4_nl"):
-        return {"qweight": (torch.uint8, (n, k // 32 * (Q50_BLOCK if kind.name == "q5_0" else IQ4NL_BLOCK)))}
+    if kind.name in G32_BLOCK:
+        return {"qweight": (torch.uint8, (n, k // 32 * G32_BLOCK[kind.name]))}
     if kind.name == "q4_1":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales_mins": (torch.float16, (k // 32, np_, 2))}
@@ -605,12 +606,12 @@ def from_gguf(raw: np.ndarray, gguf_type, shape: tuple[int, int]) -> Q4Weight | 
 
 
 def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weight:
-    if name in ("Q4_K", "Q6_K", "Q3_K", "IQ4_XS", "Q5_K"):
+    if name in ("Q4_K", "Q6_K", "Q3_K", "IQ4_XS", "Q5_K", "Q2_K"):
         return _k_from_gguf(raw, name, n, k)
-    if name in ("Q5_0", "IQ4_NL"):  # the blocks as they are
+    if name in ("Q5_0", "IQ4_NL", "Q5_1"):  # the blocks as they are
         if k % 32:
             raise ValueError(f"from_gguf: K = {k} is not a multiple of the 32-value block")
-        cls = Q50Weight if name == "Q5_0" else IQ4NLWeight
+        cls = {"Q5_0": Q50Weight, "IQ4_NL": IQ4NLWeight, "Q5_1": Q51Weight}[name]
         return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
     bytes_per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(name)
     if bytes_per_block is None:
@@ -653,7 +654,8 @@ GGUF_EXACT = {
 GGUF_K_EXACT = {"Q4_K": QuantKind("q4k", 32, torch.float16), "Q6_K": QuantKind("q6k", 16, torch.float16),
                 "Q3_K": QuantKind("q3k", 16, torch.float16), "IQ4_XS": QuantKind("iq4_xs", 16, torch.float16),
                 "Q5_0": QuantKind("q5_0", 32, torch.float16), "IQ4_NL": QuantKind("iq4_nl", 32, torch.float16),
-                "Q5_K": QuantKind("q5k", 32, torch.float16)}
+                "Q5_K": QuantKind("q5k", 32, torch.float16), "Q2_K": QuantKind("q2k", 16, torch.float16),
+                "Q5_1": QuantKind("q5_1", 32, torch.float16)}
 
 
 def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | None = None) -> bool:
@@ -670,7 +672,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
     cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight, "q3k": Q3KWeight,
            "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight,
-           "q5k": Q5KWeight}[kind]
+           "q5k": Q5KWeight, "q2k": Q2KWeight, "q5_1": Q51Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
 
@@ -707,6 +709,12 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #   qweight  uint8 [N, K/256 * 176]  per 256 values: d, dmin (f16), scales[12] (8 + 8 6-bit (sc, m): Q4_K's
 #                                    packing), qh[32] (fifth bits), qs[128] (low 4 bits); order: gguf_blocks.h
 #   w = (d * sc) * q - dmin * m per 32 values, q in [0, 31]: q4k's formula with a fifth bit, the same f32 steps.
+# q2k: 2.625 bits per weight, Q2_K's own blocks as the file stores them
+#   qweight  uint8 [N, K/256 * 84]  per 256 values: scales[16] (per 16 values: sc the low nibble, m the high),
+#                                   qs[64] (2-bit codes), d, dmin (f16); order: gguf_blocks.h
+#   w = (d * sc) * q - dmin * m per 16 values, q in [0, 3]: q5k's steps with an offset per 16.
+# q5_1 (one-level, beside q5_0): 6 bits per weight, Q5_1's own 24-byte blocks, per 32 values d, m (f16), qh (the
+#   fifth bits), qs[16] (the low nibbles); w = d * q + m, q in [0, 31] (d * q exact, one rounding in the addition).
 # Compute: colibri.kernels (kquant.cpp) decodes the scales per group on the fly; the torch fallback dequantizes a
 # few MiB at a time (exactly `dequantize()`), as q4 / q8 do.
 
@@ -715,11 +723,14 @@ Q6K_BLOCK = 210  # bytes per 256 values of a Q6_K block
 Q3K_BLOCK = 110  # ... of a Q3_K block
 IQ4XS_BLOCK = 136  # ... of an IQ4_XS block
 Q5K_BLOCK = 176  # ... of a Q5_K block
+Q2K_BLOCK = 84  # ... of a Q2_K block
 IQ4NL_BLOCK = 18  # bytes per 32 values of an IQ4_NL block
 Q4K, Q6K = GGUF_K_EXACT["Q4_K"], GGUF_K_EXACT["Q6_K"]
 Q8K = QuantKind("q8k", 16, torch.float16)
 Q50 = GGUF_K_EXACT["Q5_0"]
 Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
+Q51_BLOCK = 24  # ... of a Q5_1 block
+G32_BLOCK = {"q5_0": Q50_BLOCK, "q5_1": Q51_BLOCK, "iq4_nl": IQ4NL_BLOCK}  # the 32-value block kinds' block bytes
 _K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"],
            **{k.name: k for k in GGUF_K_EXACT.values()}}
 
@@ -761,8 +772,9 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_ // 16, 24)),
                 "supers": (torch.float16, (k // SUPER, np_, 2))}
-    if kind.name in ("q6k", "q3k", "iq4_xs", "q5k"):
-        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK}[kind.name]
+    if kind.name in ("q6k", "q3k", "iq4_xs", "q5k", "q2k"):
+        per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK,
+                     "q2k": Q2K_BLOCK}[kind.name]
         return {"qweight": (torch.uint8, (n, k // SUPER * per_block))}
     return {"qweight": (torch.int8, (n, k)), "scales": (torch.int8, (n, k // 16)),
             "supers": (torch.float16, (n, k // SUPER))}
@@ -947,11 +959,15 @@ class Q50Weight(_G32BlocksWeight):
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)
-        qs = b[..., 6:22]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [rows, K/32, 32]: value j < 16 low nibbles, then high
-        qh = b[..., 2:6].contiguous().view(torch.int32)  # [rows, K/32, 1], bit j: value j's fifth bit
-        high = (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
-        return ((q | high).view(torch.int8) - 16).reshape(b.shape[0], -1)
+        return (_five_bit_codes(b[..., 2:6], b[..., 6:22]).view(torch.int8) - 16).reshape(b.shape[0], -1)
+
+
+def _five_bit_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0's / Q5_1's codes q in [0, 31], uint8 [..., 32], from qh uint8 [..., 4] (bit j, little-endian: value j's
+    fifth bit) and qs uint8 [..., 16] (value j < 16 the low nibble of byte j, value j + 16 its high nibble)."""
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    bits = qh.contiguous().view(torch.int32)  # [..., 1]
+    return q | (((bits >> torch.arange(32, dtype=torch.int32)) & 1) << 4).to(torch.uint8)
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
@@ -1004,32 +1020,20 @@ def _k_scale_codes(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-class Q5KWeight(_BlocksWeight):
-    """GGUF Q5_K kept exactly at its own size (5.5 bits a weight): per 256 values d, dmin (f16), 8 (sc, m) 6-bit
-    pairs, codes q in [0, 31]; w = (d * sc) * q - dmin * m per 32 (see the top of the section). The native kernels
-    read the blocks in place (q5k_linear: q6k's dot form with the offset); the LOSSY int8 mode leaves it exact
-    (see _BlocksWeight)."""
+class _MinBlocksWeight(_BlocksWeight):
+    """Blocks whose weights are codes times a scale minus an offset per group (q5k, q2k, q5_1): w = q * s - z with
+    q * s exact in f32 and one rounding in the subtraction, gguf's dequantize steps (Q5_1's w = d q + m: z = -m, the
+    same bits). The torch fallback forms those f32 values a few MiB of rows at a time."""
 
-    KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_K"], Q5K_BLOCK, SUPER, "q5k_linear"
-
-    def _parts(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(low codes, fifth bits) uint8 [rows, K]; (sc, m) uint8 [rows, K/32]; (d, dmin) f16 [rows, K/256]."""
-        b = self._blocks(rows)
-        r, nb = b.shape[:2]
-        lo = (b[..., 48:].reshape(r, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15
-        hi = (b[..., 16:48].reshape(r, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
-        sc, mn = _k_scale_codes(b[..., 4:16])
-        dd = b[..., 0:4].contiguous().view(torch.float16)  # [rows, nb, 2]
-        return (lo.reshape(r, -1), hi.reshape(r, -1), sc.reshape(r, -1), mn.reshape(r, -1), dd[..., 0], dd[..., 1])
+    def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes q uint8 [rows, K], s f32 [rows, K/G], z f32 [rows, K/G]) for `rows`, groups of G values."""
+        raise NotImplementedError
 
     def _values(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        """f32 [rows, K]: gguf's dequantize steps, (d * sc) * q - dmin * m (each product exact, one rounding)."""
-        lo, hi, sc, mn, d, dmin = self._parts(rows)
-        r = lo.shape[0]
-        s = d.float().repeat_interleave(8, dim=1) * sc.float()
-        z = dmin.float().repeat_interleave(8, dim=1) * mn.float()
-        q = (lo | (hi << 4)).float().view(r, -1, 32)
-        return (q * s.unsqueeze(-1) - z.unsqueeze(-1)).view(r, -1)
+        """f32 [rows, K]: q * s - z per group (the product exact, one rounding)."""
+        q, s, z = self._terms(rows)
+        r = q.shape[0]
+        return (q.float().view(r, s.shape[1], -1) * s.unsqueeze(-1) - z.unsqueeze(-1)).view(r, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._values(slice(0, self.shape[0])).to(dtype)
@@ -1045,6 +1049,57 @@ class Q5KWeight(_BlocksWeight):
             w = self._values(slice(r, r + step))
             y[:, r:r + w.shape[0]] = x @ w.to(x.dtype).T
         return y
+
+
+class Q5KWeight(_MinBlocksWeight):
+    """GGUF Q5_K kept exactly at its own size (5.5 bits a weight): per 256 values d, dmin (f16), 8 (sc, m) 6-bit
+    pairs, codes q in [0, 31]; w = (d * sc) * q - dmin * m per 32 (see the top of the section). The native kernels
+    read the blocks in place (q5k_linear: q6k's dot form with the offset); the LOSSY int8 mode leaves it exact
+    (see _BlocksWeight)."""
+
+    KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_K"], Q5K_BLOCK, SUPER, "q5k_linear"
+
+    def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        lo = (b[..., 48:].reshape(r, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 15
+        hi = (b[..., 16:48].reshape(r, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1
+        sc, mn = _k_scale_codes(b[..., 4:16])  # [rows, nb, 8]
+        dd = b[..., 0:4].contiguous().view(torch.float16).float()  # [rows, nb, 2]: d, dmin
+        return ((lo.reshape(r, nb, 8, 32) | (hi << 4)).reshape(r, -1), (dd[..., 0:1] * sc.float()).reshape(r, -1),
+                (dd[..., 1:2] * mn.float()).reshape(r, -1))
+
+
+class Q2KWeight(_MinBlocksWeight):
+    """GGUF Q2_K kept exactly at its own size (2.625 bits a weight): per 256 values 16 bytes of 4-bit (sc, m) (one
+    pair per 16 values), 2-bit codes, d, dmin (f16); w = (d * sc) * q - dmin * m per 16 (see the top of the
+    section): q5k's form with its offsets per 16 (q2k_linear); the LOSSY int8 mode leaves it exact."""
+
+    KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q2_K"], Q2K_BLOCK, SUPER, "q2k_linear"
+
+    def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self._blocks(rows)
+        r, nb = b.shape[:2]
+        # value 128 h + 32 j + l: bits 2 j of qs[32 h + l]
+        q = (b[..., 16:80].reshape(r, nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)) & 3
+        sm = b[..., 0:16]  # [rows, nb, 16]
+        dd = b[..., 80:84].contiguous().view(torch.float16).float()  # [rows, nb, 2]: d, dmin
+        return (q.reshape(r, -1), (dd[..., 0:1] * (sm & 15).float()).reshape(r, -1),
+                (dd[..., 1:2] * (sm >> 4).float()).reshape(r, -1))
+
+
+class Q51Weight(_MinBlocksWeight):
+    """GGUF Q5_1 kept exactly at its own size (6 bits a weight): per 32 values d, m (f16), the fifth bits, the low
+    nibbles; w = d * q + m, q in [0, 31], formed as d * q - (-m) (the same bits): q5_0's form with an offset per
+    block (q5_1_linear); the LOSSY int8 mode leaves it exact. llama.cpp's Q5_K_M takes it for rows whose length is
+    not a multiple of 256."""
+
+    KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_1"], Q51_BLOCK, 32, "q5_1_linear"
+
+    def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self._blocks(rows)
+        dm = b[..., 0:4].contiguous().view(torch.float16).float()  # [rows, K/32, 2]: d, m
+        return _five_bit_codes(b[..., 4:8], b[..., 8:24]).reshape(b.shape[0], -1), dm[..., 0], -dm[..., 1]
 
 
 def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KWeight:
@@ -1070,10 +1125,10 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
-    if name in ("Q6_K", "Q3_K", "IQ4_XS", "Q5_K"):  # the blocks as they are
-        cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight, "Q5_K": Q5KWeight}[name]
+    if name in ("Q6_K", "Q3_K", "IQ4_XS", "Q5_K", "Q2_K"):  # the blocks as they are
+        cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight, "Q5_K": Q5KWeight, "Q2_K": Q2KWeight}[name]
         return cls(cls.KIND, (n, k), {"qweight": torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1))})
-    raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K, Q3_K, IQ4_XS, Q5_K)")
+    raise ValueError(f"from_gguf: {name} is not a K-quant kept exactly (Q4_K, Q6_K, Q3_K, IQ4_XS, Q5_K, Q2_K)")
 
 
 # ---- back to GGUF blocks --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""GGUF Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 blocks from float weights, the way llama.cpp's quantizer makes them.
+"""GGUF Q4_K / Q5_K / Q6_K / Q8_0 / Q5_0 / Q5_1 blocks from float weights, the way llama.cpp's quantizer makes them.
 
 `quantize_blocks(w, "Q4_K", importance)` returns the GGUF block bytes of a [N, K] weight, which `kinds.from_gguf`
-turns into the exact kinds (q4k, q5k, q6k, q8 g32, q5_0): a container made from HF weights then streams through the
-same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time (torch, f32).
+turns into the exact kinds (q4k, q5k, q6k, q8 g32, q5_0, q5_1): a container made from HF weights then streams
+through the same kernels as an imported GGUF. Vectorized over every sub-block of a few thousand rows at a time
+(torch, f32).
 
 The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here from their description):
 * Q4_K: per 32-value sub-block an asymmetric 4-bit fit w ~ scale * L - min (make_qkx2_quants: candidate grids of
@@ -17,8 +18,9 @@ The searches follow llama.cpp's ggml-quants (the algorithms, re-derived here fro
 * Q6_K: per 16-value sub-block a symmetric 6-bit fit (`_sym_fit`, make_qx_quants) weighted by w^2, or by the
   importance itself; the 16 scales become int8 against the largest, codes re-rounded.
 * Q5_0 with importance: `_sym_fit` over 32 values weighted by importance * sqrt(sigma^2 + w^2), sigma^2 the row's
-  mean square. Q8_0, and Q5_0 without importance: gguf.quants' own quantizers (llama.cpp's reference rounding;
-  its Q8_0 ignores importance).
+  mean square. Q5_1 with importance: `_asym_fit` over 32 values with codes in [0, 31] and make_qkx3_quants' 37
+  grids, the same weights; its codes are the search's own. Q8_0, and Q5_0 / Q5_1 without importance: gguf.quants'
+  own quantizers (llama.cpp's reference rounding, byte for byte; its Q8_0 ignores importance).
 Measured against llama.cpp's own quantizer (ggml_quantize_chunk, docs/quality.md): the same weighted error to
 1e-4 and 95-100 % of the dequantized values identical (the rest: float summation order deciding near-ties).
 Rounding is half to even everywhere, as llama.cpp's nearest_int.
@@ -39,10 +41,14 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).float()
 
 
-def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+              direct: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sub-block (last axis) the (scale, min) of x ~ scale * L - min, L in [0, nmax], minimizing the weighted
-    squared error over candidate grids (make_qkx2_quants). x, w: [..., n]; returns [...] each, min >= 0."""
+    squared error over candidate grids (make_qkx2_quants), and the codes L of the best grid. x, w: [..., n];
+    returns [...], [...] (min >= 0) and [..., n]. `direct`: each grid's error summed over its values as llama.cpp
+    does, not expanded from the sums (one pass fewer, but the expansion cancels, so near-ties go the other way more
+    often: Q5_1's blocks with importance 98.9 % equal to ggml's that way, 99.9 % directly; Q4_K and Q5_K, whose
+    figures in docs/quality.md were measured with the expansion, keep it)."""
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True)
     rng = hi - lo
@@ -54,11 +60,14 @@ def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: 
         wq = w * q
         return wq.sum(-1, keepdim=True), (wq * q).sum(-1, keepdim=True), (wq * x).sum(-1, keepdim=True)
 
-    def err(s, m, sl, sl2, sxl):  # sum w (s q + m - x)^2 from the sums: one pass over the values per grid
+    def err(s, m, q, sl, sl2, sxl):  # sum w (s q + m - x)^2 (from the sums: one pass over the values per grid)
+        if direct:
+            return (w * (s * q + m - x).square()).sum(-1, keepdim=True)
         return s * s * sl2 + 2 * s * m * sl + m * m * sw - 2 * s * sxl - 2 * m * sx + sxx
 
     scale, mn = rng / nmax, lo
-    best = err(scale, mn, *sums(torch.round((x - lo) * (nmax / rng)).clamp_(0, nmax)))
+    codes = torch.round((x - lo) * (nmax / rng)).clamp_(0, nmax)
+    best = err(scale, mn, codes, *sums(codes))
     for i in range(nstep + 1):
         # each grid spans [best offset so far, max], as llama.cpp's loop does (the offset may come near the max:
         # codes of non-positive or non-finite steps are 0)
@@ -73,12 +82,13 @@ def _asym_fit(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: 
         pos = m > 0  # a positive offset is not representable (min >= 0): refit the scale alone
         s = torch.where(pos, sxl / sl2.clamp_min(1e-30), s)
         m = torch.where(pos, 0, m)
-        e = err(s, m, sl, sl2, sxl)
+        e = err(s, m, q, sl, sl2, sxl)
         better = ok & (e < best)
         best = torch.where(better, e, best)
         scale, mn = torch.where(better, s, scale), torch.where(better, m, mn)
+        codes = torch.where(better, q, codes)
     scale, mn = torch.where(flat, 0, scale), torch.where(flat, lo, mn)
-    return scale.squeeze(-1), (-mn).squeeze(-1)
+    return scale.squeeze(-1), (-mn).squeeze(-1), torch.where(flat, 0, codes)
 
 
 def _scales_6bit(v: torch.Tensor, sw: torch.Tensor | None, nmax: int = 63) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +139,12 @@ def _kq_asym(rows: torch.Tensor, imp: torch.Tensor | None, nmax: int) -> np.ndar
     xs = x.view(b, 8, 32)
     if imp is None:
         w = xs.square().mean(-1, keepdim=True).sqrt() + xs.abs()
-        scale, mn = _asym_fit(xs, w, nmax, *((-1.0, 0.1, 20) if nmax == 15 else (-0.5, 0.1, 15)))
+        scale, mn, _ = _asym_fit(xs, w, nmax, *((-1.0, 0.1, 20) if nmax == 15 else (-0.5, 0.1, 15)))
         (d, ls), (dmin, lm) = _scales_6bit(scale, None), _scales_6bit(mn, None)
     else:
         sigma2 = 2 * x.square().mean(-1, keepdim=True).unsqueeze(-1)
         w = imp.view(b, 8, 32) * (sigma2 + xs.square()).sqrt()
-        scale, mn = _asym_fit(xs, w, nmax, -0.9, 0.05, 36)
+        scale, mn, _ = _asym_fit(xs, w, nmax, -0.9, 0.05, 36)
         sw = w.sum(-1)
         (d, ls), (dmin, lm) = _scales_6bit(scale, sw), _scales_6bit(mn, sw)
     d16, dmin16 = _f16(d), _f16(dmin)
@@ -215,34 +225,57 @@ def _q6k(rows: torch.Tensor, imp: torch.Tensor | None) -> np.ndarray:
                       d16.to(torch.float16).view(torch.uint8)], 1).reshape(m, -1).numpy()
 
 
-def _q5_0(rows: torch.Tensor, imp: torch.Tensor) -> np.ndarray:
-    """rows: f32 [M, K], imp: [K] -> uint8 [M, K / 32 * 22] Q5_0 blocks fitted with importance (llama.cpp's
-    quantize_row_q5_0_impl: make_qx_quants over 32 values, weights importance * sqrt(sigma^2 + w^2) with sigma^2 the
-    row's mean square; the codes are the search's own)."""
+def _row_weights(rows: torch.Tensor, imp: torch.Tensor) -> torch.Tensor:
+    """Q5_0's / Q5_1's fit weights, [M, K / 32, 32]: importance * sqrt(sigma^2 + w^2), sigma^2 the row's mean square
+    (llama.cpp's quantize_row_q5_0_impl / _q5_1_impl)."""
     m, k = rows.shape
     sigma2 = rows.square().mean(-1, keepdim=True)
-    w = (imp.view(1, k) * (sigma2 + rows.square()).sqrt()).view(m, -1, 32)
-    scale, l = _sym_fit(rows.view(m, -1, 32), w, 16)
-    q = (l + 16).to(torch.int64)  # [M, K / 32, 32] in [0, 31]
-    bits = (q >> 4) << torch.arange(32)
-    qh = bits.sum(-1).to(torch.int32).view(torch.uint8).view(m, -1, 4)  # bit j: the high bit of value j (LE)
+    return (imp.view(1, k) * (sigma2 + rows.square()).sqrt()).view(m, -1, 32)
+
+
+def _five_bit_blocks(head: list[torch.Tensor], q: torch.Tensor) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks, uint8 [M, K / 32 * (22 | 24)], from their f16 head (d, or d and m) [M, K / 32] each and the
+    codes q in [0, 31], [M, K / 32, 32]: the head, qh (bit j: value j's fifth bit, little-endian), qs (value j < 16
+    in the low nibble of byte j, value j + 16 in its high nibble)."""
+    m = q.shape[0]
+    q = q.to(torch.int64)
+    qh = ((q >> 4) << torch.arange(32)).sum(-1).to(torch.int32).view(torch.uint8).view(m, -1, 4)
     q = q.to(torch.uint8)
     qs = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
-    d = scale.to(torch.float16).view(torch.uint8).view(m, -1, 2)
-    return torch.cat([d, qh, qs], -1).reshape(m, -1).numpy()
+    h = [t.to(torch.float16).view(torch.uint8).view(m, -1, 2) for t in head]
+    return torch.cat([*h, qh, qs], -1).reshape(m, -1).numpy()
+
+
+def _q5_0(rows: torch.Tensor, imp: torch.Tensor) -> np.ndarray:
+    """rows: f32 [M, K], imp: [K] -> uint8 [M, K / 32 * 22] Q5_0 blocks fitted with importance (llama.cpp's
+    quantize_row_q5_0_impl: make_qx_quants over 32 values weighted by `_row_weights`; the codes are the search's
+    own)."""
+    m = rows.shape[0]
+    scale, l = _sym_fit(rows.view(m, -1, 32), _row_weights(rows, imp), 16)
+    return _five_bit_blocks([scale], l + 16)
+
+
+def _q5_1(rows: torch.Tensor, imp: torch.Tensor) -> np.ndarray:
+    """rows: f32 [M, K], imp: [K] -> uint8 [M, K / 32 * 24] Q5_1 blocks fitted with importance (llama.cpp's
+    quantize_row_q5_1_impl: make_qkx3_quants' 37 grids over 32 values, codes in [0, 31], weighted by `_row_weights`;
+    d the search's scale, m its offset, the codes its own, not re-rounded against the f16 d and m)."""
+    m = rows.shape[0]
+    scale, mn, l = _asym_fit(rows.view(m, -1, 32), _row_weights(rows, imp), 31, -0.9, 0.05, 36, direct=True)
+    return _five_bit_blocks([scale, -mn], l)
 
 
 _K = {"Q4_K": _q4k, "Q5_K": _q5k, "Q6_K": _q6k}
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")
+_G32 = {"Q5_0": _q5_0, "Q5_1": _q5_1}  # with importance; without it gguf.quants' own (llama.cpp's reference)
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1")
 
 
 def quantize_blocks(w: torch.Tensor, gguf_type: str, importance: torch.Tensor | None = None) -> np.ndarray:
     """GGUF blocks of `w` [N, K] (any float dtype) as uint8 [N, K / block * block bytes]. `importance`: f32 [K]
-    per input channel (mean x^2 over calibration activations, llama.cpp's imatrix), used by Q4_K, Q5_K, Q6_K and Q5_0
-    (llama.cpp's Q8_0 has no use for it)."""
+    per input channel (mean x^2 over calibration activations, llama.cpp's imatrix), used by Q4_K, Q5_K, Q6_K, Q5_0 and
+    Q5_1 (llama.cpp's Q8_0 has no use for it)."""
     n, k = w.shape
-    if gguf_type == "Q5_0" and importance is not None:
-        fn = _q5_0
+    if gguf_type in _G32 and importance is not None:
+        fn = _G32[gguf_type]
     elif gguf_type in _K:
         fn = _K[gguf_type]
         if k % SUPER:

@@ -1,4 +1,4 @@
-// GGUF blocks kept as the file stores them (colibri/quant/kinds.py: q6k, q5_0): the decoders every tier's kernels
+// GGUF blocks kept as the file stores them (colibri/quant/kinds.py: q6k, q5_0, ...): the decoders every tier's kernels
 // share, so each kind's codes are decoded by one source. Plain C++ (GCC/Clang vector extensions) or, where the tier
 // has it, AVX2, whose instructions every x86 tier here has.
 //
@@ -8,7 +8,7 @@
 // q8k's values, so the kernels give q8k's bits for the same weight.
 // q3k: Q3_K, 110 bytes for 256 values: hmask[32] (the third bit), qs[64] (the low 2 bits), scales[12] (16 6-bit
 // codes), d (f16); w = (d * (sc - 32)) * (q - 4) per 16 values: q8k's form too (codes in [-4, 3]).
-// iq4_xs, iq4_nl, q5k: below, beside their decoders.
+// iq4_xs, iq4_nl, q5k, q2k, q5_1: below, beside their decoders.
 // q5_0: Q5_0, 22 bytes for 32 values: d (f16), qh (32 high bits, little-endian), qs[16]; value j < 16 is the low
 // nibble of qs[j] with bit j of qh above it, value j + 16 the high nibble with bit j + 16, code q - 16, and
 // w = d * (q - 16) (exact in f32): the values of q8 with group 32 and those d as f16 scales, so the kernels give
@@ -259,82 +259,114 @@ struct Q5kBlocks : KBlocks<q5k::kBlockBytes, q5k::codes128, q5k::scales16, q5k::
   static uint16_t dmin_bits(const uint8_t* block) { return q5k::dmin_bits(block); }
 };
 
-namespace q5_0 {
+// q2k: Q2_K, 84 bytes for 256 values: scales[16] (per 16 values sc in the low nibble, m in the high), qs[64] (2-bit
+// codes), d (f16), dmin (f16); value 128 h + 32 j + l (h < 2, j < 4, l < 32) is (qs[32 h + l] >> 2 j) & 3, code q in
+// [0, 3], and w = (d * sc) * q - dmin * m per 16 values: q5k's form with an offset per 16 (each product exact in f32:
+// 11 + 4 + 2 bits; one rounding in the subtraction, gguf's dequantize steps).
+namespace q2k {
 
-constexpr int64_t kBlockBytes = 22;
-constexpr int64_t kBlockValues = 32;
+constexpr int64_t kBlockBytes = 84;
 
+// The codes of half h of a block (values [128 h, 128 h + 128)) into out[128].
+inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
 #if defined(__AVX2__)
-// The 32 codes q - 16 of a block as bytes in a register (AVX2: what the avx2 and avx512 tiers use).
-inline __m256i codes32v(const uint8_t* block) {
-  uint32_t qh;
-  std::memcpy(&qh, block + 2, 4);
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 6));
-  const __m128i m4 = _mm_set1_epi8(15);
-  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-  // byte i of rep: byte i / 8 of qh; its bit i % 8 is value i's fifth bit
-  const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
-                                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                             0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
-  const __m256i sixteen = _mm256_set1_epi8(16);
-  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), sixteen);
-  return _mm256_sub_epi8(_mm256_or_si256(q, high), sixteen);
-}
-
-// The 32 codes q - 16 of a block into out[32].
-inline void codes32(const uint8_t* block, int8_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes32v(block));
-}
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * h));
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m256i v[4] = {qs, _mm256_srli_epi16(qs, 2), _mm256_srli_epi16(qs, 4), _mm256_srli_epi16(qs, 6)};
+  for (int j = 0; j < 4; ++j)  // (16-bit shifts: the mask drops what crosses from the neighbouring byte)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j), _mm256_and_si256(v[j], three));
 #else
-inline void codes32(const uint8_t* block, int8_t* out) {
-  uint32_t qh;
-  std::memcpy(&qh, block + 2, 4);
-  for (int j = 0; j < 16; ++j) {
-    const uint8_t b = block[6 + j];
-    out[j] = static_cast<int8_t>(((b & 15) | (((qh >> j) & 1) << 4)) - 16);
-    out[j + 16] = static_cast<int8_t>(((b >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  q6k::u8x32 qs;
+  std::memcpy(&qs, block + 16 + 32 * h, 32);
+  for (int j = 0; j < 4; ++j) {
+    const q6k::u8x32 v = (qs >> (2 * j)) & 3;
+    std::memcpy(out + 32 * j, &v, 32);
   }
-}
 #endif
+}
 
-// The block's d as f16 bits.
-inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
+// The 16 scale codes sc (Mins false: the low nibbles) or offset codes m (Mins true: the high ones) into out[16].
+template <bool Mins>
+inline void codes16(const uint8_t* block, int8_t* out) {
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(Mins ? block[i] >> 4 : block[i] & 15);
+}
+inline void scales16(const uint8_t* block, int8_t* out) { codes16<false>(block, out); }
+inline void mins16(const uint8_t* block, int8_t* out) { codes16<true>(block, out); }
+inline uint16_t d_bits(const uint8_t* block) { return u16_at(block + 80); }
+inline uint16_t dmin_bits(const uint8_t* block) { return u16_at(block + 82); }
 
-}  // namespace q5_0
+}  // namespace q2k
+
+struct Q2kBlocks : KBlocks<q2k::kBlockBytes, q2k::codes128, q2k::scales16, q2k::d_bits> {
+  static constexpr bool kMins = true;
+  static void mins16(const uint8_t* block, int8_t* out) { q2k::mins16(block, out); }
+  static uint16_t dmin_bits(const uint8_t* block) { return q2k::dmin_bits(block); }
+};
+
+// The one-level kinds of 32-value blocks with an f16 d (q8 g32's form) as template arguments of the kernels
+// (FiveBitBlocks, Iq4nlBlocks): kBlockBytes; codes32v (AVX2: in a register) and codes32 (into memory), the codes;
+// d_bits, d; kMins: whether each weight is minus z = -m, m_bits giving m (Q5_1).
+//
+// Q5_0 / Q5_1: Bytes-byte blocks of 32 values with a 5-bit code each, d (f16) first, qh (32 fifth bits,
+// little-endian) at byte Qh, qs[16] at byte Qs: value j < 16 is the low nibble of qs[j] with bit j of qh above it,
+// value j + 16 the high nibble with bit j + 16; the codes are q - Bias.
+template <int64_t Bytes, int Qh, int Qs, int Bias>
+struct FiveBitBlocks {
+  static constexpr int64_t kBlockBytes = Bytes;
+  static constexpr bool kMins = false;
+#if defined(__AVX2__)
+  // The 32 codes of a block as bytes in a register (AVX2: what the avx2 and avx512 tiers use).
+  static __m256i codes32v(const uint8_t* block) {
+    uint32_t qh;
+    std::memcpy(&qh, block + Qh, 4);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Qs));
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+    // byte i of rep: byte i / 8 of qh; its bit i % 8 is value i's fifth bit
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                               0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), sixteen);
+    return _mm256_sub_epi8(_mm256_or_si256(q, high), _mm256_set1_epi8(Bias));
+  }
+  // The 32 codes of a block into out[32].
+  static void codes32(const uint8_t* block, int8_t* out) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes32v(block));
+  }
+#else
+  static void codes32(const uint8_t* block, int8_t* out) {
+    uint32_t qh;
+    std::memcpy(&qh, block + Qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t b = block[Qs + j];
+      out[j] = static_cast<int8_t>(((b & 15) | (((qh >> j) & 1) << 4)) - Bias);
+      out[j + 16] = static_cast<int8_t>(((b >> 4) | (((qh >> (j + 16)) & 1) << 4)) - Bias);
+    }
+  }
+#endif
+  static uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
+};
+
+// q5_0: 22 bytes, d, qh, qs; codes q - 16 (see the top of the file).
+using Q50Blocks = FiveBitBlocks<22, 2, 6, 16>;
+
+// q5_1: Q5_1, 24 bytes for 32 values: d (f16), m (f16), qh, qs[16]; codes q in [0, 31] and w = d * q + m: d * q is
+// exact in f32 (11 + 5 bits), one rounding in the addition (gguf's dequantize steps). q8 g32's form with an offset
+// per block (kMins): the kernels subtract z = -m (exact), w = d * q - z, the same bits as q5k's offset path.
+struct Q51Blocks : FiveBitBlocks<24, 4, 8, 0> {
+  static constexpr bool kMins = true;
+  static uint16_t m_bits(const uint8_t* block) { return u16_at(block + 2); }
+};
 
 // iq4_nl: IQ4_NL, 18 bytes for 32 values: d (f16), qs[16]; w = d * kValues[q]: q8's form with group 32.
-namespace iq4_nl {
-
-constexpr int64_t kBlockBytes = 18;
-
+struct Iq4nlBlocks {
+  static constexpr int64_t kBlockBytes = 18;
+  static constexpr bool kMins = false;
 #if defined(__AVX2__)
-inline __m256i codes32v(const uint8_t* block) { return iq4::values32v(block + 2); }
+  static __m256i codes32v(const uint8_t* block) { return iq4::values32v(block + 2); }
 #endif
-inline void codes32(const uint8_t* block, int8_t* out) { iq4::values32(block + 2, out); }
-inline uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
-
-}  // namespace iq4_nl
-
-// The one-level kinds of 32-value blocks with an f16 d (q8 g32's form) as template arguments of the kernels.
-#if defined(__AVX2__)
-template <int64_t Bytes, __m256i (*CodesV)(const uint8_t*), void (*Codes)(const uint8_t*, int8_t*),
-          uint16_t (*D)(const uint8_t*)>
-struct G32Blocks {
-  static constexpr int64_t kBlockBytes = Bytes;
-  static __m256i codes32v(const uint8_t* block) { return CodesV(block); }
-#else
-template <int64_t Bytes, void (*Codes)(const uint8_t*, int8_t*), uint16_t (*D)(const uint8_t*)>
-struct G32Blocks {
-  static constexpr int64_t kBlockBytes = Bytes;
-#endif
-  static void codes32(const uint8_t* block, int8_t* out) { Codes(block, out); }
-  static uint16_t d_bits(const uint8_t* block) { return D(block); }
+  static void codes32(const uint8_t* block, int8_t* out) { iq4::values32(block + 2, out); }
+  static uint16_t d_bits(const uint8_t* block) { return u16_at(block); }
 };
-#if defined(__AVX2__)
-using Q50Blocks = G32Blocks<q5_0::kBlockBytes, q5_0::codes32v, q5_0::codes32, q5_0::d_bits>;
-using Iq4nlBlocks = G32Blocks<iq4_nl::kBlockBytes, iq4_nl::codes32v, iq4_nl::codes32, iq4_nl::d_bits>;
-#else
-using Q50Blocks = G32Blocks<q5_0::kBlockBytes, q5_0::codes32, q5_0::d_bits>;
-using Iq4nlBlocks = G32Blocks<iq4_nl::kBlockBytes, iq4_nl::codes32, iq4_nl::d_bits>;
-#endif

@@ -1,4 +1,4 @@
-// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k, q6k, q3k, iq4_xs, q5k): the same ops,
+// Generic-tier linear kernels for GGUF K-quants imported exactly (q4k, q8k, q6k, q3k, iq4_xs, q5k, q2k): the same ops,
 // arguments and bits as the AVX-512 tier's ../kquant.cpp (its header gives the formulas).
 
 #include "tiles.h"
@@ -52,8 +52,8 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   });
 }
 
-// q6k, q3k, iq4_xs, q5k (B: the block kind): q8k's values and steps over the codes and scales decoded from the
-// stored blocks (gguf_blocks.h), so the same bits as q8k; q5k's weights minus dmin * m per 16 (B::kMins).
+// q6k, q3k, iq4_xs, q5k, q2k (B: the block kind): q8k's values and steps over the codes and scales decoded from the
+// stored blocks (gguf_blocks.h), so the same bits as q8k; q5k's and q2k's weights minus dmin * m per 16 (B::kMins).
 template <class B>
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
   check_blocks(x, blocks, op, 256, B::kBlockBytes);
@@ -86,15 +86,8 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
         B::codes128(block(n0 + j, b), 1, q + 128);
         for (int64_t i = 0; i < 16; ++i) {
           float* o = out + j * k + 256 * b + 16 * i;
-          if constexpr (B::kMins) {  // q * s exact, then one rounding in the subtraction (ffp-contract off)
-            const f8 sv = simd::set1(s[16 * b + i]), zv = simd::set1(s[k / 16 + 16 * b + i]);
-            for (int h = 0; h < 2; ++h) {
-              const f8 v = simd::to_f(simd::s8x8(q + 16 * i + 8 * h)) * sv - zv;
-              simd::store(o + 8 * h, bf ? simd::round_bf16_normal(v) : v);
-            }
-          } else {
-            q8_values(q + 16 * i, 16, s[16 * b + i], bf, o, true);
-          }
+          if constexpr (B::kMins) q8_min_values(q + 16 * i, 16, s[16 * b + i], s[k / 16 + 16 * b + i], bf, o);
+          else q8_values(q + 16 * i, 16, s[16 * b + i], bf, o, true);
         }
       }
     }
@@ -108,16 +101,8 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
       B::codes128(bp, k0 % 256 / 128, c);
     }
     const int8_t* q = c + k0 % 128;
-    for (int h = 0; h < 2; ++h) {
-      const Pair v = simd::code_pairs(q + 16 * h);
-      const f8 sv = simd::set1(s[k0 / 16 + h]);
-      if constexpr (B::kMins) {
-        const f8 zv = simd::set1(s[k / 16 + k0 / 16 + h]);
-        (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv - zv), simd::round_bf16_normal(v.odd * sv - zv)};
-      } else {
-        (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
-      }
-    }
+    for (int h = 0; h < 2; ++h)
+      (h ? hi : lo) = scaled_pairs<B::kMins>(q + 16 * h, s[k0 / 16 + h], B::kMins ? s[k / 16 + k0 / 16 + h] : 0.f);
   });
 }
 
@@ -132,6 +117,9 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor q5k_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear<Q5kBlocks>(x, blocks, "q5k_linear");
+}
+at::Tensor q2k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear<Q2kBlocks>(x, blocks, "q2k_linear");
 }
 
 }  // namespace

@@ -100,31 +100,35 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   });
 }
 
-// q5_0, iq4_nl (B: the block kind): q8_linear's grouped path (g = 32, f16 scales) over the codes decoded from the
-// stored blocks (gguf_blocks.h).
+// q5_0, iq4_nl, q5_1 (B: the block kind): q8_linear's grouped path (g = 32, f16 scales) over the codes decoded from
+// the stored blocks (gguf_blocks.h); q5_1's weights minus z = -m per block (B::kMins: one rounding, as q5k's).
 template <class B>
 at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
   check_blocks(x, blocks, op, 32, B::kBlockBytes);
   const int64_t k = x.size(1), groups = k / 32;
   const uint8_t* bw = blocks.data_ptr<uint8_t>();
   auto block = [&](int64_t r, int64_t gi) { return bw + (r * groups + gi) * B::kBlockBytes; };
+  auto offset = [](const uint8_t* bp) {  // z = -m (kMins), else unused
+    if constexpr (B::kMins) return -simd::f16_to_f32(B::m_bits(bp));
+    return 0.f;
+  };
   return dot_linear(x, blocks.size(0), [&](int64_t n0, int64_t cols, bool bf, float* out) {
     alignas(32) int8_t q[32];
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t gi = 0; gi < groups; ++gi) {
-        B::codes32(block(n0 + j, gi), q);
-        q8_values(q, 32, simd::f16_to_f32(B::d_bits(block(n0 + j, gi))), bf, out + j * k + gi * 32, true);
+        const uint8_t* bp = block(n0 + j, gi);
+        B::codes32(bp, q);
+        const float d = simd::f16_to_f32(B::d_bits(bp));
+        if constexpr (B::kMins) q8_min_values(q, 32, d, offset(bp), bf, out + j * k + gi * 32);
+        else q8_values(q, 32, d, bf, out + j * k + gi * 32, true);
       }
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {  // k0 % 32 == 0: one block
     const uint8_t* bp = block(j, k0 / 32);
     prefetch_ahead(bp);
     alignas(32) int8_t q[32];
     B::codes32(bp, q);
-    const f8 sv = simd::set1(simd::f16_to_f32(B::d_bits(bp)));
-    for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
-      const Pair v = simd::code_pairs(q + 16 * h);
-      (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
-    }
+    const float d = simd::f16_to_f32(B::d_bits(bp)), z = offset(bp);
+    for (int h = 0; h < 2; ++h) (h ? hi : lo) = scaled_pairs<B::kMins>(q + 16 * h, d, z);
   });
 }
 
@@ -133,6 +137,9 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& blocks) {
   return g32_linear<Iq4nlBlocks>(x, blocks, "iq4_nl_linear");
+}
+at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return g32_linear<Q51Blocks>(x, blocks, "q5_1_linear");
 }
 
 }  // namespace

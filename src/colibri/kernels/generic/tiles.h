@@ -626,4 +626,27 @@ inline void q8_values(const int8_t* q, int64_t n, float s, bool bf, float* out, 
   }
 }
 
+// The same minus an offset (q5k, q2k, q5_1: w = q * s - z): q * s exact, one rounding in the subtraction
+// (-ffp-contract=off), the values zero or normal (multiples of f16's least step). n % 8 == 0.
+inline void q8_min_values(const int8_t* q, int64_t n, float s, float z, bool bf, float* out) {
+  const f8 sv = simd::set1(s), zv = simd::set1(z);
+  for (int64_t i = 0; i < n; i += 8) {
+    const f8 v = simd::to_f(simd::s8x8(q + i)) * sv - zv;
+    simd::store(out + i, bf ? simd::round_bf16_normal(v) : v);
+  }
+}
+
+// The pairs of 16 codes at q times s (Mins: minus z), rounded to bf16 values: q8_values' / q8_min_values' values
+// for bf16 x, in code_pairs' lanes (the decode form's source of the int8-valued block kinds).
+template <bool Mins>
+inline Pair scaled_pairs(const int8_t* q, float s, float z) {
+  const Pair v = simd::code_pairs(q);
+  const f8 sv = simd::set1(s);
+  if constexpr (Mins) {
+    const f8 zv = simd::set1(z);
+    return Pair{simd::round_bf16_normal(v.even * sv - zv), simd::round_bf16_normal(v.odd * sv - zv)};
+  }
+  return Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
+}
+
 }  // namespace
