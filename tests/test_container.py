@@ -175,7 +175,7 @@ def q_gguf(path: Path, hf_dir: Path, qtype) -> Path:
     return path
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q8_0, "q8"), (QT.Q4_0, "q4")])
+@pytest.mark.parametrize("qtype,kind", [(QT.Q8_0, "q8"), (QT.Q4_0, "q4_0")])
 def test_gguf_block_fixture_import_is_lossless(tiny_model_dir, tmp_path, qtype, kind):
     src = q_gguf(tmp_path / "fixture.gguf", tiny_model_dir("llama"), qtype)
     convert(src, tmp_path / "c", quant="q4")  # Q8_0 stays q8 whatever --quant says: no re-quantization

@@ -151,7 +151,7 @@ def test_round_trip_is_byte_identical(tmp_path, qtype, arch, experts):
     assert fb["tokenizer.ggml.tokens"][1] == TOKENS and fb["tokenizer.ggml.merges"][1] == ["Ġ t"]
 
 
-@pytest.mark.parametrize("qtype,kind", [(QT.Q4_0, "q4"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8"), (QT.Q5_0, "q5_0"),
+@pytest.mark.parametrize("qtype,kind", [(QT.Q4_0, "q4_0"), (QT.Q4_1, "q4_1"), (QT.Q8_0, "q8"), (QT.Q5_0, "q5_0"),
                                         (QT.Q4_K, "q4k"), (QT.Q6_K, "q6k"), (QT.Q6_K, "q8k"), (QT.Q3_K, "q3k"),
                                         (QT.IQ4_XS, "iq4_xs"), (QT.IQ4_NL, "iq4_nl"), (QT.Q5_K, "q5k"),
                                         (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")])

@@ -120,8 +120,9 @@ def test_gguf_blocks_are_lossless(gtype):
     assert torch.equal(q.dequantize(), expected.reshape(72, 320))
     x = _randn(5, 320, seed=9)
     torch.testing.assert_close(q.linear(x), x @ expected.reshape(72, 320).T, rtol=1e-5, atol=1e-5)
-    # Q8_0 and Q4_0 keep f16 scales, Q4_1 its f16 (d, m) (the q4_1 kind); q4 pads rows to a multiple of 16
-    per_block = {QT.Q4_0: 16 + 4, QT.Q4_1: 16 + 4, QT.Q8_0: 32 + 2}[gtype]
+    # Q8_0 and Q4_0 keep f16 scales (Q4_0: its d alone, the q4_0 kind), Q4_1 its f16 (d, m) (the q4_1 kind); the
+    # q4 tiles pad rows to a multiple of 16
+    per_block = {QT.Q4_0: 16 + 2, QT.Q4_1: 16 + 4, QT.Q8_0: 32 + 2}[gtype]
     assert q.nbytes == (80 if gtype != QT.Q8_0 else 72) * 320 // 32 * per_block
 
 

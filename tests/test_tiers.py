@@ -98,7 +98,8 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
 
 def _blocks_and_widened(kind: str, n: int, k: int):
     """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k, q3k and iq4_xs (-> q8k),
-    q5_0 and iq4_nl (-> q8 with group 32 and f16 scales) and q4_1 (-> q4 with f32 (d, m + 8 d))."""
+    q5_0 and iq4_nl (-> q8 with group 32 and f16 scales), q4_1 (-> q4 with f32 (d, m + 8 d)) and q4_0 (-> q4 with
+    f16 (d, +0))."""
     if kind in ("q6k", "q3k", "iq4_xs"):
         qtype = {"q6k": QT.Q6_K, "q3k": QT.Q3_K, "iq4_xs": QT.IQ4_XS}[kind]
         w = from_gguf(k_blocks(qtype, n, k, seed=7), qtype, (n, k))
@@ -112,6 +113,12 @@ def _blocks_and_widened(kind: str, n: int, k: int):
         sz = torch.stack([s, z], dim=-1).contiguous()
         return (lambda o, x: o.q4_1_linear(x, b["qweight"], b["scales_mins"]),
                 lambda o, x: o.q4_linear(x, b["qweight"], sz, 32))
+    if kind == "q4_0":  # f16 d as stored against q4 with f16 (d, +0)
+        w = from_gguf(gguf_quantize(_randn(n, k, seed=9).numpy(), QT.Q4_0), QT.Q4_0, (n, k))
+        b = w._buffers
+        sz = torch.stack([b["scales"], torch.zeros_like(b["scales"])], dim=-1).contiguous()
+        return (lambda o, x: o.q4_0_linear(x, b["qweight"], b["scales"]),
+                lambda o, x: o.q4_linear(x, b["qweight"], sz, 32))
     if kind == "iq4_nl":
         w = from_gguf(k_blocks(QT.IQ4_NL, n, k, seed=9), QT.IQ4_NL, (n, k))
     else:
@@ -124,10 +131,11 @@ def _blocks_and_widened(kind: str, n: int, k: int):
 @pytest.mark.parametrize("kind,shape", [("q6k", (200, 256)), ("q6k", (37, 2304)), ("q5_0", (200, 896)),
                                         ("q5_0", (37, 2304)), ("q4_1", (200, 576)), ("q4_1", (37, 2304)),
                                         ("q3k", (200, 256)), ("q3k", (37, 2304)), ("iq4_xs", (200, 256)),
-                                        ("iq4_xs", (37, 2304)), ("iq4_nl", (200, 896)), ("iq4_nl", (37, 2304))])
+                                        ("iq4_xs", (37, 2304)), ("iq4_nl", (200, 896)), ("iq4_nl", (37, 2304)),
+                                        ("q4_0", (200, 896)), ("q4_0", (37, 2304))])
 def test_blocks_as_stored_give_the_widened_codes_bits_on_every_tier(tier_ops, kind, shape):
-    """GGUF blocks read as stored (q6k, q5_0; q4_1's f16 (d, m)) give the bits of their codes widened to bytes (of
-    q4 with f32 (d, m + 8 d)), every pass size."""
+    """GGUF blocks read as stored (q6k, q5_0; q4_1's f16 (d, m), q4_0's f16 d) give the bits of their codes widened
+    to bytes (of q4 with f32 (d, m + 8 d), with f16 (d, +0)), every pass size."""
     blocks, widened = _blocks_and_widened(kind, *shape)
     for dtype in (torch.float32, torch.bfloat16):
         x = _randn(max(ROWS), shape[1], seed=8).to(dtype)

@@ -22,6 +22,16 @@ inline void check_q4(const at::Tensor& x, const at::Tensor& qweight, const at::T
               "q4_linear: shapes do not match the stored layout");
 }
 
+// q4_0: qweight [Np, K/2] tiles, scales f16 [K/32, Np] (d per group of 32 and row).
+inline void check_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  check_x(x, "q4_0_linear");
+  const int64_t k = x.size(1), np = qweight.size(0);
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.scalar_type() == at::kByte &&
+              scales.scalar_type() == at::kHalf && qweight.size(1) * 2 == k && k % 32 == 0 && np % 16 == 0 &&
+              scales.dim() == 2 && scales.size(0) == k / 32 && scales.size(1) == np,
+              "q4_0_linear: shapes do not match the stored layout");
+}
+
 inline void check_dense(const at::Tensor& x, const at::Tensor& w) {
   check_x(x, "dense_linear");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1) && x.scalar_type() == w.scalar_type(),

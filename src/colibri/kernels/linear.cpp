@@ -45,6 +45,26 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
+// q4_0 (Q4_0 kept as stored: f16 d per group of 32, w = d (q - 8)): the q4 tile kernel with scale d and zero 0,
+// as q4 with f16 (d, +0) (check_q4_0: scales f16 [K/32, Np]).
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  check_q4_0(x, qweight, scales);
+  const int64_t k = x.size(1), np = qweight.size(0);
+  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, 2, np, k, 32};
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+    const uint16_t* p = d + gi * np + n0;
+    const int64_t cols = std::min<int64_t>(kTile, np - n0);
+    prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = cols - 16 * c;
+      s[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), p + 16 * c));
+      z[c] = _mm512_setzero_ps();
+    }
+  };
+  return q4_tiles_linear(x, w, params, params, -8);
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_dense(x, w);
   const int64_t t = x.size(0), k = x.size(1), n = w.size(0);

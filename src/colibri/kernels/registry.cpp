@@ -7,6 +7,7 @@
   X(dense_linear, "Tensor x, Tensor w")                                                                           \
   X(q4_linear, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                   \
   X(q4_1_linear, "Tensor x, Tensor qweight, Tensor scales_mins")                                                  \
+  X(q4_0_linear, "Tensor x, Tensor qweight, Tensor scales")                                                       \
   X(q8_linear, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                         \
   X(q4k_linear, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                         \
   X(q8k_linear, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                         \

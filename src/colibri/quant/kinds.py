@@ -50,9 +50,9 @@ from colibri import kernels
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 # two-level GGUF kinds in super-blocks of 256 values (section "GGUF K-quants")
 K_KINDS = ("q4k", "q8k", "q6k", "q3k", "iq4_xs", "q5k", "q2k")
-QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q5_1", "iq4_nl", "q4_1")
+QUANT_KINDS_ALL = ("q4", "q8") + K_KINDS + ("q5_0", "q5_1", "iq4_nl", "q4_1", "q4_0")
 GGUF_KEPT_KINDS = K_KINDS + ("q5_0", "q5_1", "iq4_nl")  # kinds only an exact GGUF import makes (see GGUF_K_EXACT)
-TILED_KINDS = ("q4", "q4k", "q4_1")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
+TILED_KINDS = ("q4", "q4k", "q4_1", "q4_0")  # kinds stored in 64-row q4 code tiles (rows are read a tile at a time)
 _TILE = 64  # rows per q4 tile (the AVX-512 kernel's BLOCK_N)
 Q4_TILE = _TILE  # public: readers of q4 rows (streaming lookups and head blocks) read whole tiles
 _CHUNK_BYTES = 1 << 23  # f32 scratch per dequantize step, small enough to stay in the L3 (docs/performance.md)
@@ -128,6 +128,9 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
         return _k_buffer_layout(kind, n, k)
     if kind.name in G32_BLOCK:
         return {"qweight": (torch.uint8, (n, k // 32 * G32_BLOCK[kind.name]))}
+    if kind.name == "q4_0":
+        np_ = _round16(n)
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.float16, (k // 32, np_))}
     if kind.name == "q4_1":
         np_ = _round16(n)
         return {"qweight": (torch.uint8, (np_, k // 2)), "scales_mins": (torch.float16, (k // 32, np_, 2))}
@@ -412,6 +415,50 @@ class Q41Weight(Q4Weight):
         return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
 
 
+class Q40Weight(Q4Weight):
+    """GGUF Q4_0 kept exactly at its own size (4.5 bits a weight): the q4 tiles with the file's f16 d per group of
+    32, w = d (q - 8) (exact in f32); the kernels take it as q4 with (d, +0) (q4_0_linear), bit for bit."""
+
+    @classmethod
+    def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
+        return cls(GGUF_EXACT["Q4_0"], shape, buffers)
+
+    def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self._buffers["scales"][:, r0:r1].float()
+        return d, torch.zeros_like(d)
+
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (_, k), g = self.shape, self.group_size
+        d = self._buffers["scales"][:, t0 * _TILE:t1 * _TILE].float()  # [G, rows]
+        s = d.view(k // g, t1 - t0, _TILE).permute(1, 0, 2).unsqueeze(2).contiguous()
+        return s, torch.zeros_like(s)
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        if kernels.native():
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy: q4's int8 kernel
+                s, z = self._scales_zeros_f32(0, b["qweight"].shape[0])  # f32 (d, 0): exact, per call as q4_1's
+                return kernels.library().q4_linear_i8(x, b["qweight"], torch.stack([s, z], dim=-1), 32)
+            return kernels.library().q4_0_linear(x, b["qweight"], b["scales"])
+        if x.dtype == torch.bfloat16:  # torch's int4 kernel, as q4 with (d, 0) in bf16
+            if self._packed is None:
+                self._packed = repack_for_kernel(b["qweight"])
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, 32,
+                                                              self._buffer_as("scales_zeros", torch.bfloat16))
+        return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
+
+    def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """"scales_zeros": (d, 0) [K/32, Np, 2] in `dtype` for torch's int4 kernel, made once and kept as q4's
+        converted scales are."""
+        if name != "scales_zeros":
+            return super()._buffer_as(name, dtype)
+        key = (name, dtype)
+        if key not in self._cache:
+            d = self._buffers["scales"].to(dtype)
+            self._cache[key] = torch.stack([d, torch.zeros_like(d)], dim=-1).contiguous()
+        return self._cache[key]
+
+
 class Q8Weight(_QuantWeight):
     """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
 
@@ -628,10 +675,10 @@ def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weigh
     np_ = _round16(n)
     q = torch.full((np_, k), 8, dtype=torch.uint8)
     q[:n] = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k))
-    if name == "Q4_0":
-        sz = torch.zeros(k // 32, np_, 2, dtype=torch.float16)
-        sz[:, :n, 0] = torch.from_numpy(d.T.copy())
-        return Q4Weight(QuantKind("q4", 32, sz.dtype), (n, k), {"qweight": _pack_q4(q), "scales_zeros": sz})
+    if name == "Q4_0":  # d as stored (containers before q4_0 hold it as q4 with f16 (d, +0): still read)
+        sc = torch.zeros(k // 32, np_, dtype=torch.float16)
+        sc[:, :n] = torch.from_numpy(d.T.copy())
+        return Q40Weight(GGUF_EXACT["Q4_0"], (n, k), {"qweight": _pack_q4(q), "scales": sc})
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     zero64 = m.astype(np.float64) + 8 * d.astype(np.float64)
     if not np.array_equal(zero64.astype(np.float32).astype(np.float64), zero64):  # the kernels' zero, m + 8 d in f32
@@ -646,7 +693,7 @@ def _from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4Weight | Q8Weigh
 
 # GGUF block types re-expressed without loss, and the kind (group 32, scale dtype) each becomes.
 GGUF_EXACT = {
-    "Q4_0": QuantKind("q4", 32, torch.float16),
+    "Q4_0": QuantKind("q4_0", 32, torch.float16),
     "Q4_1": QuantKind("q4_1", 32, torch.float16),
     "Q8_0": QuantKind("q8", 32, torch.float16),
 }
@@ -671,7 +718,7 @@ def supports(kind: QuantKind | str, shape: tuple[int, ...], group_size: int | No
 
 def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Tensor]) -> Q4Weight | Q8Weight:
     cls = {"q4": Q4Weight, "q8": Q8Weight, "q4k": Q4KWeight, "q8k": Q8KWeight, "q6k": Q6KWeight, "q3k": Q3KWeight,
-           "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight,
+           "iq4_xs": IQ4XSWeight, "iq4_nl": IQ4NLWeight, "q5_0": Q50Weight, "q4_1": Q41Weight, "q4_0": Q40Weight,
            "q5k": Q5KWeight, "q2k": Q2KWeight, "q5_1": Q51Weight}[kind]
     return cls.from_buffers(tuple(shape), group_size, buffers)
 
@@ -731,7 +778,7 @@ Q50 = GGUF_K_EXACT["Q5_0"]
 Q50_BLOCK = 22  # bytes per 32 values of a Q5_0 block
 Q51_BLOCK = 24  # ... of a Q5_1 block
 G32_BLOCK = {"q5_0": Q50_BLOCK, "q5_1": Q51_BLOCK, "iq4_nl": IQ4NL_BLOCK}  # the 32-value block kinds' block bytes
-_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"],
+_K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["Q4_1"], "q4_0": GGUF_EXACT["Q4_0"],
            **{k.name: k for k in GGUF_K_EXACT.values()}}
 
 
@@ -1153,6 +1200,8 @@ def gguf_type(kind: QuantKind) -> str | None:
         return t
     if kind.name == "q8k":
         return "Q6_K"
+    if kind == QuantKind("q4", 32, torch.float16):  # Q4_0 as containers before the q4_0 kind hold it: (d, +0)
+        return "Q4_0"
     if kind.name == "q8" and (kind.group_size == 0 or kind.group_size % 32 == 0):
         return "Q8_0"
     return None
@@ -1171,6 +1220,8 @@ def to_gguf(w: _QuantWeight) -> np.ndarray:
         return _q4k_blocks(b, n, k)
     if t == "Q6_K":
         return _q6k_blocks(b, n, k)
+    if w.kind.name == "q4_0":
+        return _g32_nibble_blocks(b["qweight"], b["scales"].unsqueeze(-1), n, k)
     if t == "Q4_0" and not b["scales_zeros"][..., 1].view(torch.int16).any():  # Q4_0: d, and a zero of +0.0
         return _g32_nibble_blocks(b["qweight"], b["scales_zeros"][..., :1], n, k)
     if t == "Q4_1":

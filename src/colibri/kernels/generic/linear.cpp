@@ -30,6 +30,24 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
+// q4_0: the q4 tile kernel with scale d (f16 [K/32, Np]) and zero 0 (../linear.cpp).
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  check_q4_0(x, qweight, scales);
+  const int64_t k = x.size(1), np = qweight.size(0);
+  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
+    const uint16_t* p = d + gi * np + n0;
+    const int64_t cols = std::min<int64_t>(kTile, np - n0);
+    prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now
+    for (int64_t j = 0; j < kTile; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+      simd::store(s + j, j < cols ? simd::f16x8(p + j) : simd::zero());
+      simd::store(z + j, simd::zero());
+    }
+  };
+  return q4_tiles_linear(x, w, params, params, -8);
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_dense(x, w);
   const int64_t k = x.size(1);
