@@ -387,7 +387,26 @@ class Q4Weight(_QuantWeight):
         return out
 
 
-class Q41Weight(Q4Weight):
+class _DerivedQ4Weight(Q4Weight):
+    """A q4-tiled kind whose (scale, zero) per group are derived from what it stores (`_scales_zeros_f32`, f32
+    [G, rows] each) rather than stored as q4's pairs: q4_1, q4_0, q4k."""
+
+    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Q4Weight's, [tiles, K/g, 1, 64] each, built per dequantize step from the derived pairs."""
+        (_, k), g = self.shape, self.group_size
+        s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
+        p = torch.stack([s, z]).view(2, k // g, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
+        return p[0], p[1]
+
+    def _q4_linear_i8(self, x: torch.Tensor) -> torch.Tensor:
+        """LOSSY: q4's int8 kernel over the derived pairs in f32 (exact), made per call (a kept f32 copy would cost
+        a third of the weight's bytes again, outside the budget)."""
+        qw = self._buffers["qweight"]
+        s, z = self._scales_zeros_f32(0, qw.shape[0])
+        return kernels.library().q4_linear_i8(x, qw, torch.stack([s, z], dim=-1), self.group_size)
+
+
+class Q41Weight(_DerivedQ4Weight):
     """GGUF Q4_1 kept exactly: the q4 tiles with f16 (d, m) per group of 32 as the file stores them, w = d q + m,
     computed as q4 with scale d and zero m + 8 d (exact in f32: from_gguf checks it)."""
 
@@ -399,23 +418,16 @@ class Q41Weight(Q4Weight):
         sm = self._buffers["scales_mins"][:, r0:r1].float()
         return sm[..., 0], sm[..., 1] + 8 * sm[..., 0]
 
-    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        (_, k), g = self.shape, self.group_size
-        s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
-        p = torch.stack([s, z]).view(2, k // g, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
-        return p[0], p[1]
-
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy: q4's int8 kernel
-                s, z = self._scales_zeros_f32(0, b["qweight"].shape[0])
-                return kernels.library().q4_linear_i8(x, b["qweight"], torch.stack([s, z], dim=-1), 32)
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
+                return self._q4_linear_i8(x)
             return kernels.library().q4_1_linear(x, b["qweight"], b["scales_mins"])
         return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
 
 
-class Q40Weight(Q4Weight):
+class Q40Weight(_DerivedQ4Weight):
     """GGUF Q4_0 kept exactly at its own size (4.5 bits a weight): the q4 tiles with the file's f16 d per group of
     32, w = d (q - 8) (exact in f32); the kernels take it as q4 with (d, +0) (q4_0_linear), bit for bit."""
 
@@ -427,36 +439,24 @@ class Q40Weight(Q4Weight):
         d = self._buffers["scales"][:, r0:r1].float()
         return d, torch.zeros_like(d)
 
-    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        (_, k), g = self.shape, self.group_size
-        d = self._buffers["scales"][:, t0 * _TILE:t1 * _TILE].float()  # [G, rows]
-        s = d.view(k // g, t1 - t0, _TILE).permute(1, 0, 2).unsqueeze(2).contiguous()
-        return s, torch.zeros_like(s)
-
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy: q4's int8 kernel
-                s, z = self._scales_zeros_f32(0, b["qweight"].shape[0])  # f32 (d, 0): exact, per call as q4_1's
-                return kernels.library().q4_linear_i8(x, b["qweight"], torch.stack([s, z], dim=-1), 32)
+            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
+                return self._q4_linear_i8(x)
             return kernels.library().q4_0_linear(x, b["qweight"], b["scales"])
         if x.dtype == torch.bfloat16:  # torch's int4 kernel, as q4 with (d, 0) in bf16
             if self._packed is None:
                 self._packed = repack_for_kernel(b["qweight"])
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, 32,
-                                                              self._buffer_as("scales_zeros", torch.bfloat16))
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, 32, self._scales_zeros_bf16())
         return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
 
-    def _buffer_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """"scales_zeros": (d, 0) [K/32, Np, 2] in `dtype` for torch's int4 kernel, made once and kept as q4's
-        converted scales are."""
-        if name != "scales_zeros":
-            return super()._buffer_as(name, dtype)
-        key = (name, dtype)
-        if key not in self._cache:
-            d = self._buffers["scales"].to(dtype)
-            self._cache[key] = torch.stack([d, torch.zeros_like(d)], dim=-1).contiguous()
-        return self._cache[key]
+    def _scales_zeros_bf16(self) -> torch.Tensor:
+        """(d, 0) [K/32, Np, 2] in bf16 for torch's int4 kernel, made once and kept as q4's converted scales are."""
+        if "scales_zeros_bf16" not in self._cache:
+            d = self._buffers["scales"].to(torch.bfloat16)
+            self._cache["scales_zeros_bf16"] = torch.stack([d, torch.zeros_like(d)], dim=-1).contiguous()
+        return self._cache["scales_zeros_bf16"]
 
 
 class Q8Weight(_QuantWeight):
@@ -827,7 +827,7 @@ def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.d
             "supers": (torch.float16, (n, k // SUPER))}
 
 
-class Q4KWeight(Q4Weight):
+class Q4KWeight(_DerivedQ4Weight):
     """Q4_K kept exactly: w = (d * sc) * q - dmin * m per group of 32 (see the top of the file)."""
 
     codes_offset = 0  # the dequantizing helpers of Q4Weight see the codes q, not q - 8
@@ -853,13 +853,6 @@ class Q4KWeight(Q4Weight):
         sc, mn = q4k_codes(self._buffers["scales"], r0, r1)
         sup = self._buffers["supers"][:, r0:r1].float().repeat_interleave(SUPER // 32, dim=0)
         return sup[..., 0] * sc.float(), -(sup[..., 1] * mn.float())
-
-    def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Q4Weight's, [tiles, K/32, 1, 64] each, built per dequantize step from the two-level codes."""
-        k = self.shape[1]
-        s, z = self._scales_zeros_f32(t0 * _TILE, t1 * _TILE)  # [G, rows]
-        p = torch.stack([s, z]).view(2, k // 32, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
-        return p[0], p[1]
 
 
 class Q8KWeight(Q8Weight):

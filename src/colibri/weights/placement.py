@@ -31,8 +31,8 @@ BLOCK_BYTES = 4 << 20  # rows of the head read per block...
 HEAD_BUFFERS = 2  # ...through this many buffers: one computes while the next is read (more buffers did no
 # better: docs/performance.md, "Figures moved from source comments")
 # kinds whose rows (q4, q4k: 64-row tiles) are contiguous bytes
-ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4", "q4_1", "q4_0", "q8k", "q6k", "q3k", "iq4_xs", "q5k", "q2k", "q5_0", "q5_1",
-             "iq4_nl", "q4k")
+ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4", "q4_1", "q4_0", "q8k", "q6k", "q3k", "iq4_xs", "q5k", "q2k", "q5_0",
+             "q5_1", "iq4_nl", "q4k")
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
 
 

@@ -232,9 +232,9 @@ struct Weight {
   at::ScalarType st;
   int64_t cols, k, g;       // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
   // GGUF K-quant mode (q4k_linear_i8 / q8k_linear_i8): sc holds the stored scale codes (q4k: (sc, m) packed or a
-  // byte each, see `packed` and args.h; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k:
-  // [N, K/256]); tile_params decodes them per tile into the f32 (scale, zero) / scale values a stored-f32 call
-  // would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
+  // byte each, see `packed` and args.h; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin)
+  // [K/256, Np, 2]; q8k: [N, K/256]); tile_params decodes them per tile into the f32 (scale, zero) / scale values
+  // a stored-f32 call would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
   const void* sup = nullptr;
   bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
 };
