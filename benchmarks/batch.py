@@ -44,7 +44,7 @@ def prompt_ids(m, i: int) -> list[int]:
 
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
-    quiet_openmp(argparse.Namespace(model=a.model, memory_limit=a.memory_limit))
+    quiet_openmp(argparse.Namespace(command="run", model=a.model, memory_limit=a.memory_limit))
     import colibri
     from colibri.engine.sampling import SamplingParams
 

@@ -2,6 +2,7 @@
 
     python benchmarks/limited.py --model DIR [--cgroup-limit 800M] [--memory-limit 500M] [--tokens 64]
     python benchmarks/limited.py --model DIR --config none,none --config 800M,500M --config 600M,300M
+    python benchmarks/limited.py --model DIR --config 800M,500M --sparse-ffn default   (LOSSY: the sidecar's FFN counters too)
 
 Each configuration runs in a fresh child process inside a fresh child memory cgroup of our own cgroup
 (`/proc/self/cgroup`, controller mounted at /sys/fs/cgroup/memory). `--cgroup-limit` is written to
@@ -63,7 +64,7 @@ def rss_bytes() -> int:
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp  # torch-free: OpenMP's wait policy as `colibri run` would choose it
 
-    quiet_openmp(argparse.Namespace(model=a.model, memory_limit=a.memory_limit))
+    quiet_openmp(argparse.Namespace(command="run", model=a.model, memory_limit=a.memory_limit))
     t0 = time.perf_counter()
     import torch  # noqa: F401  (imported first so the baseline is python + torch + colibri)
 
@@ -72,7 +73,7 @@ def child(a: argparse.Namespace) -> None:
     rss_import = rss_bytes()
     t1 = time.perf_counter()
     opts = {"prefetch_depth": a.prefetch_depth, "ctx_length": a.ctx_length,  # passed only when given
-            "draft_tokens": a.draft_tokens}
+            "draft_tokens": a.draft_tokens, "sparse_ffn": a.sparse_ffn}
     m = colibri.load(a.model, memory_limit=parse_size(a.memory_limit), io_threads=a.io_threads, threads=a.threads,
                      **{k: v for k, v in opts.items() if v is not None})
     load_s = time.perf_counter() - t1
@@ -84,6 +85,8 @@ def child(a: argparse.Namespace) -> None:
            # the runtime baseline the engine measured at load: peak RSS stays within the limit plus it
            "runtime_baseline_rss_bytes": m.baseline_rss_bytes,
            **r.stats, "token_ids": r.token_ids, "text": r.text}
+    if m.sparse is not None:  # --sparse-ffn (LOSSY): FFN sparsity and the bytes a chunked reader would need
+        out["sparse_ffn"] = m.sparse.counters()
     m.close()
     print(json.dumps(out), flush=True)
 
@@ -236,7 +239,7 @@ def run_config(a: argparse.Namespace, cg_limit: int | None, mem_limit: int | Non
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", a.model, "--tokens", str(a.tokens),
            "--prompt", a.prompt, "--io-threads", str(a.io_threads), "--threads", str(a.threads),
            "--memory-limit", str(mem_limit) if mem_limit is not None else "none"]
-    for opt in ("prefetch_depth", "ctx_length", "draft_tokens"):
+    for opt in ("prefetch_depth", "ctx_length", "draft_tokens", "sparse_ffn"):
         if getattr(a, opt) is not None:
             cmd += [f"--{opt.replace('_', '-')}", str(getattr(a, opt))]
     if a.wait_idle:
@@ -344,6 +347,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="compute threads (default 2)")
     ap.add_argument("--draft-tokens", type=int, help="speculation's draft length; 0 turns it off (default: the "
                     "engine's adaptive drafts)")
+    ap.add_argument("--sparse-ffn", metavar="SIDECAR", help="LOSSY sparse FFN (colibri.load's sparse_ffn): the"
+                    " sidecar, or `default` for the container's own")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                     help="before each run wait up to this long until no other process keeps a core busy")
     ap.add_argument("--retry-busy", type=int, default=0, metavar="N",

@@ -2,6 +2,7 @@
 
     python benchmarks/sparse_ffn_quality.py [--model CONTAINER] [--targets 0.1,0.3] [--uniform 0.1,0.3]
                                             [--tokens 1024] [--greedy 256] [--calibration-tokens 512]
+                                            [--chunk-drop 32:0.05,32:0.1]
 
 Calibration text: the source of CPython's pydoc module (Lib/pydoc.py), recorded once (sparse_calibrate.Calibration)
 and every setting chosen from that record; held-out text: other standard-library
@@ -14,6 +15,10 @@ difference), the FFN sparsity achieved on the held-out text and the FFN bytes a 
 token there, against dense. Prints one JSON line per setting. Last, per setting: how the chunks a pass needs grow
 with the rows in it (the union of B consecutive held-out tokens' active chunks, B = 1 .. 64; tokens of
 one text stand in for batch mates, which share less, so it is a lower bound on a real batch's union).
+
+--chunk-drop C:F,...: the structured alternative a chunked reader could use whatever the neurons' own sparsity:
+per token and dense layer, drop the fraction F of the C-neuron chunks (stored order) whose sum of |act(gate)| is
+smallest (their up rows and down columns would not be read); the same rows as a setting above, no calibration.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--calibration-tokens", type=int, default=sparse_calibrate.DEFAULT_TOKENS)
     ap.add_argument("--greedy", type=int, default=256)
+    ap.add_argument("--chunk-drop", default="", help="C:F,... structured chunk dropping (see above)")
     a = ap.parse_args()
     path = Path(a.model) if a.model else default_container()
     texts = {"pydoc": source("pydoc"), "held_out": source(*HELD_OUT_MODULES)}
@@ -99,6 +105,19 @@ def main() -> None:
                 row[f"ppl_{k}_increase_pct"] = round(100 * (row[f"ppl_{k}"] / dense[f"ppl_{k}"] - 1), 2)
                 row[f"top1_agreement_{k}"] = round(float((top[(name, k)] == top[("dense", k)]).float().mean()), 4)
             print(json.dumps(row), flush=True)
+        for spec in (x for x in a.chunk_drop.split(",") if x):
+            c, f = spec.split(":")
+            name = f"chunk_drop={spec}"
+            m.decoder.ffn_hook = _ChunkDrop(int(c), float(f))
+            try:
+                row, got = run(name)
+            finally:
+                m.decoder.ffn_hook = None
+            row.update(chunk=int(c), chunks_dropped=float(f), greedy_agreement=round(agreement(ref, got), 4))
+            for k in ("pydoc", "held_out"):
+                row[f"ppl_{k}_increase_pct"] = round(100 * (row[f"ppl_{k}"] / dense[f"ppl_{k}"] - 1), 2)
+                row[f"top1_agreement_{k}"] = round(float((top[(name, k)] == top[("dense", k)]).float().mean()), 4)
+            print(json.dumps(row), flush=True)
     # the chunks a pass needs as its rows grow, over the held-out scoring pass
     for name, r in rows.items():
         held = r.chunks[m.args.num_layers:2 * m.args.num_layers]  # [pydoc pass, held-out pass, decode steps...]
@@ -107,6 +126,25 @@ def main() -> None:
             need = [float(c[: c.shape[0] // b * b].view(-1, b, c.shape[1]).any(1).float().mean()) for c in held]
             union[b] = round(1 - sum(need) / len(need), 4)
         print(json.dumps({"setting": name, "chunks_skipped_by_pass_rows": union}), flush=True)
+
+
+class _ChunkDrop:
+    """Per row and dense layer: zero the hidden product of the round(f * I / c) chunks of c neurons (stored order)
+    with the smallest sum of |act(gate)| (ties to the lower chunk: topk's order)."""
+
+    def __init__(self, c: int, f: float):
+        self.c, self.f = c, f
+
+    def hidden(self, layer, a, u, down):
+        t, n = a.shape
+        if n % self.c:
+            raise SystemExit(f"--chunk-drop: {n} neurons are not whole chunks of {self.c}")
+        score = a.abs().float().view(t, n // self.c, self.c).sum(-1)  # [T, C]
+        drop = round(self.f * (n // self.c))
+        keep = torch.ones_like(score, dtype=torch.bool)
+        if drop:
+            keep.scatter_(1, score.topk(drop, dim=1, largest=False).indices, False)
+        return a * u * keep.repeat_interleave(self.c, 1).to(a.dtype)
 
 
 class _Rows:

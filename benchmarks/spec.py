@@ -107,7 +107,8 @@ def pins(m) -> tuple[int, int]:
 
 def child(a: argparse.Namespace) -> None:
     from colibri.cli import quiet_openmp
-    quiet_openmp(argparse.Namespace(model=None if a.model == "smollm2" else a.model, memory_limit=a.memory_limit))
+    quiet_openmp(argparse.Namespace(command="run", model=None if a.model == "smollm2" else a.model,
+                                    memory_limit=a.memory_limit))
     import colibri
     from colibri.engine.speculate import Speculator
 
