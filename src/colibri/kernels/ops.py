@@ -43,8 +43,10 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise fn, every element through the vectorized body (zero-padded to whole steps, in
     single-threaded pieces), so the result of an element never depends on the tensor around it."""
     n = x.numel()
-    if n % _VEC == 0 and n <= _GRAIN and x.is_contiguous():
-        return fn(x)
+    if n <= _GRAIN:  # one piece (a norm's T scale factors, a decode step's activations): no loop, no threads
+        if n % _VEC == 0 and x.is_contiguous():
+            return fn(x)
+        return fn(F.pad(x.reshape(-1), (0, -n % _VEC)))[:n].view(x.shape)
     if fn in _NATIVE and kernels.native():  # (any size: the native op pads it as _pointwise_pieces does)
         return kernels.library().pointwise(x.contiguous().view(-1), _NATIVE[fn], _GRAIN).view(x.shape)
     return _pointwise_pieces(fn, x)

@@ -25,9 +25,7 @@ at::Tensor pointwise(const at::Tensor& x_in, c10::string_view fn, int64_t piece)
   TORCH_CHECK(kind >= 0, "pointwise: ", name, " is not one of silu, sigmoid, rsqrt, gelu");
   at::Tensor out = at::empty_like(x);
   const int64_t n = x.numel();
-  const at::ThreadLocalState state;  // the caller's (inference mode): torch's pool threads do not inherit it
-  at::parallel_for(0, (n + piece - 1) / piece, 1, [&](int64_t b, int64_t e) {
-    const at::ThreadLocalStateGuard guard(state);
+  auto run = [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t lo = i * piece, hi = std::min(n, lo + piece);
       const at::Tensor xs = x.slice(0, lo, hi);
@@ -39,7 +37,17 @@ at::Tensor pointwise(const at::Tensor& x_in, c10::string_view fn, int64_t piece)
         default: at::gelu_out(os, xs); break;
       }
     }
-  });
+  };
+  const int64_t pieces = (n + piece - 1) / piece;
+  if (pieces == 1) {  // inline: a parallel region's fork and join cost more than one piece's work
+    run(0, 1);
+  } else {
+    const at::ThreadLocalState state;  // the caller's (inference mode): torch's pool threads do not inherit it
+    at::parallel_for(0, pieces, 1, [&](int64_t b, int64_t e) {
+      const at::ThreadLocalStateGuard guard(state);
+      run(b, e);
+    });
+  }
   return n_in == n ? out : out.slice(0, 0, n_in);
 }
 
