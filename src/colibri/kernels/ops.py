@@ -63,6 +63,30 @@ def _pointwise_pieces(fn, x: torch.Tensor) -> torch.Tensor:
     return out[:n].view(x.shape)
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim in f32 (x [..., D], w [D]). Llama casts back before scaling by w; gemma scales by
+    (1 + w) in f32, then casts. Native (kernels/norm.cpp: one call, its sum of squares in a fixed order) where x and
+    w are both f32 or both bf16; torch's ops otherwise."""
+    if kernels.native() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        return kernels.library().rms_norm(x, w, float(eps), bool(gemma))
+    dtype = x.dtype
+    h = x.float()
+    h = h * pointwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + w.float())).to(dtype)
+    return w * h.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout): x [H, T, Dh], cos / sin [T, Dh] in x's dtype -> x * cos + rotate_half(x) *
+    sin, each op rounded to x's dtype. Native (kernels/norm.cpp, the same bits) for f32 and bf16."""
+    if kernels.native() and x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        return kernels.library().rope(x, cos, sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
            scale: float, softcap: float | None) -> torch.Tensor:
     """Causal attention. q: [H, T, Dh] at absolute `positions` [T]; k, v: [Hkv, S, Dh], key j at position j

@@ -21,6 +21,8 @@
   X(iq4_nl_linear, "Tensor x, Tensor blocks")                                                                     \
   X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
+  X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \
+  X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \
   X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \
   X(q8_linear_i8, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                      \
   X(q4k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \

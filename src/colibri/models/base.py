@@ -155,12 +155,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """RMSNorm in f32. Llama casts back before scaling by w; gemma scales by (1 + w) in f32, then casts."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * ops.pointwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
-        return (h * (1.0 + w.float())).to(dtype)
-    return w * h.to(dtype)
+    return ops.rms_norm(x, w, eps, gemma)
 
 
 def inv_frequencies(p: dict[str, Any], head_dim: int) -> torch.Tensor:
@@ -194,9 +189,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [H, T, Dh]; rotate-half convention (HF layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return ops.rope(x, cos, sin)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
