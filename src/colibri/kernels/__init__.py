@@ -253,7 +253,12 @@ def set_int8_activations(on: bool | None) -> None:
 
 
 def _int8_env() -> bool:
-    v = os.environ.get(LOSSY_INT8_ENV, "").strip().lower()
+    return _int8_parse(os.environ.get(LOSSY_INT8_ENV, ""))  # read at every linear: parsed once per value
+
+
+@functools.lru_cache(maxsize=8)
+def _int8_parse(raw: str) -> bool:
+    v = raw.strip().lower()
     if v in ("", "0", "false", "no", "off"):
         return False
     if v in ("1", "true", "yes", "on"):
