@@ -213,6 +213,7 @@ def use(name: str | None) -> None:
             _setting(name, f"kernels.use({name!r})")
         _override, _tier, _ops = name, None, None
         _int8_usable.cache_clear()
+        _int8_env.cache_clear()
 
 
 def native() -> bool:
@@ -250,15 +251,13 @@ def set_int8_activations(on: bool | None) -> None:
     """Turn the LOSSY int8-activation kernels on or off for this process (None: back to COLIBRI_LOSSY_INT8)."""
     global _int8_requested
     _int8_requested = None if on is None else bool(on)
+    _int8_env.cache_clear()
 
 
+@functools.cache
 def _int8_env() -> bool:
-    return _int8_parse(os.environ.get(LOSSY_INT8_ENV, ""))  # read at every linear: parsed once per value
-
-
-@functools.lru_cache(maxsize=8)
-def _int8_parse(raw: str) -> bool:
-    v = raw.strip().lower()
+    """COLIBRI_LOSSY_INT8, read once (every linear asks; `use` and `set_int8_activations` read it again)."""
+    v = os.environ.get(LOSSY_INT8_ENV, "").strip().lower()
     if v in ("", "0", "false", "no", "off"):
         return False
     if v in ("1", "true", "yes", "on"):
