@@ -279,7 +279,8 @@ class _QuantWeight:
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T + b. x: [..., K] float32 / bfloat16 (float16 computes in f32) -> [..., N] in x's dtype."""
         n, k = self.shape
-        x2 = _as_2d(x, k)
+        flat = x.dim() == 2 and x.shape[1] == k and x.is_contiguous()  # a pass's activations: as they are
+        x2 = x if flat else _as_2d(x, k)
         if x2.dtype == torch.bfloat16 or x2.dtype == torch.float32:
             y = self._linear_2d(x2)
         else:
@@ -288,7 +289,7 @@ class _QuantWeight:
             y = y[:, :n].contiguous()
         if b is not None:
             y += b.to(y.dtype)
-        return y.reshape(*x.shape[:-1], n)
+        return y if flat else y.reshape(*x.shape[:-1], n)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kind.name}, shape={self.shape}, group_size={self.group_size})"
