@@ -76,6 +76,13 @@ def main() -> None:
             row["seconds"] = round(time.perf_counter() - t0, 1)
             return row, got
 
+        def against_dense(row: dict, name: str) -> dict:
+            """row plus its perplexity increases and top-1 agreement against the dense run, per text."""
+            for k in ("pydoc", "held_out"):
+                row[f"ppl_{k}_increase_pct"] = round(100 * (row[f"ppl_{k}"] / dense[f"ppl_{k}"] - 1), 2)
+                row[f"top1_agreement_{k}"] = round(float((top[(name, k)] == top[("dense", k)]).float().mean()), 4)
+            return row
+
         top: dict = {}
         rows: dict[str, _Rows] = {}
         dense, ref = run("dense")
@@ -101,10 +108,7 @@ def main() -> None:
                        calib_chunk_sparsity_coactivation=side.info["chunk_sparsity_coactivation_order"],
                        calib_chunk_sparsity_stored=side.info["chunk_sparsity_stored_order"],
                        calib_ppl_dense=side.info["perplexity_dense"], calib_ppl_sparse=side.info["perplexity_sparse"])
-            for k in ("pydoc", "held_out"):
-                row[f"ppl_{k}_increase_pct"] = round(100 * (row[f"ppl_{k}"] / dense[f"ppl_{k}"] - 1), 2)
-                row[f"top1_agreement_{k}"] = round(float((top[(name, k)] == top[("dense", k)]).float().mean()), 4)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(against_dense(row, name)), flush=True)
         for spec in (x for x in a.chunk_drop.split(",") if x):
             c, f = spec.split(":")
             name = f"chunk_drop={spec}"
@@ -114,10 +118,7 @@ def main() -> None:
             finally:
                 m.decoder.ffn_hook = None
             row.update(chunk=int(c), chunks_dropped=float(f), greedy_agreement=round(agreement(ref, got), 4))
-            for k in ("pydoc", "held_out"):
-                row[f"ppl_{k}_increase_pct"] = round(100 * (row[f"ppl_{k}"] / dense[f"ppl_{k}"] - 1), 2)
-                row[f"top1_agreement_{k}"] = round(float((top[(name, k)] == top[("dense", k)]).float().mean()), 4)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(against_dense(row, name)), flush=True)
     # the chunks a pass needs as its rows grow, over the held-out scoring pass
     for name, r in rows.items():
         held = r.chunks[m.args.num_layers:2 * m.args.num_layers]  # [pydoc pass, held-out pass, decode steps...]

@@ -69,6 +69,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) 
     w are both f32 or both bf16; torch's ops otherwise."""
     if kernels.native() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
         return kernels.library().rms_norm(x, w, float(eps), bool(gemma))
+    return _rms_norm_torch(x, w, eps, gemma)
+
+
+def _rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """The fallback: torch's ops, each rounded as HF's RMSNorm rounds it."""
     dtype = x.dtype
     h = x.float()
     h = h * pointwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + eps)
@@ -82,6 +87,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     sin, each op rounded to x's dtype. Native (kernels/norm.cpp, the same bits) for f32 and bf16."""
     if kernels.native() and x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16):
         return kernels.library().rope(x, cos, sin)
+    return _rope_torch(x, cos, sin)
+
+
+def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The fallback: torch's three elementwise ops (HF's form)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
