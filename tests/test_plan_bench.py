@@ -154,6 +154,15 @@ def test_pipeline_model_disk_slower_while_computing(head_s, want):
     assert got["s_per_token"] == pytest.approx(want) and got["io_wait_s"] == pytest.approx(want - head_s)
 
 
+def test_pipeline_model_never_reads_faster_while_computing():
+    """A busy-disk probe above the idle one (the host cache's noise) is taken as the idle rate, so the model never
+    beats its I/O bound: 4 MiB a pass at 1 MiB/s is at least 4 s."""
+    scopes = [predict.PassStep([k], k + 1) for k in range(4)] + [predict.PassStep([], 4, compute_s=1)]
+    fast = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4, busy_bandwidth=1 << 21)
+    same = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 5, 4)
+    assert fast["s_per_token"] == pytest.approx(same["s_per_token"]) and fast["s_per_token"] >= 4
+
+
 def test_plan_without_limit_is_all_resident(containers, capsys):
     path = containers("llama")
     r = plan_json(capsys, "--model", path)
