@@ -1,6 +1,7 @@
-"""attend gives the same bits in every kernel tier this CPU can run (avx512: attention.cpp; avx2 and portable:
-generic/attention.cpp): f32, bf16 and mixed q/k/v, head dims that are multiples of 16, of 8 only, and of neither,
-GQA groups of 1 to 6 (the generic tiers' head groups of up to 4 and their remainders), sliding windows, softcap,
+"""attend gives the same bits in every kernel tier this CPU can run (one source, generic/attention.cpp, over the
+vector traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 lanes in avx2 and portable): f32, bf16 and mixed
+q/k/v, head dims that are multiples of 16, of 8 only, and of neither, GQA groups of 1 to 8 (head groups of up to 8
+in avx512, 4 in the others, and their remainders), sliding windows, softcap,
 scores far enough apart that exp lands below 2^-126, queries that see no key, views with strided rows as the
 engine passes them, and one or two threads."""
 
@@ -36,6 +37,8 @@ CASES = [  # H, Hkv, D, T, S, (q, k, v dtypes), positions, window, scale, softca
     (5, 1, 256, 3, 50, (F32,) * 3, "prefill", 0, 0.0625, 50.0),
     (2, 1, 9, 17, 17, (F32,) * 3, "prefill", 3, 20.0, 0.0),  # scores far apart: exp below 2^-126 and to 0
     (12, 2, 128, 2, 600, (BF16,) * 3, "decode", 0, 128 ** -0.5, 0.0),
+    (16, 2, 64, 20, 60, (BF16,) * 3, "prefill", 0, 0.125, 0.0),  # groups of 8 (avx512) and 4 + 4
+    (14, 2, 48, 9, 40, (F32, BF16, BF16), "prefill", 12, 48 ** -0.5, 20.0),  # 7: 7 and 4 + 3
 ]
 
 

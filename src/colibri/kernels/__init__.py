@@ -4,12 +4,13 @@ Every kernel here gives each output row bit-identical results whatever the numbe
 sequence decodes the same tokens alone, in a batch, after a chunked prefill or while speculating.
 
 Tiers (TIERS), best first; a process uses one (`tier()`):
-  avx512    linear.cpp attention.cpp int8.cpp kquant.cpp pointwise.cpp norm.cpp (shared pieces in tiles.h), for
-            CPUs with AVX-512 F/BW/VL/DQ/BF16/VBMI
-  avx2      generic/*.cpp, pointwise.cpp and norm.cpp compiled for AVX2 + FMA + F16C
+  avx512    linear.cpp int8.cpp kquant.cpp (shared pieces in tiles.h), for CPUs with AVX-512 F/BW/VL/DQ/BF16/VBMI
+  avx2      generic/*.cpp compiled for AVX2 + FMA + F16C
   portable  the same sources for the compiler's baseline ISA (x86-64, or whatever it targets elsewhere: aarch64):
             any CPU
   torch     no library: torch's own kernels on fixed-size row blocks (`blocked`)
+Every native tier also compiles the sources written once for all of them: generic/attention.cpp (over the vector
+traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp and norm.cpp.
 Each native tier is one shared library compiled with torch.utils.cpp_extension at first use, registering the same
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
 side in one process (tests compare them). They run on torch's own thread pool (at::parallel_for). Why a JIT build:
@@ -57,12 +58,12 @@ _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
                     "pointwise.cpp", "norm.cpp", "registry.cpp")
-_GENERIC_HEADERS = ("generic/simd.h", "generic/tiles.h", "generic/int8_decode.h", "generic/gguf_blocks.h", "args.h",
+_GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/tiles.h", "generic/int8_decode.h", "generic/gguf_blocks.h", "args.h",
                     "library.h", "stream.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
-    Tier("avx512", "colibri_avx512", ("linear.cpp", "attention.cpp", "int8.cpp", "kquant.cpp",
+    Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
                                      "pointwise.cpp", "norm.cpp", "registry.cpp"),
-         ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/int8_decode.h",
+         ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/lanes.h", "generic/int8_decode.h",
           "generic/gguf_blocks.h"),
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c"),
