@@ -452,49 +452,53 @@ inline std::vector<float> lay_out_x(const at::Tensor& x) {
   return out;
 }
 
-// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn laid-out columns (multiples of 32).
+// acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn laid-out columns (multiples of 32). The two
+// halves of the 16 lanes are independent accumulations (lanes 0-7, 8-15: elements 0-15 and 16-31 of each 32-element
+// step for bf16, of each 16-element step for f32), so each runs over all kn on its own, and a bf16 step's odd
+// products go before its even ones for every accumulator at once: R x C accumulators, C weight vectors and R x
+// vectors live at a time (3 x 3: 15 of AVX2's 16 registers, two loads per three fmas; both halves and both parities
+// at once held only a 2 x 2 block, a load per fma: T = 256 ran at 52 % of AVX2's fma peak, now 60-75 %).
 template <bool BF, int R, int C>
 inline void dot_tile(const float* x, const float* w, int64_t ld, int64_t kn, f16* acc) {
-  f16 a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = acc[r * C + c];
-  for (int64_t k0 = 0; k0 < kn; k0 += kStep) {
-    if constexpr (BF) {  // lanes 0-7: pairs of elements 0-15; lanes 8-15: of 16-31 (one half at a time: the
-                         // accumulators, 2C weights and 2 x vectors fit AVX2's 16 registers)
-      for (int h = 0; h < 2; ++h) {
-        f8 we[C], wo[C];
-        for (int c = 0; c < C; ++c) we[c] = simd::load(w + c * ld + k0 + 16 * h), wo[c] = simd::load(w + c * ld + k0 + 16 * h + 8);
-        for (int r = 0; r < R; ++r) {
-          const f8 xe = simd::load(x + r * ld + k0 + 16 * h), xo = simd::load(x + r * ld + k0 + 16 * h + 8);
-          for (int c = 0; c < C; ++c) {
-            f8& v = h ? a[r][c].hi : a[r][c].lo;
-            v = simd::madd_exact(we[c], xe, simd::madd_exact(wo[c], xo, v));
-          }
+  for (int h = 0; h < 2; ++h) {
+    f8 a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = h ? acc[r * C + c].hi : acc[r * C + c].lo;
+    for (int64_t k0 = 0; k0 < kn; k0 += kStep) {
+      if constexpr (BF) {  // [even][odd] of this half's 16 elements
+        const int64_t o = k0 + 16 * h;
+        for (int p = 8; p >= 0; p -= 8) {  // the odd elements' products first, then the even ones'
+          f8 wv[C], xv[R];
+          for (int c = 0; c < C; ++c) wv[c] = simd::load(w + c * ld + o + p);
+          for (int r = 0; r < R; ++r) xv[r] = simd::load(x + r * ld + o + p);
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) a[r][c] = simd::madd_exact(wv[c], xv[r], a[r][c]);
         }
-      }
-    } else {  // two steps of 16: lane i holds element i
-      for (int64_t h = 0; h < kStep; h += 16) {
-        f8 wl[C], wh[C];
-        for (int c = 0; c < C; ++c) wl[c] = simd::load(w + c * ld + k0 + h), wh[c] = simd::load(w + c * ld + k0 + h + 8);
-        for (int r = 0; r < R; ++r) {
-          const f8 xl = simd::load(x + r * ld + k0 + h), xh = simd::load(x + r * ld + k0 + h + 8);
-          for (int c = 0; c < C; ++c) {
-            a[r][c].lo = simd::fma(xl, wl[c], a[r][c].lo);
-            a[r][c].hi = simd::fma(xh, wh[c], a[r][c].hi);
+      } else {  // two steps of 16: lane i holds element i; this half's lanes are elements 8h .. 8h + 7 of each
+        for (int64_t s = 0; s < kStep; s += 16) {
+          const int64_t o = k0 + s + 8 * h;
+          f8 wv[C];
+          for (int c = 0; c < C; ++c) wv[c] = simd::load(w + c * ld + o);
+          for (int r = 0; r < R; ++r) {
+            const f8 xv = simd::load(x + r * ld + o);
+            for (int c = 0; c < C; ++c) a[r][c] = simd::fma(xv, wv[c], a[r][c]);
           }
         }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) (h ? acc[r * C + c].hi : acc[r * C + c].lo) = a[r][c];
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r * C + c] = a[r][c];
 }
 
-constexpr int kDotRows = 2, kDotCols = 2;  // register block: 2 x 2 x 16 lanes (8 AVX2 registers)
+// dot_tile's register block: 3 x 3 fits AVX2's sixteen 8-lane registers and aarch64's thirty-two 4-lane ones (an
+// f8 is two); with SSE's sixteen 4-lane ones (the x86-64 baseline) it spills, and still ran bf16 passes within
+// 10 % of the old 2 x 2 block of both halves (a 2 x 2 block per half: 20-40 % slower, its chains too few).
+constexpr int kDotRows = 3, kDotCols = 3;
 
 // y[r][j] for the rows of x (laid out, [T][kp]) and the weight rows of w (laid out, [cols][kp]): row blocks of
-// kDotRows walk K in chunks over every column pair, their partials kept between chunks (the same accumulation
-// as one pass), then reduce16. A row's arithmetic depends on K alone.
+// kDotRows walk K in chunks over every block of kDotCols weight rows, their partials kept between chunks (the same
+// accumulation as one pass), then reduce16. A row's arithmetic depends on K alone.
 template <bool BF>
 void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t kp, float* y, int64_t ldy) {
   std::vector<f16> acc(kDotRows * (cols + kDotCols));
@@ -504,14 +508,20 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
     for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) {
       const int64_t kn = std::min(kKChunk, kp - k0);
       for (int64_t j = 0; j < cols; j += kDotCols) {
-        const bool two = cols - j >= 2;
         f16* a = acc.data() + j * kDotRows;
         const float* xr = x + r0 * kp + k0;
         const float* wr = w + j * kp + k0;
-        if (rr == 2 && two) dot_tile<BF, 2, 2>(xr, wr, kp, kn, a);
-        else if (rr == 2) dot_tile<BF, 2, 1>(xr, wr, kp, kn, a);
-        else if (two) dot_tile<BF, 1, 2>(xr, wr, kp, kn, a);
-        else dot_tile<BF, 1, 1>(xr, wr, kp, kn, a);
+        auto run = [&](auto C) {
+          constexpr int c = decltype(C)::value;
+          switch (rr) {
+            case 1: dot_tile<BF, 1, c>(xr, wr, kp, kn, a); break;
+            case 2: dot_tile<BF, 2, c>(xr, wr, kp, kn, a); break;
+            default: dot_tile<BF, kDotRows, c>(xr, wr, kp, kn, a); break;
+          }
+        };
+        if (cols - j >= 3) run(std::integral_constant<int, 3>{});
+        else if (cols - j == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
       }
     }
     for (int64_t j = 0; j < cols; j += kDotCols) {
