@@ -501,39 +501,58 @@ inline void dot_tile(const float* x, const float* w, int64_t ld, int64_t kn, f16
 // 10 % of the old 2 x 2 block of both halves (a 2 x 2 block per half: 20-40 % slower, its chains too few).
 constexpr int kDotRows = 3, kDotCols = 3;
 
-// y[r][j] for the rows of x (laid out, [T][kp]) and the weight rows of w (laid out, [cols][kp]): row blocks of
-// kDotRows walk K in chunks over every block of kDotCols weight rows, their partials kept between chunks (the same
-// accumulation as one pass), then reduce16. A row's arithmetic depends on K alone.
+// y[r][j] for the rows of x (laid out, [T][kp]) and the weight rows of w (laid out, [cols][kp]): every row block
+// of kDotRows walks K in chunks over every block of kDotCols weight rows, the lane partials kept between chunks
+// (the same accumulation as one pass), then reduce16. A row's arithmetic depends on K alone. Two orders, the same
+// arithmetic: row blocks outermost, the partials of one block in L1, where the weight rows fit L2 whole; at a long
+// K (chunk_outer) the chunks outermost, so that one chunk of the weights (cols x kKChunk f32) stays in L2 while
+// every x row passes over it, and the partials of all T x cols outputs wait in acc between chunks.
 template <bool BF>
-void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t kp, float* y, int64_t ldy) {
-  std::vector<f16> acc(kDotRows * (cols + kDotCols));
-  for (int64_t r0 = 0; r0 < t; r0 += kDotRows) {
+void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t kp, float* y, int64_t ldy,
+              bool chunk_outer, std::vector<f16>& acc) {
+  const int64_t lda = kDotRows * (cols + kDotCols), blocks = (t + kDotRows - 1) / kDotRows;  // f16 per row block
+  auto chunk = [&](int64_t rb, int64_t k0, f16* part) {  // row block rb over K chunk k0
+    const int64_t r0 = rb * kDotRows, kn = std::min(kKChunk, kp - k0);
     const int rr = std::min<int64_t>(kDotRows, t - r0);
-    std::fill(acc.begin(), acc.end(), f16{simd::zero(), simd::zero()});
-    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) {
-      const int64_t kn = std::min(kKChunk, kp - k0);
-      for (int64_t j = 0; j < cols; j += kDotCols) {
-        f16* a = acc.data() + j * kDotRows;
-        const float* xr = x + r0 * kp + k0;
-        const float* wr = w + j * kp + k0;
-        auto run = [&](auto C) {
-          constexpr int c = decltype(C)::value;
-          switch (rr) {
-            case 1: dot_tile<BF, 1, c>(xr, wr, kp, kn, a); break;
-            case 2: dot_tile<BF, 2, c>(xr, wr, kp, kn, a); break;
-            default: dot_tile<BF, kDotRows, c>(xr, wr, kp, kn, a); break;
-          }
-        };
-        if (cols - j >= 3) run(std::integral_constant<int, 3>{});
-        else if (cols - j == 2) run(std::integral_constant<int, 2>{});
-        else run(std::integral_constant<int, 1>{});
-      }
+    for (int64_t j = 0; j < cols; j += kDotCols) {
+      f16* a = part + j * kDotRows;
+      const float* xr = x + r0 * kp + k0;
+      const float* wr = w + j * kp + k0;
+      auto run = [&](auto C) {
+        constexpr int c = decltype(C)::value;
+        switch (rr) {
+          case 1: dot_tile<BF, 1, c>(xr, wr, kp, kn, a); break;
+          case 2: dot_tile<BF, 2, c>(xr, wr, kp, kn, a); break;
+          default: dot_tile<BF, kDotRows, c>(xr, wr, kp, kn, a); break;
+        }
+      };
+      if (cols - j >= 3) run(std::integral_constant<int, 3>{});
+      else if (cols - j == 2) run(std::integral_constant<int, 2>{});
+      else run(std::integral_constant<int, 1>{});
     }
+  };
+  auto reduce = [&](int64_t rb, const f16* part) {
+    const int64_t r0 = rb * kDotRows;
+    const int rr = std::min<int64_t>(kDotRows, t - r0);
     for (int64_t j = 0; j < cols; j += kDotCols) {
       const int64_t c = std::min<int64_t>(kDotCols, cols - j);
       for (int r = 0; r < rr; ++r)
-        for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = simd::reduce16(acc[j * kDotRows + r * c + i]);
+        for (int64_t i = 0; i < c; ++i) y[(r0 + r) * ldy + j + i] = simd::reduce16(part[j * kDotRows + r * c + i]);
     }
+  };
+  const f16 zero{simd::zero(), simd::zero()};
+  if (chunk_outer) {
+    acc.assign(blocks * lda, zero);
+    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk)
+      for (int64_t rb = 0; rb < blocks; ++rb) chunk(rb, k0, acc.data() + rb * lda);
+    for (int64_t rb = 0; rb < blocks; ++rb) reduce(rb, acc.data() + rb * lda);
+    return;
+  }
+  acc.resize(lda);
+  for (int64_t rb = 0; rb < blocks; ++rb) {
+    std::fill(acc.begin(), acc.end(), zero);
+    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) chunk(rb, k0, acc.data());
+    reduce(rb, acc.data());
   }
 }
 
@@ -587,15 +606,21 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
   const std::vector<float> xl = lay_out_x(x);
-  // weight rows per task: their laid-out f32 block stays within 256 KiB (L2) while every x row passes over it
-  const int64_t nb = std::max<int64_t>(2, std::min<int64_t>(64, (64 << 10) / kp / 2 * 2));
+  constexpr bool has_pairs = !std::is_same_v<std::decay_t<Pairs>, NoPairs>;
+  const bool direct = has_pairs && bf && t <= kDirectRows && k % kStep == 0;
+  // weight rows per task: their f32 rows within 256 KiB (L2) while every x row passes over them; where that is
+  // under 16 rows (K > 4096) in a pass of more than a few rows, 63 with dot_rows' chunk_outer order, which keeps a
+  // K chunk of them (252 KiB) in L2 instead (x was read again for every few rows: 1536 x 8960 at T = 512 ran at
+  // 40 % of 8960 x 1536's rate)
+  const int64_t fit = (64 << 10) / kp;
+  const bool chunk_outer = fit < 16 && t > kDirectRows;
+  const int64_t nb = chunk_outer ? 63 : std::max<int64_t>(2, std::min<int64_t>(64, fit / 2 * 2));
   at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
     // not value-initialized: every element is written before it is read (fresh zeroed pages of a few hundred
     // KiB per call cost as much as a decode row's arithmetic)
-    constexpr bool has_pairs = !std::is_same_v<std::decay_t<Pairs>, NoPairs>;
-    const bool direct = has_pairs && bf && t <= kDirectRows && k % kStep == 0;
     std::unique_ptr<float[]> acc(new float[t * nb]), raw(direct ? nullptr : new float[nb * k]),
         wl(new float[(direct ? 2 : nb) * kp]);
+    std::vector<f16> partials;  // dot_rows' lane partials
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       if constexpr (has_pairs) {
@@ -614,8 +639,8 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
       }
       fill(n0, cols, bf, raw.get());
       for (int64_t j = 0; j < cols; ++j) lay_out(raw.get() + j * k, k, bf, wl.get() + j * kp);
-      if (bf) dot_rows<true>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb);
-      else dot_rows<false>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb);
+      if (bf) dot_rows<true>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb, chunk_outer, partials);
+      else dot_rows<false>(xl.data(), t, wl.get(), cols, kp, acc.get(), nb, chunk_outer, partials);
       post(n0, cols, acc.get(), nb);
       store_rows(acc.get(), nb, t, cols, y, n0);
     }
