@@ -1,0 +1,119 @@
+"""Two builds of one kernel tier side by side: the same ops on the same inputs through each library, per-call time,
+and whether their outputs are bit-identical (an A/B across commits of a kernel change).
+
+    python benchmarks/tier_ab.py --tier avx2 OLD.so NEW.so [--rounds 3] [--threads 1] [--ops attend q8k q4k dense]
+
+OLD.so / NEW.so: a tier's library from the kernel cache (`colibri kernels` prints where; a worktree of the old
+commit with PYTHONPATH=<worktree>/src builds its own). Both register the same op namespace, so each runs in a
+process of its own; the processes alternate --rounds times and the best time per case is kept (a shared host's
+rates move between runs). Shapes are Qwen2.5-1.5B's: attention (12 heads, 2 KV heads, Dh 128) at decode and
+prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x.
+Output: one line per case, ms old / new and their ratio, then whether every output matched bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+OPS = ("attend", "dense", "q8k", "q4k")
+
+
+def cases(ops):
+    """(name, inputs builder, call) for every case; inputs from fixed seeds, so both processes see the same."""
+    import torch
+
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    out = []
+    if "attend" in ops:
+        for t, s in ((1, 512), (1, 4096), (4, 4096), (256, 512)):
+            def make(t=t, s=s):
+                g = gen(t * 7 + s)
+                q = torch.randn(12, t, 128, generator=g).bfloat16()
+                k = torch.randn(2, s, 128, generator=g).bfloat16()
+                v = torch.randn(2, s, 128, generator=g).bfloat16()
+                return q, k, v, torch.arange(s - t, s)
+            out.append((f"attend T={t} S={s}", make, lambda o, a: o.attend(*a, 0, 128 ** -0.5, 0.0)))
+    for n, k in ((1536, 8960), (8960, 1536)):
+        for t in (1, 4, 16, 64, 256):
+            if "dense" in ops:
+                def make(n=n, k=k, t=t):
+                    g = gen(n + k + t)
+                    return torch.randn(t, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+                out.append((f"dense {n}x{k} T={t}", make, lambda o, a: o.dense_linear(*a)))
+            if "q8k" in ops:
+                def make(n=n, k=k, t=t):
+                    g = gen(n + k + t + 1)
+                    return (torch.randn(t, k, generator=g).bfloat16(),
+                            torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8),
+                            torch.randint(-60, 60, (n, k // 16), generator=g, dtype=torch.int8),
+                            (torch.rand(n, k // 256, generator=g) * 1e-3).half())
+                out.append((f"q8k {n}x{k} T={t}", make, lambda o, a: o.q8k_linear(*a)))
+            if "q4k" in ops:
+                def make(n=n, k=k, t=t):
+                    g = gen(n + k + t + 2)
+                    return (torch.randn(t, k, generator=g).bfloat16(),
+                            torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+                            torch.randint(0, 256, (k // 32, n // 16, 24), generator=g, dtype=torch.uint8),
+                            (torch.rand(k // 256, n, 2, generator=g) * 1e-3).half())
+                out.append((f"q4k {n}x{k} T={t}", make, lambda o, a: o.q4k_linear(*a)))
+    return out
+
+
+def one(lib: str, tier: str, threads: int, ops) -> None:
+    """Child: every case through one library; a JSON line per case (best ms of 5, sha256 of the output)."""
+    import torch
+    torch.ops.load_library(lib)
+    torch.set_num_threads(threads)
+    o = getattr(torch.ops, f"colibri_{tier}")
+    for name, make, call in cases(ops):
+        a = make()
+        y = call(o, a)
+        reps = 64 if "T=1 " in name + " " else 8
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call(o, a)
+            best = min(best, (time.perf_counter() - t0) / reps)
+        digest = hashlib.sha256(y.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        print(json.dumps({"case": name, "ms": best * 1e3, "sha": digest}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--tier", required=True, choices=["avx512", "avx2", "portable"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        return one(a.one, a.tier, a.threads, a.ops)
+    best: dict[str, dict[str, float]] = {"old": {}, "new": {}}
+    sha: dict[str, dict[str, str]] = {"old": {}, "new": {}}
+    for _ in range(a.rounds):
+        for side, lib in (("old", a.old), ("new", a.new)):
+            cmd = [sys.executable, __file__, a.old, a.new, "--tier", a.tier, "--threads", str(a.threads),
+                   "--ops", *a.ops, "--one", lib]
+            for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines():
+                r = json.loads(line)
+                best[side][r["case"]] = min(best[side].get(r["case"], float("inf")), r["ms"])
+                sha[side][r["case"]] = r["sha"]
+    for case, old in best["old"].items():
+        new = best["new"][case]
+        print(f"{case:28s} {old:9.3f} ms {new:9.3f} ms  new/old {new / old:5.2f}")
+    same = [c for c in sha["old"] if sha["old"][c] == sha["new"][c]]
+    print(f"bit-identical outputs: {len(same)} of {len(sha['old'])} cases")
+
+
+if __name__ == "__main__":
+    main()
