@@ -24,7 +24,8 @@ OPS = ("attend", "dense", "q8k", "q4k")
 
 
 def cases(ops):
-    """(name, inputs builder, call) for every case; inputs from fixed seeds, so both processes see the same."""
+    """(name, rows T, inputs builder, call) for every case; inputs from fixed seeds, so both processes see the
+    same."""
     import torch
 
     def gen(seed):
@@ -39,14 +40,14 @@ def cases(ops):
                 k = torch.randn(2, s, 128, generator=g).bfloat16()
                 v = torch.randn(2, s, 128, generator=g).bfloat16()
                 return q, k, v, torch.arange(s - t, s)
-            out.append((f"attend T={t} S={s}", make, lambda o, a: o.attend(*a, 0, 128 ** -0.5, 0.0)))
+            out.append((f"attend T={t} S={s}", t, make, lambda o, a: o.attend(*a, 0, 128 ** -0.5, 0.0)))
     for n, k in ((1536, 8960), (8960, 1536)):
         for t in (1, 4, 16, 64, 256):
             if "dense" in ops:
                 def make(n=n, k=k, t=t):
                     g = gen(n + k + t)
                     return torch.randn(t, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.02).bfloat16()
-                out.append((f"dense {n}x{k} T={t}", make, lambda o, a: o.dense_linear(*a)))
+                out.append((f"dense {n}x{k} T={t}", t, make, lambda o, a: o.dense_linear(*a)))
             if "q8k" in ops:
                 def make(n=n, k=k, t=t):
                     g = gen(n + k + t + 1)
@@ -54,7 +55,7 @@ def cases(ops):
                             torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8),
                             torch.randint(-60, 60, (n, k // 16), generator=g, dtype=torch.int8),
                             (torch.rand(n, k // 256, generator=g) * 1e-3).half())
-                out.append((f"q8k {n}x{k} T={t}", make, lambda o, a: o.q8k_linear(*a)))
+                out.append((f"q8k {n}x{k} T={t}", t, make, lambda o, a: o.q8k_linear(*a)))
             if "q4k" in ops:
                 def make(n=n, k=k, t=t):
                     g = gen(n + k + t + 2)
@@ -62,7 +63,7 @@ def cases(ops):
                             torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
                             torch.randint(0, 256, (k // 32, n // 16, 24), generator=g, dtype=torch.uint8),
                             (torch.rand(k // 256, n, 2, generator=g) * 1e-3).half())
-                out.append((f"q4k {n}x{k} T={t}", make, lambda o, a: o.q4k_linear(*a)))
+                out.append((f"q4k {n}x{k} T={t}", t, make, lambda o, a: o.q4k_linear(*a)))
     return out
 
 
@@ -72,10 +73,10 @@ def one(lib: str, tier: str, threads: int, ops) -> None:
     torch.ops.load_library(lib)
     torch.set_num_threads(threads)
     o = getattr(torch.ops, f"colibri_{tier}")
-    for name, make, call in cases(ops):
+    for name, rows, make, call in cases(ops):
         a = make()
         y = call(o, a)
-        reps = 64 if "T=1 " in name + " " else 8
+        reps = 64 if rows == 1 else 8  # a decode call is short: more of them per timing
         best = float("inf")
         for _ in range(5):
             t0 = time.perf_counter()

@@ -58,8 +58,8 @@ _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
                     "pointwise.cpp", "norm.cpp", "registry.cpp")
-_GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/tiles.h", "generic/int8_decode.h", "generic/gguf_blocks.h", "args.h",
-                    "library.h", "stream.h")
+_GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/tiles.h", "generic/int8_decode.h",
+                    "generic/gguf_blocks.h", "args.h", "library.h", "stream.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
                                      "pointwise.cpp", "norm.cpp", "registry.cpp"),

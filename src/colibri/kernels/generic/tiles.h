@@ -506,10 +506,10 @@ constexpr int kDotRows = 3, kDotCols = 3;
 // (the same accumulation as one pass), then reduce16. A row's arithmetic depends on K alone. Two orders, the same
 // arithmetic: row blocks outermost, the partials of one block in L1, where the weight rows fit L2 whole; at a long
 // K (chunk_outer) the chunks outermost, so that one chunk of the weights (cols x kKChunk f32) stays in L2 while
-// every x row passes over it, and the partials of all T x cols outputs wait in acc between chunks.
+// every x row passes over it, and the partials of all T x cols outputs wait in `partials` between chunks.
 template <bool BF>
 void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t kp, float* y, int64_t ldy,
-              bool chunk_outer, std::vector<f16>& acc) {
+              bool chunk_outer, std::vector<f16>& partials) {
   const int64_t lda = kDotRows * (cols + kDotCols), blocks = (t + kDotRows - 1) / kDotRows;  // f16 per row block
   auto chunk = [&](int64_t rb, int64_t k0, f16* part) {  // row block rb over K chunk k0
     const int64_t r0 = rb * kDotRows, kn = std::min(kKChunk, kp - k0);
@@ -526,7 +526,7 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
           default: dot_tile<BF, kDotRows, c>(xr, wr, kp, kn, a); break;
         }
       };
-      if (cols - j >= 3) run(std::integral_constant<int, 3>{});
+      if (cols - j >= kDotCols) run(std::integral_constant<int, kDotCols>{});
       else if (cols - j == 2) run(std::integral_constant<int, 2>{});
       else run(std::integral_constant<int, 1>{});
     }
@@ -542,17 +542,17 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
   };
   const f16 zero{simd::zero(), simd::zero()};
   if (chunk_outer) {
-    acc.assign(blocks * lda, zero);
+    partials.assign(blocks * lda, zero);
     for (int64_t k0 = 0; k0 < kp; k0 += kKChunk)
-      for (int64_t rb = 0; rb < blocks; ++rb) chunk(rb, k0, acc.data() + rb * lda);
-    for (int64_t rb = 0; rb < blocks; ++rb) reduce(rb, acc.data() + rb * lda);
+      for (int64_t rb = 0; rb < blocks; ++rb) chunk(rb, k0, partials.data() + rb * lda);
+    for (int64_t rb = 0; rb < blocks; ++rb) reduce(rb, partials.data() + rb * lda);
     return;
   }
-  acc.resize(lda);
+  partials.resize(lda);
   for (int64_t rb = 0; rb < blocks; ++rb) {
-    std::fill(acc.begin(), acc.end(), zero);
-    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) chunk(rb, k0, acc.data());
-    reduce(rb, acc.data());
+    std::fill(partials.begin(), partials.end(), zero);
+    for (int64_t k0 = 0; k0 < kp; k0 += kKChunk) chunk(rb, k0, partials.data());
+    reduce(rb, partials.data());
   }
 }
 
