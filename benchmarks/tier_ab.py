@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -99,13 +100,20 @@ def main() -> None:
     a = ap.parse_args()
     if a.one:
         return one(a.one, a.tier, a.threads, a.ops)
+    for lib in (a.old, a.new):
+        if not os.path.isfile(lib):
+            sys.exit(f"tier_ab: {lib} is not a file: give two libraries of one tier ('colibri kernels' lists them)")
     best: dict[str, dict[str, float]] = {"old": {}, "new": {}}
     sha: dict[str, dict[str, str]] = {"old": {}, "new": {}}
     for _ in range(a.rounds):
         for side, lib in (("old", a.old), ("new", a.new)):
             cmd = [sys.executable, __file__, a.old, a.new, "--tier", a.tier, "--threads", str(a.threads),
                    "--ops", *a.ops, "--one", lib]
-            for line in subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines():
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode:
+                last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+                sys.exit(f"tier_ab: {lib} failed: {last[:300]}")
+            for line in run.stdout.splitlines():
                 r = json.loads(line)
                 best[side][r["case"]] = min(best[side].get(r["case"], float("inf")), r["ms"])
                 sha[side][r["case"]] = r["sha"]
