@@ -62,17 +62,20 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
   auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * B::kBlockBytes; };
   // per row: d * sc [K/16], then (kMins) dmin * m [K/16]
   const int64_t ls = k / 16 * (B::kMins ? 2 : 1);
-  auto row_scales = [&](int64_t j, float* s) {
-    int8_t sc[16];
+  auto row_scales = [&](int64_t j, float* s) {  // (in vectors: a decode row of K = 1536 has only 6 blocks)
+    alignas(16) int8_t sc[16];
+    auto scaled = [&](float d, float* out) {
+      const f8 dv = simd::set1(d);
+      simd::store(out, dv * simd::to_f(simd::s8x8(sc)));
+      simd::store(out + 8, dv * simd::to_f(simd::s8x8(sc + 8)));
+    };
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = block(j, b);
       B::scales16(bp, sc);
-      const float d = simd::f16_to_f32(B::d_bits(bp));
-      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[i]);
+      scaled(simd::f16_to_f32(B::d_bits(bp)), s + 16 * b);
       if constexpr (B::kMins) {
         B::mins16(bp, sc);
-        const float dmin = simd::f16_to_f32(B::dmin_bits(bp));
-        for (int64_t i = 0; i < 16; ++i) s[k / 16 + 16 * b + i] = dmin * static_cast<float>(sc[i]);
+        scaled(simd::f16_to_f32(B::dmin_bits(bp)), s + k / 16 + 16 * b);
       }
     }
   };
@@ -93,16 +96,22 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
     }
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
     // the row's scratch: its scales (ls floats), then the codes of the half block k0 is in, decoded at its start
+    // and put in the pair-split order
     int8_t* c = reinterpret_cast<int8_t*>(s + ls);
     if (k0 == 0) row_scales(j, s);
     if (k0 % 128 == 0) {
       const uint8_t* bp = block(j, k0 / 256);
-      prefetch_ahead(bp);
+      // every line of the stream ahead: a half block's share of the row (B::kBlockBytes / 2 <= 128 bytes) in two
+      const uint8_t* half = bp + k0 % 256 / 128 * (B::kBlockBytes / 2);
+      prefetch_ahead(half);
+      prefetch_ahead(half + 64);
       B::codes128(bp, k0 % 256 / 128, c);
+      simd::split_codes(c, 128);
     }
     const int8_t* q = c + k0 % 128;
     for (int h = 0; h < 2; ++h)
-      (h ? hi : lo) = scaled_pairs<B::kMins>(q + 16 * h, s[k0 / 16 + h], B::kMins ? s[k / 16 + k0 / 16 + h] : 0.f);
+      (h ? hi : lo) = scaled_pairs<B::kMins>(simd::split_code_pairs(q + 16 * h), s[k0 / 16 + h],
+                                             B::kMins ? s[k / 16 + k0 / 16 + h] : 0.f);
   });
 }
 

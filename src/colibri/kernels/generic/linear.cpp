@@ -146,7 +146,7 @@ at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, const char*
     alignas(32) int8_t q[32];
     B::codes32(bp, q);
     const float d = simd::f16_to_f32(B::d_bits(bp)), z = offset(bp);
-    for (int h = 0; h < 2; ++h) (h ? hi : lo) = scaled_pairs<B::kMins>(q + 16 * h, d, z);
+    for (int h = 0; h < 2; ++h) (h ? hi : lo) = scaled_pairs<B::kMins>(simd::code_pairs(q + 16 * h), d, z);
   });
 }
 

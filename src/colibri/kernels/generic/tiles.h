@@ -676,11 +676,10 @@ inline void q8_min_values(const int8_t* q, int64_t n, float s, float z, bool bf,
   }
 }
 
-// The pairs of 16 codes at q times s (Mins: minus z), rounded to bf16 values: q8_values' / q8_min_values' values
-// for bf16 x, in code_pairs' lanes (the decode form's source of the int8-valued block kinds).
+// The pairs of 16 codes v (code_pairs' or split_code_pairs' lanes) times s (Mins: minus z), rounded to bf16 values:
+// q8_values' / q8_min_values' values for bf16 x (the decode form's source of the int8-valued block kinds).
 template <bool Mins>
-inline Pair scaled_pairs(const int8_t* q, float s, float z) {
-  const Pair v = simd::code_pairs(q);
+inline Pair scaled_pairs(const Pair& v, float s, float z) {
   const f8 sv = simd::set1(s);
   if constexpr (Mins) {
     const f8 zv = simd::set1(z);
