@@ -141,25 +141,26 @@ struct BlockRows {
   const float* s;
   int64_t k, ls;
   mutable int8_t cache[kDotCols][128];
+  // (k0 >= 0 and a multiple of 32: shifts and masks instead of signed divisions, whose sign fix-ups and the
+  // multiplies by K / 256 were most of a decode step's scalar work)
+  const uint8_t* block(int64_t j, int64_t k0) const { return blocks + (j * (k >> 8) + (k0 >> 8)) * B::kBlockBytes; }
   const int8_t* codes(int64_t j, int64_t k0) const {
     int8_t* c = cache[j & (kDotCols - 1)];  // j >= 0; kDotCols a power of two
-    if ((k0 & 127) == 0) B::codes128(blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes, k0 % 256 / 128, c);
+    if ((k0 & 127) == 0) B::codes128(block(j, k0), (k0 >> 7) & 1, c);
     return c + (k0 & 127);
   }
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
     const int8_t* c = codes(j, k0);
-    const float* sj = s + j * ls + k0 / 16;
+    const float* sj = s + j * ls + (k0 >> 4);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
     if constexpr (B::kMins) return scaled_min_bf16(q, sj[0], sj[1], sj[k / 16], sj[k / 16 + 1]);
     return scaled_bf16(q, sj[0], sj[1]);
   }
   // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's bytes
-  const void* at(int64_t j, int64_t k0) const {
-    return blocks + (j * (k / 256) + k0 / 256) * B::kBlockBytes + (k0 % 256) * B::kBlockBytes / 256;
-  }
+  const void* at(int64_t j, int64_t k0) const { return block(j, k0) + (k0 & 255) * B::kBlockBytes / 256; }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(j, k0)));
-    const float* sj = s + j * ls + k0 / 16;
+    const float* sj = s + j * ls + (k0 >> 4);
     if constexpr (B::kMins) return scaled_min_f32(q, sj[0], sj[k / 16]);
     return scaled_f32(q, sj[0]);
   }
