@@ -61,6 +61,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
     }
     widen_bf16(wb + n0 * k, cols * k, out);
   }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {
+    prefetch_ahead(wb + j * k + k0);  // the step's line a row's stream ahead (rows are consecutive)
     lo = simd::bf16_pairs(wb + j * k + k0);
     hi = simd::bf16_pairs(wb + j * k + k0 + 16);
   });
@@ -90,6 +91,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     }
   }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // bf16 x only: per channel means g == k
     const int8_t* q = qw + j * k + k0;
+    if ((k0 & 63) == 0) prefetch_ahead(q);  // a line a row's stream ahead (rows are consecutive)
     if (channel) {
       lo = simd::code_pairs(q);
       hi = simd::code_pairs(q + 16);
