@@ -88,9 +88,9 @@ def test_int8_kquants_do_not_depend_on_the_thread_count(tier_ops):
 
 
 def test_k_quant_weights_use_them_in_the_lossy_mode_only():
-    """Q4KWeight / Q8KWeight.linear: the int8 ops when the LOSSY mode is on (rows independent of the pass, error
-    against the exact weights bounded), the exact kernels when it is off. The GGUF kinds kept as blocks (q6k here)
-    stay exact in that mode: no int8 kernel reads their blocks."""
+    """Q4KWeight / Q6KWeight.linear: the int8 ops when the LOSSY mode is on (rows independent of the pass, error
+    against the exact weights bounded; q6k's blocks through q8k's int8 kernel, q6k_linear_i8), the exact kernels
+    when it is off."""
     from colibri import kernels
     from test_kquant import reference
 
@@ -105,12 +105,12 @@ def test_k_quant_weights_use_them_in_the_lossy_mode_only():
             exact = w.linear(x)
             kernels.set_int8_activations(True)
             lossy = w.linear(x)
-            if qt == QT.Q6_K:
-                assert torch.equal(lossy, exact)
-                kernels.set_int8_activations(None)
-                continue
             b = w._buffers
-            assert torch.equal(lossy, kernels.library().q4k_linear_i8(x, b["qweight"], b["scales"], b["supers"])[:, :n])
+            if qt == QT.Q6_K:
+                assert torch.equal(lossy, kernels.library().q6k_linear_i8(x, b["qweight"]))
+            else:
+                assert torch.equal(lossy, kernels.library().q4k_linear_i8(x, b["qweight"], b["scales"],
+                                                                          b["supers"])[:, :n])
             assert torch.equal(w.linear(x[3:5]), lossy[3:5])
             assert not torch.equal(lossy, exact)
             assert ((lossy.double() - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -2,7 +2,8 @@
 run them in (avx512: its VNNI code needs avx512_vnni; avx2 and portable: generic/int8.cpp, any CPU the tier runs
 on): q4 at x groups of 32, 64 and 128, q8 per channel and grouped, f32 and bf16 x, pass sizes 1 to 64 (each tier's
 rows also equal the reference's rows of a 64-row pass: batch-invariant across tiers), tail tiles, K past a chunk,
-f16 / f32 scales and one or two threads."""
+f16 / f32 scales and one or two threads; and the GGUF blocks with q8k's values (q6k, q3k, iq4_xs) through q8k's int8
+kernels."""
 
 from __future__ import annotations
 
@@ -98,13 +99,13 @@ def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
         torch.set_num_threads(threads)
 
 
-def test_gguf_block_kinds_stay_exact_in_the_int8_mode():
-    """The GGUF kinds kept as blocks (q5k, q6k, q3k, iq4_xs, q2k, q5_0, q5_1, iq4_nl) have no int8 kernel of their
-    own: in the LOSSY int8 mode each gives its exact kernel's bits, on every tier (decoding them to int8 codes per
-    call cost 10-40x the exact kernel)."""
+def test_gguf_block_kinds_without_an_int8_kernel_stay_exact():
+    """The GGUF kinds kept as blocks whose values are not q8k's (q5k, q2k, q5_0, q5_1, iq4_nl) have no int8 kernel of
+    their own: in the LOSSY int8 mode each gives its exact kernel's bits, on every tier (decoding them to int8 codes
+    per call cost 10-40x the exact kernel)."""
     n, k = 64, 512
     x = _randn(8, k, seed=4)
-    for qt in (QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K, QT.Q5_1, QT.IQ4_NL):
+    for qt in (QT.Q5_K, QT.Q2_K, QT.Q5_1, QT.IQ4_NL):
         w = from_gguf(k_blocks(qt, n, k, seed=3), qt, (n, k))
         for tier in _int8_tiers():
             kernels.use(tier)
@@ -115,3 +116,31 @@ def test_gguf_block_kinds_stay_exact_in_the_int8_mode():
             finally:
                 kernels.set_int8_activations(None)
                 kernels.use(None)
+
+
+# 200 rows: a tail of 8 columns; 1100 x 2304: K past a chunk, and longer passes decode the rows in several chunks
+@pytest.mark.parametrize("shape", [(200, 512), (1100, 2304)])
+@pytest.mark.parametrize("qt", [QT.Q6_K, QT.Q3_K, QT.IQ4_XS])
+def test_gguf_blocks_with_q8k_values_read_by_q8ks_int8_kernels(tier_ops, qt, shape):
+    """q6k, q3k and iq4_xs in the LOSSY int8 mode: their ops over the blocks as stored give q8k_linear_i8's bits for
+    the codes widened to bytes, on every tier and at every pass size (decode passes decode 8 rows at a time, longer
+    ones chunks of rows), bf16 and f32 x; the weight's linear() takes them when the mode is on."""
+    n, k = shape
+    w = from_gguf(k_blocks(qt, n, k, seed=n), qt, (n, k))
+    q8k = w.as_q8k()._buffers
+    op = f"{w.KIND.name}_linear_i8"
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _randn(max(ROWS), k, seed=k).to(dtype)
+        x[2, 16:32] = 0  # a zero group of 16 (d = 0)
+        ref = tier_ops["portable"].q8k_linear_i8(x, q8k["qweight"], q8k["scales"], q8k["supers"])
+        _check(tier_ops, f"{op} {list(shape)}", lambda o, xx: getattr(o, op)(xx, w._buffers["qweight"]), x)
+        assert torch.equal(getattr(tier_ops["portable"], op)(x, w._buffers["qweight"]), ref), (op, dtype)
+    x = _randn(3, k, seed=1).bfloat16()
+    for tier in _int8_tiers():
+        kernels.use(tier)
+        try:
+            kernels.set_int8_activations(True)
+            assert torch.equal(w.linear(x), getattr(tier_ops[tier], op)(x, w._buffers["qweight"])), (op, tier)
+        finally:
+            kernels.set_int8_activations(None)
+            kernels.use(None)

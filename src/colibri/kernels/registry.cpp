@@ -26,7 +26,10 @@
   X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \
   X(q8_linear_i8, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                      \
   X(q4k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
-  X(q8k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")
+  X(q8k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
+  X(q6k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
+  X(q3k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
+  X(iq4_xs_linear_i8, "Tensor x, Tensor blocks")
 
 #include "library.h"
 

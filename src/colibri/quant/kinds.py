@@ -880,14 +880,16 @@ class Q8KWeight(Q8Weight):
 class _BlocksWeight(Q8Weight):
     """A GGUF kind kept as the file's blocks whose values are those of a kind with int8 codes (q8k or q8 g32): the
     native kernels read the blocks in place (`OP`), and the torch fallback dequantizes as q8 does (`_codes`,
-    `_scales_f32`). The LOSSY int8 mode leaves these weights exact: no int8 kernel reads their blocks, and decoding
-    them to int8 codes on every call (in torch) cost 10-40x their exact kernel at every pass size up to 256
-    (docs/performance.md, "LOSSY int8 activations")."""
+    `_scales_f32`). The LOSSY int8 mode reads the kinds with q8k's values (q6k, q3k, iq4_xs) with q8k's int8
+    kernels over codes decoded natively from the blocks (`OP_I8`: q8k_linear_i8's bits); it leaves the others
+    exact (decoding them to int8 codes on every call in torch cost 10-40x their exact kernel at every pass size up
+    to 256: docs/performance.md, "LOSSY int8 activations")."""
 
     KIND: QuantKind
     BLOCK: int  # bytes per block
     VALUES: int  # values per block
     OP: str
+    OP_I8: str | None = None  # the LOSSY int8 op over the blocks, if any (x quantized per 16 values, as q8k)
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
@@ -899,7 +901,10 @@ class _BlocksWeight(Q8Weight):
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.native():
-            return getattr(kernels.library(), self.OP)(x, self._buffers["qweight"])
+            op = self.OP
+            if self.OP_I8 and kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy
+                op = self.OP_I8
+            return getattr(kernels.library(), op)(x, self._buffers["qweight"])
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
 
@@ -934,7 +939,7 @@ class _KBlocksWeight(_BlocksWeight):
 class Q6KWeight(_KBlocksWeight):
     """Q6_K kept exactly at its own size (see the top of the file): codes q - 32, int8 scales per 16."""
 
-    KIND, BLOCK, OP = Q6K, Q6K_BLOCK, "q6k_linear"
+    KIND, BLOCK, OP, OP_I8 = Q6K, Q6K_BLOCK, "q6k_linear", "q6k_linear_i8"
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)
@@ -954,7 +959,7 @@ class Q3KWeight(_KBlocksWeight):
     (the low two), 12 bytes of 6-bit scales, d (f16); w = (d * (sc - 32)) * (q - 4): q8k's form (order of the codes
     and scales: kernels/generic/gguf_blocks.h)."""
 
-    KIND, BLOCK, OP = GGUF_K_EXACT["Q3_K"], Q3K_BLOCK, "q3k_linear"
+    KIND, BLOCK, OP, OP_I8 = GGUF_K_EXACT["Q3_K"], Q3K_BLOCK, "q3k_linear", "q3k_linear_i8"
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)
@@ -1034,7 +1039,7 @@ class IQ4XSWeight(_KBlocksWeight):
     """GGUF IQ4_XS kept exactly (4.25 bits a weight): per 256 values d (f16), 8 6-bit scales (ls - 32, one per 32),
     IQ4_VALUES indices; w = (d * (ls - 32)) * IQ4_VALUES[q]: q8k's form, each scale given to both of its 16s."""
 
-    KIND, BLOCK, OP = GGUF_K_EXACT["IQ4_XS"], IQ4XS_BLOCK, "iq4_xs_linear"
+    KIND, BLOCK, OP, OP_I8 = GGUF_K_EXACT["IQ4_XS"], IQ4XS_BLOCK, "iq4_xs_linear", "iq4_xs_linear_i8"
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._blocks(rows)

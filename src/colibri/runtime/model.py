@@ -127,7 +127,8 @@ def describe(path: str | Path) -> dict[str, str]:
 
 # kinds the int8 kernels take: their group of x (None: the weight's). The other GGUF kinds kept as blocks stay
 # exact in the LOSSY int8 mode (quant.kinds._BlocksWeight says why).
-INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q4_1": 32, "q4_0": 32}
+INT8_KINDS = {"q4": None, "q8": None, "q4k": 32, "q8k": 16, "q4_1": 32, "q4_0": 32, "q6k": 16, "q3k": 16,
+              "iq4_xs": 16}
 
 
 def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str | None:
@@ -150,7 +151,7 @@ def int8_shortfall(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> str 
         else:
             left.append(name)
     if not taken:
-        return ("do not apply: this container has no q4/q8/q4k/q8k/q4_1/q4_0 weights that they can take; running"
+        return (f"do not apply: this container has no {'/'.join(INT8_KINDS)} weights that they can take; running"
                 " exact")
     why = []
     if blocks:

@@ -250,6 +250,24 @@ struct KBlocks {
   static void scales16(const uint8_t* block, int8_t* out) { Scales(block, out); }
   static uint16_t d_bits(const uint8_t* block) { return D(block); }
 };
+// Rows [r0, r0 + rows) of a weight of block kind B without mins as q8k's arrays: codes int8 [rows, K], scale codes
+// int8 [rows, K/16], d f16 bits [rows, K/256] (the LOSSY int8 mode reads these kinds with q8k's int8 kernels, so
+// their bits are q8k_linear_i8's for the same values).
+template <class B>
+inline void rows_as_q8k(const uint8_t* blocks, int64_t k, int64_t r0, int64_t rows, int8_t* codes, int8_t* sc,
+                        uint16_t* sup) {
+  static_assert(!B::kMins, "q8k's form has no offsets");
+  const int64_t nb = k / 256;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* bp = blocks + ((r0 + r) * nb + b) * B::kBlockBytes;
+      B::codes128(bp, 0, codes + r * k + 256 * b);
+      B::codes128(bp, 1, codes + r * k + 256 * b + 128);
+      B::scales16(bp, sc + r * (k / 16) + 16 * b);
+      sup[r * nb + b] = B::d_bits(bp);
+    }
+}
+
 using Q6kBlocks = KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits>;
 using Q3kBlocks = KBlocks<q3k::kBlockBytes, q3k::codes128, q3k::scales16, q3k::d_bits>;
 using Iq4xsBlocks = KBlocks<iq4_xs::kBlockBytes, iq4_xs::codes128, iq4_xs::scales16, iq4_xs::d_bits>;

@@ -373,15 +373,27 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
   }
 }
 
+// tot [t][kCols] -> y[0 : t, n0 : n0 + cols] in y's dtype (bf16: rounded once, as vcvtneps2bf16).
+void store_tot(const float* tot, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
+  const int64_t ldy = y.size(1);
+  for (int64_t r = 0; r < t; ++r) {
+    const float* o = tot + r * kCols;
+    if (y.scalar_type() == at::kFloat) {
+      std::memcpy(y.data_ptr<float>() + r * ldy + n0, o, cols * 4);
+      continue;
+    }
+    uint16_t* yo = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * ldy + n0;
+    for (int64_t j = 0; j < cols; j += 8) simd::store_bf16(yo + j, simd::load(o + j), std::min<int64_t>(8, cols - j));
+  }
+}
+
 template <int K>
 at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   const int64_t t = x.size(0), k = w.k, xg = w.g;
   at::Tensor y = at::empty({t, w.cols}, x.options());
   if (t == 0) return y;
   const Activations a = quantize_rows(x, xg, K == kQ4 ? 8 : 128);
-  const int64_t groups = a.groups, ldy = w.cols;
-  const bool out_f32 = y.scalar_type() == at::kFloat;
-  void* yp = y.data_ptr();
+  const int64_t groups = a.groups;
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     // a K chunk of the tile's quads (64-byte aligned: each step of a pair is one cache line), kept for the
@@ -453,18 +465,10 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             zero_terms<decltype(R)::value>(prm.data() + kCols + 16 * pr, 2 * kCols, a.xs + r0 * groups, groups,
                                            tot.data() + r0 * kCols + 16 * pr);
           });
-      for (int64_t r = 0; r < t; ++r) {
-        float* o = tot.data() + r * kCols;
-        if constexpr (K == kQ8Channel)
-          for (int64_t j = 0; j < cols; ++j) o[j] *= prm[j];
-        if (out_f32) {
-          std::memcpy(static_cast<float*>(yp) + r * ldy + n0, o, cols * 4);
-        } else {
-          uint16_t* yo = static_cast<uint16_t*>(yp) + r * ldy + n0;
-          for (int64_t j = 0; j < cols; j += 8)
-            simd::store_bf16(yo + j, simd::load(o + j), std::min<int64_t>(8, cols - j));
-        }
-      }
+      if constexpr (K == kQ8Channel)
+        for (int64_t r = 0; r < t; ++r)
+          for (int64_t j = 0; j < cols; ++j) tot[r * kCols + j] *= prm[j];
+      store_tot(tot.data(), t, cols, y, n0);
     }
   });
   return y;
@@ -526,6 +530,47 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
            n, k, 16, supers.data_ptr()};
   return linear_i8<kQ8Grouped>(x, w);
+}
+
+// GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs): q8k_linear_i8's bits over the codes, scale
+// codes and d decoded from the blocks (rows_as_q8k), as ../int8.cpp: decode passes decode 8 rows at a time into the
+// thread's buffers just before q8_direct reads them; longer passes decode chunks of rows whole and run
+// q8k_linear_i8 over each.
+template <class B>
+at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
+  check_blocks(x, blocks, op, 256, B::kBlockBytes);
+  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256, groups = k / 16;
+  check_x(x, k, op);
+  const uint8_t* bw = blocks.data_ptr<uint8_t>();
+  at::Tensor y = at::empty({t, n}, x.options());
+  if (t == 0) return y;
+  if (t <= kDirectRows) {
+    const Activations a = quantize_rows(x, 16, 128);
+    at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> tot(t * kCols);
+      std::vector<int8_t> codes(8 * k), sc(8 * groups);
+      std::vector<uint16_t> sup(8 * nb);
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * kCols, cols = std::min(kCols, n - n0);
+        std::fill(tot.begin(), tot.end(), 0.f);
+        blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), tot.data(), kCols);
+        store_tot(tot.data(), t, cols, y, n0);
+      }
+    });
+    return y;
+  }
+  blocks_by_q8k_chunks<B>(x, bw, n, kCols, y, q8k_linear_i8);
+  return y;
+}
+
+at::Tensor q6k_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear_i8<Q6kBlocks>(x, blocks, "q6k_linear_i8");
+}
+at::Tensor q3k_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear_i8<Q3kBlocks>(x, blocks, "q3k_linear_i8");
+}
+at::Tensor iq4_xs_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
+  return blocks_linear_i8<Iq4xsBlocks>(x, blocks, "iq4_xs_linear_i8");
 }
 
 }  // namespace

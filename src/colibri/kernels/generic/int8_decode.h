@@ -9,7 +9,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include "../stream.h"
+#include "gguf_blocks.h"
 #include "simd.h"
 
 namespace {
@@ -251,6 +255,40 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
     }
   }
   simd::store(tot, acc);
+}
+
+// A decode pass's columns [n0, n0 + cols) of the GGUF blocks with q8k's values (each int8 source's
+// blocks_linear_i8): 8 rows at a time decoded into the thread's buffers (codes [8][K], sc [8][K/16], sup
+// [8][K/256]: in L1/L2 when q8_direct reads them), then q8k's decode steps per x row r into tot + r * ld.
+template <class B>
+void blocks_q8k_direct(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, int64_t t, const int8_t* xq,
+                       const float* d, int8_t* codes, int8_t* sc, uint16_t* sup, float* tot, int64_t ld) {
+  for (int64_t c = 0; c < cols; c += 8) {
+    rows_as_q8k<B>(blocks, k, n0 + c, std::min<int64_t>(8, cols - c), codes, sc, sup);
+    for (int64_t r = 0; r < t; ++r)
+      q8_direct<false>(codes, cols - c, k, 16, xq + r * k, d + r * (k / 16), nullptr, 0, sc, sup, tot + r * ld + c);
+  }
+}
+
+// The passes of more than kDirectRows rows of the GGUF blocks with q8k's values (q6k, q3k, iq4_xs: each int8
+// source's blocks_linear_i8): chunks of rows decoded whole into q8k's arrays (rows_as_q8k; about 1 MiB of codes a
+// chunk, in L2 when they are read, and at least 4 tiles of `unit` columns a thread), each run through the tier's
+// q8k_linear_i8 (q8k), which writes y's columns chunk by chunk. The decode is a small share of a long pass.
+template <class B, class Q8k>
+void blocks_by_q8k_chunks(const at::Tensor& x, const uint8_t* blocks, int64_t n, int64_t unit, at::Tensor& y,
+                          Q8k&& q8k) {
+  const int64_t k = x.size(1), nb = k / 256, groups = k / 16;
+  const int64_t chunk = std::max<int64_t>(4 * unit * at::get_num_threads(), (1 << 20) / k / unit * unit);
+  for (int64_t n0 = 0; n0 < n; n0 += chunk) {
+    const int64_t rows = std::min(chunk, n - n0);
+    at::Tensor codes = at::empty({rows, k}, at::kChar), sc = at::empty({rows, groups}, at::kChar),
+               sup = at::empty({rows, nb}, at::kHalf);
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      rows_as_q8k<B>(blocks, k, n0 + b, e - b, codes.data_ptr<int8_t>() + b * k, sc.data_ptr<int8_t>() + b * groups,
+                     reinterpret_cast<uint16_t*>(sup.data_ptr<at::Half>()) + b * nb);
+    });
+    y.narrow(1, n0, rows).copy_(q8k(x, codes, sc, sup));
+  }
 }
 
 }  // namespace
