@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../stream.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -261,6 +263,7 @@ inline void rows_as_q8k(const uint8_t* blocks, int64_t k, int64_t r0, int64_t ro
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = blocks + ((r0 + r) * nb + b) * B::kBlockBytes;
+      for (int64_t o = 0; o < B::kBlockBytes; o += 64) prefetch_ahead(bp + o);  // the rows are one stream
       B::codes128(bp, 0, codes + r * k + 256 * b);
       B::codes128(bp, 1, codes + r * k + 256 * b + 128);
       B::scales16(bp, sc + r * (k / 16) + 16 * b);
