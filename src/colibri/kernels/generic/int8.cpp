@@ -373,20 +373,6 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
   }
 }
 
-// tot [t][kCols] -> y[0 : t, n0 : n0 + cols] in y's dtype (bf16: rounded once, as vcvtneps2bf16).
-void store_tot(const float* tot, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
-  const int64_t ldy = y.size(1);
-  for (int64_t r = 0; r < t; ++r) {
-    const float* o = tot + r * kCols;
-    if (y.scalar_type() == at::kFloat) {
-      std::memcpy(y.data_ptr<float>() + r * ldy + n0, o, cols * 4);
-      continue;
-    }
-    uint16_t* yo = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * ldy + n0;
-    for (int64_t j = 0; j < cols; j += 8) simd::store_bf16(yo + j, simd::load(o + j), std::min<int64_t>(8, cols - j));
-  }
-}
-
 template <int K>
 at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   const int64_t t = x.size(0), k = w.k, xg = w.g;
@@ -468,7 +454,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       if constexpr (K == kQ8Channel)
         for (int64_t r = 0; r < t; ++r)
           for (int64_t j = 0; j < cols; ++j) tot[r * kCols + j] *= prm[j];
-      store_tot(tot.data(), t, cols, y, n0);
+      store_rows(tot.data(), kCols, t, cols, y, n0);  // tiles.h
     }
   });
   return y;
@@ -554,7 +540,7 @@ at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const
         const int64_t n0 = blk * kCols, cols = std::min(kCols, n - n0);
         std::fill(tot.begin(), tot.end(), 0.f);
         blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), tot.data(), kCols);
-        store_tot(tot.data(), t, cols, y, n0);
+        store_rows(tot.data(), kCols, t, cols, y, n0);  // tiles.h
       }
     });
     return y;

@@ -281,21 +281,16 @@ inline Pair code_pairs(const int8_t* p) {
 #endif
 }
 
-// n int8 codes (n % 16 == 0) in place into the pair-split order: per 16, their 8 even elements, then their 8 odd
+// n int8 codes (n % 32 == 0) in place into the pair-split order: per 16, their 8 even elements, then their 8 odd
 // ones, so that split_code_pairs widens each half of code_pairs' pairs with one sign-extending load (a decode row's
 // codes are split once where they are decoded, not shifted apart at every use).
 inline void split_codes(int8_t* p, int64_t n) {
 #if defined(__AVX2__)
   const __m256i idx = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
+  for (int64_t i = 0; i < n; i += 32) {
     __m256i* q = reinterpret_cast<__m256i*>(p + i);
     _mm256_storeu_si256(q, _mm256_shuffle_epi8(_mm256_loadu_si256(q), idx));
-  }
-  for (; i < n; i += 16) {
-    __m128i* q = reinterpret_cast<__m128i*>(p + i);
-    _mm_storeu_si128(q, _mm_shuffle_epi8(_mm_loadu_si128(q), _mm256_castsi256_si128(idx)));
   }
 #else
   typedef int8_t s16b __attribute__((vector_size(16), aligned(1)));
