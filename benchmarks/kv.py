@@ -4,6 +4,7 @@
     python benchmarks/kv.py long    [--model DIR] [--tokens 6000] [--memory-limit 256M] [--kv-ram 32M]
     python benchmarks/kv.py ttft    [--model PATH]
     python benchmarks/kv.py quality [--tokens 4096]
+    python benchmarks/kv.py inplace [--model DIR] [--tokens 4000] [--rounds 4]
 
 * turns: a 5-turn chat (a ~700-token first message of pydoc text, then short questions; greedy, 32 tokens per
   reply) on a container streaming under --memory-limit (default: Qwen2.5-Coder-0.5B q4 converted from its PyPI
@@ -15,6 +16,10 @@
   with TTFT, prefill and decode speed, KV bytes written and read (per decode token), the wait for those reads,
   and the slowdown against the all-in-RAM run. Default model: SmolLM2-135M q4.
 * ttft: SmolLM2 turn 2 after a ~1,000-token turn 1, against a cold prefill of the same history (median of 3).
+* inplace: plain decode (no drafts) over a --tokens-token context all in RAM, attention reading the KV blocks where they are
+  (`ops.Paged`, the engine's path) against the same blocks copied into one tensor per layer and step first (what
+  the engine did before, `Paged.dense`), alternating 16-token rounds in one process (the prompt is prefilled once;
+  its KV is reused from the prefix cache), with the tokens compared. Default model: SmolLM2-135M q4.
 * quality: perplexity of the first --tokens pydoc tokens with K and V stored in q8 against the unquantized cache
   (SmolLM2, Qwen2.5-Coder-0.5B; f32 and bf16 activations).
 
@@ -29,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -171,14 +177,45 @@ def quality(args) -> None:
                 m.close()
 
 
+def inplace(args) -> None:
+    from colibri.engine.sampling import SamplingParams
+    from colibri.kv.cache import KVCache
+
+    m = colibri.load(args.model or container("smollm2-q4", real_models.smollm2_gguf), ctx_length=args.tokens + 128,
+                     draft_tokens=0)  # plain T = 1 steps: each reads the whole context once per layer
+    ids = (m.tokenizer.encode(real_models.pydoc_text()) * 4)[:args.tokens]
+    in_place = KVCache._read
+
+    def copied(cache, i, end):
+        k, v = in_place(cache, i, end)
+        return k.dense(), v.dense()
+
+    rates, tokens = {"in place": [], "copied": []}, {}
+    for _ in range(args.rounds):
+        for mode, read in (("in place", in_place), ("copied", copied)):
+            KVCache._read = read
+            req = m.engine.add_request(ids, SamplingParams(max_tokens=17, ignore_eos=True))
+            while not req.token_ids:
+                m.engine.step()
+            t0 = time.perf_counter()
+            m.engine.run([req])
+            rates[mode].append((len(req.token_ids) - 1) / (time.perf_counter() - t0))
+            assert tokens.setdefault(mode, req.token_ids) == req.token_ids
+    KVCache._read = in_place
+    print(json.dumps({"model": str(args.model), "context": args.tokens, **{f"decode_tok_s {k}": [round(r, 2) for r in v]
+                                                                          for k, v in rates.items()},
+                      "same_tokens": tokens["in place"] == tokens["copied"]}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["turns", "long", "ttft", "quality"])
+    p.add_argument("what", choices=["turns", "long", "ttft", "quality", "inplace"])
     p.add_argument("--model")
     p.add_argument("--memory-limit", default=None)
     p.add_argument("--kv-ram", default="32M")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     if a.what == "turns":
@@ -187,7 +224,9 @@ def main() -> None:
         a.memory_limit, a.tokens = a.memory_limit or "256M", a.tokens or 6000
     if a.what == "quality":
         a.tokens = a.tokens or 4096
-    {"turns": turns, "long": long, "ttft": ttft, "quality": quality}[a.what](a)
+    if a.what == "inplace":
+        a.tokens = a.tokens or 4000
+    {"turns": turns, "long": long, "ttft": ttft, "quality": quality, "inplace": inplace}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import colibri
 from colibri.kv import session
 from colibri.kv import swap
 from colibri.core.errors import InputError
-from colibri.kv.cache import block_for
+from colibri.kernels import ops
+from colibri.kv.cache import KVCache, block_for
 from colibri.kv.pool import BlockPool, KVLayout
 from colibri.kv.swap import SwapSlots
 
@@ -283,6 +284,30 @@ def test_kv_ram_too_small_and_context_overflow(tiny_model_dir, tmp_path):
     small = load(path, tmp_path, ctx_length=32)
     with pytest.raises(InputError, match="context holds 32"):
         small.generate(list(range(5, 45)), max_tokens=4)
+
+
+def test_attention_reads_the_blocks_in_place(monkeypatch):
+    """A context of several blocks in RAM reaches attention as the blocks themselves (ops.Paged: no copy per layer
+    and step), with the values written, and attention over them gives the bits of the assembled context, native
+    or torch; q8 blocks (dequantized per use) are still assembled."""
+    lay = KVLayout(2, 2, 16, torch.float32, 4)
+    k, v = torch.randn(2, 10, 16), torch.randn(2, 10, 16)
+    cache = KVCache(lay, 64)
+    for i in range(2):
+        keys, values = cache.update(i, k, v)
+        assert isinstance(keys, ops.Paged) and len(keys.blocks) == 3 and keys.length == 10
+        assert torch.equal(keys.dense(), k) and torch.equal(values.dense(), v)
+        assert all(b.data_ptr() == t.layers[i][0].data_ptr() for b, t in zip(keys.blocks, cache.table))
+        assembled = tuple(t.dense() for t in (keys, values))
+        q, pos = torch.randn(4, 3, 16), torch.arange(7, 10)
+        assert torch.equal(ops.attend(q, keys, values, pos, None, 0.25, None),
+                           ops.attend(q, *assembled, pos, None, 0.25, None))
+        with monkeypatch.context() as m:
+            m.setattr(ops.kernels, "native", lambda: False)
+            assert torch.equal(ops.attend(q, keys, values, pos, 3, 0.25, None),
+                               ops.attend(q, *assembled, pos, 3, 0.25, None))
+    q8 = KVCache(KVLayout(2, 2, 32, torch.float32, 4, "q8"), 64)
+    assert all(isinstance(t, torch.Tensor) for t in q8.update(0, torch.randn(2, 10, 32), torch.randn(2, 10, 32)))
 
 
 def test_block_tables_hold_one_reference_per_entry(tmp_path):

@@ -3,7 +3,8 @@ vector traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 lanes in avx2 an
 q/k/v, head dims that are multiples of 16, of 8 only, and of neither, GQA groups of 1 to 8 (head groups of up to 8
 in avx512, 4 in the others, and their remainders), sliding windows, softcap,
 scores far enough apart that exp lands below 2^-126, queries that see no key, views with strided rows as the
-engine passes them, and one or two threads."""
+engine passes them, and one or two threads; and attend_paged (the KV cache's blocks read in place) gives attend's
+bits for the blocks' concatenation, on every tier."""
 
 from __future__ import annotations
 
@@ -66,3 +67,46 @@ def test_attend_tiers_agree(tier_ops, case):
         torch.set_num_threads(threads)
     if kind == "scattered":
         assert not ref[:, 1].any() and not ref[:, 4].any()  # the queries that see no key
+
+
+PAGED = [  # H, Hkv, D, B (rows a block), T, S, (q, k, v dtypes), positions, window, softcap
+    (12, 2, 128, 64, 1, 300, (BF16,) * 3, "decode", 0, 0.0),  # Qwen2.5-1.5B's heads, 64-row blocks, a part-full last
+    (8, 2, 64, 16, 37, 100, (BF16,) * 3, "prefill", 0, 0.0),
+    (9, 3, 80, 6, 20, 90, (F32,) * 3, "prefill", 7, 30.0),  # a block size that is no power of two; a window
+    (6, 1, 40, 32, 5, 70, (BF16, BF16, F32), "scattered", 16, 0.0),
+    (4, 4, 20, 8, 1, 8, (F32, BF16, BF16), "decode", 0, 0.0),  # one full block
+]
+
+
+@pytest.mark.parametrize("case", range(len(PAGED)))
+def test_attend_paged_is_attend_of_the_blocks(tier_ops, case):
+    """The blocks as the cache stores them ([Hkv, B, Dh] views of separate tensors: K and V of one layer of a block
+    segment), the last one part-full: every tier gives attend's result on their concatenation, bit for bit, and
+    so the same as the portable tier."""
+    H, Hkv, D, B, T, S, (dq, dk, dv), kind, window, cap = PAGED[case]
+    n = -(-S // B)
+    q = _randn(T, H, D, seed=case).to(dq).transpose(0, 1)
+    segs = [_randn(2, Hkv, B + 3, D, seed=100 * case + j) for j in range(n)]  # strided rows, like a segment's views
+    kb = [s[0, :, :B].to(dk) for s in segs]
+    vb = [s[1, :, :B].to(dv) for s in segs]
+    k, v = torch.cat(kb, 1)[:, :S], torch.cat(vb, 1)[:, :S]
+    pos = _positions(kind, T, S)
+    scale = D ** -0.5
+    ref = tier_ops["portable"].attend(q, k, v, pos, window, scale, cap)
+    assert ref.isfinite().all()
+    for tier, o in tier_ops.items():
+        assert torch.equal(o.attend_paged(q, kb, vb, S, pos, window, scale, cap), ref), f"{tier}: paged differs"
+        assert torch.equal(o.attend(q, k, v, pos, window, scale, cap), ref), f"{tier} differs from portable"
+
+
+def test_attend_paged_refuses_mismatched_blocks(tier_ops):
+    o = tier_ops["portable"]
+    q = torch.zeros(2, 1, 16)
+    k = [torch.zeros(1, 8, 16), torch.zeros(1, 4, 16)]
+    pos = torch.tensor([5])
+    with pytest.raises(RuntimeError, match="same shape"):
+        o.attend_paged(q, k, k, 10, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="hold `length` keys"):
+        o.attend_paged(q, k[:1], k[:1], 9, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="same number of blocks"):
+        o.attend_paged(q, k[:1], k, 8, pos, 0, 1.0, 0.0)

@@ -6,6 +6,8 @@ query's attention output does not depend on the other queries nor on keys it can
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -97,30 +99,62 @@ def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
-           scale: float, softcap: float | None) -> torch.Tensor:
-    """Causal attention. q: [H, T, Dh] at absolute `positions` [T]; k, v: [Hkv, S, Dh], key j at position j
-    (last dim contiguous) -> [H, T, Dh] in q's dtype. Query p sees keys max(0, p - window + 1) .. p.
+@dataclass(frozen=True)
+class Paged:
+    """Keys or values [Hkv, length, Dh] where a paged KV cache stores them: `blocks`, [Hkv, B, Dh] each (the same
+    shape, dtype and strides), block i holding rows [i * B, (i + 1) * B); the first `length` rows count. Attention
+    reads them in place (the same rows in the same order as their concatenation: the same bits), so a decode step
+    does not copy the whole context per layer."""
+
+    blocks: list[torch.Tensor]
+    length: int
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) as one [Hkv, hi - lo, Dh] tensor (a copy)."""
+        B = self.blocks[0].shape[1]
+        first = lo // B
+        if hi <= lo:
+            return self.blocks[0][:, :0].clone()
+        return torch.cat([b[:, max(0, lo - j * B):min(B, hi - j * B)]
+                          for j, b in enumerate(self.blocks[first:-(-hi // B)], start=first)], dim=1)
+
+    def dense(self) -> torch.Tensor:
+        """The rows as one [Hkv, length, Dh] tensor (a copy)."""
+        return self.rows(0, self.length)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, positions: torch.Tensor,
+           window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """Causal attention. q: [H, T, Dh] at absolute `positions` [T]; k, v: [Hkv, S, Dh] (last dim contiguous) or
+    both `Paged`, key j at position j -> [H, T, Dh] in q's dtype. Query p sees keys max(0, p - window + 1) .. p.
 
     f32 math: scores scaled, soft-capped (Gemma-2), softmaxed over exactly the visible keys, the weighted sum
     in key order. Query head h uses KV head h // (H / Hkv), without repeated copies."""
+    pos = positions.to(torch.int64)
+    paged = isinstance(k, Paged)
     if kernels.native():
-        out = kernels.library().attend(q, k, v, positions.to(torch.int64), window or 0, float(scale), float(softcap or 0))
+        lib, w, sc, cap = kernels.library(), window or 0, float(scale), float(softcap or 0)
+        out = lib.attend_paged(q, k.blocks, v.blocks, k.length, pos, w, sc, cap) if paged else \
+            lib.attend(q, k, v, pos, w, sc, cap)
         return out.to(q.dtype)
     return _attend_torch(q, k, v, positions, window, scale, softcap)
 
 
 def _attend_torch(q, k, v, positions, window, scale, softcap) -> torch.Tensor:
-    """The fallback: one query at a time over fresh copies of its visible keys, so every matmul and softmax has
-    shapes set by that query's position alone (hence batch-invariant, though slower than the native kernel)."""
+    """The fallback: one query at a time over fresh f32 copies of its visible keys, so every matmul and softmax
+    has shapes set by that query's position alone (hence batch-invariant, though slower than the native kernel)."""
     H, T, Dh = q.shape
-    Hkv, S = k.shape[0], k.shape[1]
+    paged = isinstance(k, Paged)
+    Hkv, S = (k.blocks[0].shape[0], k.length) if paged else (k.shape[0], k.shape[1])
+
+    def rows(t, lo: int, hi: int) -> torch.Tensor:  # rows [lo, hi) as a fresh f32 [Hkv, hi - lo, Dh]
+        return t.rows(lo, hi).float() if paged else torch.empty(Hkv, max(0, hi - lo), Dh).copy_(t[:, lo:hi])
+
     qg = q.float().view(Hkv, H // Hkv, T, Dh)
     out = torch.empty(Hkv, H // Hkv, T, Dh)
     for t, p in enumerate(positions.tolist()):
         hi, lo = min(p, S - 1), max(0, p - window + 1) if window else 0
-        keys = torch.empty(Hkv, hi - lo + 1, Dh).copy_(k[:, lo:hi + 1])
-        vals = torch.empty(Hkv, hi - lo + 1, Dh).copy_(v[:, lo:hi + 1])
+        keys, vals = rows(k, lo, hi + 1), rows(v, lo, hi + 1)
         s = torch.matmul(qg[:, :, t].contiguous(), keys.transpose(1, 2)).mul_(scale)  # [Hkv, G, n]
         if softcap is not None:
             s = s.div_(softcap).tanh_().mul_(softcap)

@@ -20,6 +20,8 @@
   X(q5_1_linear, "Tensor x, Tensor blocks")                                                                       \
   X(iq4_nl_linear, "Tensor x, Tensor blocks")                                                                     \
   X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \
+  X(attend_paged, "Tensor q, Tensor[] k, Tensor[] v, int length, Tensor positions, int window, float scale, "      \
+                  "float softcap")                                                                                \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
   X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \
   X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \

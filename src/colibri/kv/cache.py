@@ -5,10 +5,11 @@ positions [j * block, (j + 1) * block) of every layer. Blocks are reference coun
 starts with a cached prefix holds the prefix trie's blocks themselves, and a block it is about to write that others
 hold too (the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
 in RAM: when a pass needs more, its oldest blocks move to the swap file (for every holder), and attention reads
-them back one layer at a time with the next layer's reads in flight. A context of one block is read in place;
-longer ones are assembled per layer into one scratch buffer shared by the sequences of a pass (one at a time),
-dequantized there for q8: the values attention sees are the same wherever a block lives, so placement never
-changes tokens. Sliding-window layers read back only the blocks inside their window.
+them back one layer at a time (into a staging buffer) with the next layer's reads in flight. Attention reads
+unquantized blocks where they are, in RAM or staged (`ops.Paged`: no copy of the context per layer and step); q8
+blocks are dequantized per layer into one scratch buffer shared by the sequences of a pass (one at a time). The
+values attention sees are the same wherever a block lives, so placement never changes tokens. Sliding-window
+layers read back only the blocks inside their window.
 
 A block's bytes, the unit of the pool, the swap file and saved sessions, are per layer one 4096-aligned
 segment: K [Hkv, block, Dh], V [Hkv, block, Dh] in the storage dtype, then (q8 only) their f32 scales
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from colibri.core.errors import InputError
+from colibri.kernels.ops import Paged
 from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
@@ -64,8 +66,9 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
 
 
 class Workspace:
-    """The buffer attention input is assembled in: one layer's K and V (compute dtype) for the longest context
-    assembled so far, grown in whole blocks, at most the context. One per KV space, shared by its sequences."""
+    """The buffer q8 blocks are dequantized into for attention: one layer's K and V (compute dtype) for the longest
+    context assembled so far, grown in whole blocks, at most the context. One per KV space, shared by its
+    sequences. (Unquantized blocks are read in place: they never use it.)"""
 
     def __init__(self, layout: KVLayout, max_length: int):
         self.layout, self.full = layout, align_up(max_length, layout.block)
@@ -79,8 +82,11 @@ class Workspace:
         return min(self.full, max(align_up(positions, self.layout.block), 2 * have))
 
     def bytes_for(self, positions: int) -> int:
-        """RAM the workspace adds to assemble `positions` positions."""
+        """RAM the workspace adds to assemble `positions` positions: none for unquantized blocks, which attention
+        reads where they are."""
         lay = self.layout
+        if not lay.quant:
+            return 0
         have = 0 if self._k is None else self._k.shape[1]
         return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
 
@@ -167,7 +173,7 @@ class KVCache:
                 shared += 1
         spilled = max(0, own + added - self.window // B)
         extra = 0
-        if workspace and (self.length + tokens > B or lay.quant):
+        if workspace:
             extra += self.work.bytes_for(self.length + tokens)
         if not self._staging and (spilled or any(not b.in_ram for b in table)):
             extra += self._staging_size()
@@ -207,9 +213,9 @@ class KVCache:
     # -- writing -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
         """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
-        S = length + T positions ([Hkv, S, Dh], compute dtype) for attention."""
+        S = length + T positions ([Hkv, S, Dh], compute dtype: tensors, or the blocks as `Paged`) for attention."""
         T = k.shape[1]
         end = self.length + T
         if not self._writable(end):
@@ -232,7 +238,7 @@ class KVCache:
         if end <= B and not lay.quant:  # one block: read in place
             bk, bv = self.table[0].layers[i][:2]
             return bk[:, :end], bv[:, :end]
-        return self._assemble(i, end)
+        return self._read(i, end)
 
     def advance(self, n: int, ids=None) -> None:
         if ids is not None:
@@ -278,37 +284,46 @@ class KVCache:
             dst_k.copy_(dequantize(k, ks, self.layout.dtype))
             dst_v.copy_(dequantize(v, vs, self.layout.dtype))
 
-    def _assemble(self, i: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, i: int, end: int) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
+        """K and V of layer i's `end` positions for attention. Its visible blocks in the swap file are read back
+        first (into a staging buffer, with the next layer's reads put in flight); then unquantized blocks go to
+        attention where they are, in RAM or staged (`Paged`: no copy of the context per layer and step), and q8
+        ones are dequantized into the workspace. Blocks before a sliding window are never read: the first
+        visible block stands in for them wherever they are (zeros in the workspace)."""
         lay = self.layout
         B = lay.block
-        sk, sv = self.work.buffers(end)
         first, nb = self._first_block(i), -(-end // B)
+        staged = self._read_back(i) if any(not self.table[j].in_ram for j in range(first, nb)) else {}
+        segs = [staged[j] if j in staged else self.table[j].layers[i] for j in range(first, nb)]
+        if not lay.quant:
+            segs = [segs[0]] * first + segs
+            return Paged([s[0] for s in segs], end), Paged([s[1] for s in segs], end)
+        sk, sv = self.work.buffers(end)
         if first:
             sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
             sv[:, :first * B].zero_()
-        on_disk: set[int] = set()
-        if any(not self.table[j].in_ram for j in range(first, nb)):
-            pend = self._pending.pop(i, None)
-            if pend is None or pend[0] != self._disk_blocks(i):
-                if pend is not None:
-                    for f in pend[1]:
-                        f.result()
-                self._submit(i, DEMAND)
-                pend = self._pending.pop(i)
-            if i + 1 < lay.num_layers and i + 1 not in self._pending:
-                self._submit(i + 1, PREFETCH)
-            js, futures, buf = pend
-            self.swap.wait(futures)
-            raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
-            k, v, ks, vs = lay.views(raw, len(js))
-            for n, j in enumerate(js):
-                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], k[n], v[n],
-                                 None if ks is None else ks[n], None if vs is None else vs[n])
-            on_disk.update(js)
-        for j in range(first, nb):
-            if j not in on_disk:
-                self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *self.table[j].layers[i])
+        for j, seg in zip(range(first, nb), segs):
+            self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *seg)
         return sk[:, :end], sv[:, :end]
+
+    def _read_back(self, i: int) -> dict[int, tuple]:
+        """Layer i's visible blocks in the swap file, read into a staging buffer: {block: (k, v, k_scales,
+        v_scales)} views there, valid until the reads of layer i + 2 (the buffers alternate by layer)."""
+        lay = self.layout
+        pend = self._pending.pop(i, None)
+        if pend is None or pend[0] != self._disk_blocks(i):
+            if pend is not None:
+                for f in pend[1]:
+                    f.result()
+            self._submit(i, DEMAND)
+            pend = self._pending.pop(i)
+        if i + 1 < lay.num_layers and i + 1 not in self._pending:
+            self._submit(i + 1, PREFETCH)
+        js, futures, buf = pend
+        self.swap.wait(futures)
+        raw = self._staging[buf].tensor(0, len(js) * lay.seg_bytes)
+        k, v, ks, vs = lay.views(raw, len(js))
+        return {j: (k[n], v[n], None if ks is None else ks[n], None if vs is None else vs[n]) for n, j in enumerate(js)}
 
     # -- blocks in and out ---------------------------------------------------------------------------------
 

@@ -192,10 +192,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return ops.rope(x, cos, sin)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
-           scale: float, softcap: float | None) -> torch.Tensor:
-    """Attention, q: [H, T, Dh] at `positions` [T], k/v: [Hkv, S, Dh] (key j at position j) -> [H, T, Dh] in q's
-    dtype; a query at p sees keys p - window < j <= p. Batch-invariant: see `colibri.kernels.ops.attend`."""
+def attend(q: torch.Tensor, k: torch.Tensor | ops.Paged, v: torch.Tensor | ops.Paged, positions: torch.Tensor,
+           window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention, q: [H, T, Dh] at `positions` [T], k/v: [Hkv, S, Dh] or `ops.Paged` (key j at position j) ->
+    [H, T, Dh] in q's dtype; a query at p sees keys p - window < j <= p. Batch-invariant: see
+    `colibri.kernels.ops.attend`."""
     return ops.attend(q, k, v, positions, window, scale, softcap)
 
 
@@ -205,9 +206,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 class SequenceKV(Protocol):
     """What attention needs from one sequence's KV: room for this pass's positions, reserved by the caller."""
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | ops.Paged,
+                                                                             torch.Tensor | ops.Paged]:
         """Write k, v [Hkv, T, Dh] after the sequence's committed positions; return K and V of every position so
-        far, these included ([Hkv, S, Dh], compute dtype)."""
+        far, these included ([Hkv, S, Dh] in the compute dtype: tensors, or `ops.Paged` blocks read in place)."""
 
 
 @dataclass

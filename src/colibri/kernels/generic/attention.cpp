@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include "../args.h"
 #include "../library.h"
+#include "../stream.h"
 #include "lanes.h"
 
 #include <algorithm>
@@ -33,8 +34,24 @@ using lanes::Lanes;
 using V = Lanes::V;
 constexpr int kL = Lanes::L;
 
+// Key or value rows: row j of head h at rows[j] + h * s0 (bytes). One table entry per key, so the rows may lie
+// in one tensor (attend) or in the KV cache's blocks where they are stored (attend_paged): the same rows, read in
+// the same order, give the same bits. A decode step reads them once, from DRAM, in runs of a block's rows (the
+// blocks lie apart, and the hardware prefetcher starts over in each): fetch(h, j, off, bytes) asks for bytes
+// [off, off + bytes) of row j + ahead (ahead = 0: a longer pass, whose queries share the rows in cache; nothing).
+constexpr int64_t kAheadRows = 16;  // the best of 0-32 measured (docs/performance.md, "Long contexts")
+struct Rows {
+  const char* const* rows;
+  int64_t s0, n, ahead;  // n: rows in the table
+  const char* row(int64_t h, int64_t j) const { return rows[j] + h * s0; }
+  void fetch(int64_t h, int64_t j, int64_t off, int64_t bytes) const {
+    if (ahead > 0 && j + ahead < n) prefetch_span(row(h, j + ahead) + off, bytes);
+  }
+};
+
 struct Pass {  // what every task of one attend() call shares
-  View qv, kv, vv;
+  View qv;
+  Rows kv, vv;
   bool qb, kb, vb;
   int64_t T, D, S, G, Dp, window;
   const int64_t* pos;
@@ -69,6 +86,7 @@ void scores(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float* q, fl
     const int64_t nb = std::min<int64_t>(kL, n - jb);
     for (int64_t i = 0; i < kL; ++i) {
       if (i < nb) {
+        a.kv.fetch(hk, lo + jb + i, 0, a.D * sizeof(KT));
         key_dots<KT, GB, EXACT>(reinterpret_cast<const KT*>(a.kv.row(hk, lo + jb + i)), q, a.Dp, a.D, r);
         for (int g = 0; g < GB; ++g) t[g][i] = r[g];
       } else {
@@ -86,9 +104,9 @@ void weighted(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float* e, 
   V acc[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = Lanes::zero();
-  const char* base = a.vv.row(hk, lo);
   for (int64_t j = 0; j < n; ++j) {
-    const VT* r = reinterpret_cast<const VT*>(base + j * a.vv.s1) + col;
+    const VT* r = reinterpret_cast<const VT*>(a.vv.row(hk, lo + j)) + col;
+    a.vv.fetch(hk, lo + j, col * sizeof(VT), kL * NV * sizeof(VT));  // this pass's columns of the row
     V v[NV];
     for (int c = 0; c < NV; ++c) v[c] = Lanes::load(r + kL * c);
     for (int g = 0; g < GB; ++g) {
@@ -106,9 +124,8 @@ void weighted_tail(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float
                    float* const* out, int64_t col, int64_t m) {
   V acc[GB];
   for (int g = 0; g < GB; ++g) acc[g] = Lanes::zero();
-  const char* base = a.vv.row(hk, lo);
   for (int64_t j = 0; j < n; ++j) {
-    const V v = Lanes::load_n(reinterpret_cast<const VT*>(base + j * a.vv.s1) + col, m);
+    const V v = Lanes::load_n(reinterpret_cast<const VT*>(a.vv.row(hk, lo + j)) + col, m);
     for (int g = 0; g < GB; ++g) acc[g] = Lanes::fma(Lanes::set1(e[g * ld + j]), v, acc[g]);
   }
   for (int g = 0; g < GB; ++g) Lanes::store_n(out[g] + col, acc[g] / Lanes::set1(l[g]), m);
@@ -183,18 +200,17 @@ void attend_task(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<f
   attend_heads<GB>(a, hk, h0, t, buf);
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                  int64_t window, double scale, double softcap) {
-  check_attend(q, k, v, positions);
-  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
-  const View qv = view_of(q), kv = view_of(k), vv = view_of(v);
-  const bool qb = q.scalar_type() == at::kBFloat16, kb = k.scalar_type() == at::kBFloat16,
-             vb = v.scalar_type() == at::kBFloat16;
+// The pass over q's queries and heads, with the key and value rows laid out as tables (S entries each).
+at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool kb, bool vb, int64_t Hkv, int64_t S,
+                       const at::Tensor& positions, int64_t window, double scale, double softcap) {
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2);
+  const View qv = view_of(q);
+  const bool qb = q.scalar_type() == at::kBFloat16;
   const int64_t G = H / Hkv;
   const at::Tensor pos = positions.contiguous();
   at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
-  const Pass a{qv, kv, vv, qb, kb, vb, T, D, S, G, 16 * ((D + 15) / 16), window, pos.data_ptr<int64_t>(),
+  const Pass a{qv, kr, vr, qb, kb, vb, T, D, S, G, 16 * ((D + 15) / 16), window, pos.data_ptr<int64_t>(),
                static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
   // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups where that leaves too
   // few tasks for the threads (same results either way).
@@ -209,6 +225,50 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   });
   return out;
+}
+
+// k, v: [Hkv, S, Dh] tensors (strided rows, contiguous last dimension).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                  int64_t window, double scale, double softcap) {
+  check_attend(q, k, v, positions);
+  const int64_t S = k.size(1);
+  const View kv = view_of(k), vv = view_of(v);
+  std::vector<const char*> kr(S), vr(S);
+  for (int64_t j = 0; j < S; ++j) kr[j] = kv.row(0, j), vr[j] = vv.row(0, j);
+  // (one run of rows per head: the hardware prefetcher follows it, and an assembled context is in cache)
+  return attend_rows(q, Rows{kr.data(), kv.s0, S, 0}, Rows{vr.data(), vv.s0, S, 0}, k.scalar_type() == at::kBFloat16,
+                     v.scalar_type() == at::kBFloat16, k.size(0), S, positions, window, scale, softcap);
+}
+
+// k, v: the KV cache's blocks as stored, [Hkv, B, Dh] each (the same shape, dtype and strides), holding keys
+// [i * B, (i + 1) * B) in block i; the first `length` keys are attended (attend's result for the blocks
+// concatenated along their rows, bit for bit: the kernel reads the same rows in the same order).
+at::Tensor attend_paged(const at::Tensor& q, at::TensorList k, at::TensorList v, int64_t length,
+                        const at::Tensor& positions, int64_t window, double scale, double softcap) {
+  TORCH_CHECK(!k.empty() && k.size() == v.size(),
+              "attend_paged: k and v must be lists of the same number of blocks");
+  const int64_t B = k[0].size(1);
+  TORCH_CHECK(k[0].dim() == 3 && B > 0 && length >= 0 && length <= B * static_cast<int64_t>(k.size()),
+              "attend_paged: blocks must be [Hkv, B, Dh] and hold `length` keys");
+  for (const at::TensorList* l : {&k, &v})
+    for (const at::Tensor& t : *l)
+      TORCH_CHECK(t.sizes() == k[0].sizes() && t.strides() == (*l)[0].strides() &&
+                      t.scalar_type() == (*l)[0].scalar_type(),
+                  "attend_paged: every block of k (of v) must have the same shape, strides and dtype");
+  check_attend(q, k[0], v[0], positions);
+  const View k0 = view_of(k[0]), v0 = view_of(v[0]);
+  std::vector<const char*> kr(length), vr(length);
+  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b) {
+    const char *kb = static_cast<const char*>(k[b].data_ptr()), *vb = static_cast<const char*>(v[b].data_ptr());
+    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
+      kr[j] = kb + (j - j0) * k0.s1;
+      vr[j] = vb + (j - j0) * v0.s1;
+    }
+  }
+  const int64_t ahead = q.size(1) <= 4 ? kAheadRows : 0;
+  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead}, Rows{vr.data(), v0.s0, length, ahead},
+                     k[0].scalar_type() == at::kBFloat16, v[0].scalar_type() == at::kBFloat16, k[0].size(0), length,
+                     positions, window, scale, softcap);
 }
 
 }  // namespace
