@@ -32,6 +32,7 @@ from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
 
+DEQUANT_BLOCKS = 32  # q8 blocks dequantized together for attention
 MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would take more than BLOCK_BYTES of RAM
 BLOCK_BYTES = 4 << 20
 
@@ -275,15 +276,6 @@ class KVCache:
                     pass
         self._pending.clear()
 
-    def _copy_block(self, dst_k: torch.Tensor, dst_v: torch.Tensor, k, v, ks, vs) -> None:
-        """dst [Hkv, B, Dh] <- one block's values [Hkv, B, Dh] (dequantized when quantized)."""
-        if ks is None:
-            dst_k.copy_(k)
-            dst_v.copy_(v)
-        else:
-            dst_k.copy_(dequantize(k, ks, self.layout.dtype))
-            dst_v.copy_(dequantize(v, vs, self.layout.dtype))
-
     def _read(self, i: int, end: int) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
         """K and V of layer i's `end` positions for attention. Its visible blocks in the swap file are read back
         first (into a staging buffer, with the next layer's reads put in flight); then unquantized blocks go to
@@ -302,8 +294,13 @@ class KVCache:
         if first:
             sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
             sv[:, :first * B].zero_()
-        for j, seg in zip(range(first, nb), segs):
-            self._copy_block(sk[:, j * B:(j + 1) * B], sv[:, j * B:(j + 1) * B], *seg)
+        # DEQUANT_BLOCKS blocks per few torch ops (one op per block was most of a long-context step), their f32
+        # transient bounded: the same elementwise values as block by block
+        for c in range(0, len(segs), DEQUANT_BLOCKS):
+            part, lo = segs[c:c + DEQUANT_BLOCKS], (first + c) * B
+            for dst, q, sc in ((sk, 0, 2), (sv, 1, 3)):
+                dst[:, lo:lo + len(part) * B].copy_(dequantize(torch.cat([p[q] for p in part], 1),
+                                                               torch.cat([p[sc] for p in part], 1), lay.dtype))
         return sk[:, :end], sv[:, :end]
 
     def _read_back(self, i: int) -> dict[int, tuple]:
