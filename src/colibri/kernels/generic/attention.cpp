@@ -227,17 +227,31 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   return out;
 }
 
-// k, v: [Hkv, S, Dh] tensors (strided rows, contiguous last dimension).
+// Keys and values in blocks of [Hkv, B, Dh] rows (the same strides), keys [i * B, (i + 1) * B) in block i; the
+// first `length` attended, each row read where it lies (ahead: attend_rows' prefetch distance, 0 for none).
+at::Tensor attend_blocks(const at::Tensor& q, at::TensorList k, at::TensorList v, int64_t length,
+                         const at::Tensor& positions, int64_t window, double scale, double softcap, int64_t ahead) {
+  const int64_t B = k[0].size(1);
+  const View k0 = view_of(k[0]), v0 = view_of(v[0]);
+  std::vector<const char*> kr(length), vr(length);
+  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b) {
+    const char *kb = static_cast<const char*>(k[b].data_ptr()), *vb = static_cast<const char*>(v[b].data_ptr());
+    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
+      kr[j] = kb + (j - j0) * k0.s1;
+      vr[j] = vb + (j - j0) * v0.s1;
+    }
+  }
+  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead}, Rows{vr.data(), v0.s0, length, ahead},
+                     k[0].scalar_type() == at::kBFloat16, v[0].scalar_type() == at::kBFloat16, k[0].size(0), length,
+                     positions, window, scale, softcap);
+}
+
+// k, v: [Hkv, S, Dh] tensors (strided rows, contiguous last dimension): one block of S rows, with no software
+// prefetch (one run of rows per head: the hardware prefetcher follows it, and an assembled context is in cache).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                   int64_t window, double scale, double softcap) {
   check_attend(q, k, v, positions);
-  const int64_t S = k.size(1);
-  const View kv = view_of(k), vv = view_of(v);
-  std::vector<const char*> kr(S), vr(S);
-  for (int64_t j = 0; j < S; ++j) kr[j] = kv.row(0, j), vr[j] = vv.row(0, j);
-  // (one run of rows per head: the hardware prefetcher follows it, and an assembled context is in cache)
-  return attend_rows(q, Rows{kr.data(), kv.s0, S, 0}, Rows{vr.data(), vv.s0, S, 0}, k.scalar_type() == at::kBFloat16,
-                     v.scalar_type() == at::kBFloat16, k.size(0), S, positions, window, scale, softcap);
+  return attend_blocks(q, {k}, {v}, k.size(1), positions, window, scale, softcap, 0);
 }
 
 // k, v: the KV cache's blocks as stored, [Hkv, B, Dh] each (the same shape, dtype and strides), holding keys
@@ -256,19 +270,7 @@ at::Tensor attend_paged(const at::Tensor& q, at::TensorList k, at::TensorList v,
                       t.scalar_type() == (*l)[0].scalar_type(),
                   "attend_paged: every block of k (of v) must have the same shape, strides and dtype");
   check_attend(q, k[0], v[0], positions);
-  const View k0 = view_of(k[0]), v0 = view_of(v[0]);
-  std::vector<const char*> kr(length), vr(length);
-  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b) {
-    const char *kb = static_cast<const char*>(k[b].data_ptr()), *vb = static_cast<const char*>(v[b].data_ptr());
-    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
-      kr[j] = kb + (j - j0) * k0.s1;
-      vr[j] = vb + (j - j0) * v0.s1;
-    }
-  }
-  const int64_t ahead = q.size(1) <= 4 ? kAheadRows : 0;
-  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead}, Rows{vr.data(), v0.s0, length, ahead},
-                     k[0].scalar_type() == at::kBFloat16, v[0].scalar_type() == at::kBFloat16, k[0].size(0), length,
-                     positions, window, scale, softcap);
+  return attend_blocks(q, k, v, length, positions, window, scale, softcap, q.size(1) <= 4 ? kAheadRows : 0);
 }
 
 }  // namespace

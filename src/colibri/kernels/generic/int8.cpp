@@ -518,35 +518,18 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
   return linear_i8<kQ8Grouped>(x, w);
 }
 
-// GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs): q8k_linear_i8's bits over the codes, scale
-// codes and d decoded from the blocks (rows_as_q8k), as ../int8.cpp: decode passes decode 8 rows at a time into the
-// thread's buffers just before q8_direct reads them; longer passes decode chunks of rows whole and run
-// q8k_linear_i8 over each.
+// GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs): int8_decode.h's blocks_i8 with this tier's
+// activations, store and q8k_linear_i8.
 template <class B>
 at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
   check_blocks(x, blocks, op, 256, B::kBlockBytes);
-  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256, groups = k / 16;
-  check_x(x, k, op);
-  const uint8_t* bw = blocks.data_ptr<uint8_t>();
-  at::Tensor y = at::empty({t, n}, x.options());
-  if (t == 0) return y;
-  if (t <= kDirectRows) {
-    const Activations a = quantize_rows(x, 16, 128);
-    at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> tot(t * kCols);
-      std::vector<int8_t> codes(8 * k), sc(8 * groups);
-      std::vector<uint16_t> sup(8 * nb);
-      for (int64_t blk = b; blk < e; ++blk) {
-        const int64_t n0 = blk * kCols, cols = std::min(kCols, n - n0);
-        std::fill(tot.begin(), tot.end(), 0.f);
-        blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), tot.data(), kCols);
-        store_rows(tot.data(), kCols, t, cols, y, n0);  // tiles.h
-      }
-    });
-    return y;
-  }
-  blocks_by_q8k_chunks<B>(x, bw, n, kCols, y, q8k_linear_i8);
-  return y;
+  check_x(x, x.size(1), op);
+  return blocks_i8<B>(
+      x, blocks, kCols, [](const at::Tensor& x) { return quantize_rows(x, 16, 128); },
+      [](at::Tensor& y, const float* acc, int64_t t, int64_t cols, int64_t n0) {
+        store_rows(acc, kCols, t, cols, y, n0);  // tiles.h
+      },
+      q8k_linear_i8);
 }
 
 at::Tensor q6k_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -289,6 +290,38 @@ void blocks_by_q8k_chunks(const at::Tensor& x, const uint8_t* blocks, int64_t n,
     });
     y.narrow(1, n0, rows).copy_(q8k(x, codes, sc, sup));
   }
+}
+
+// The int8 op of the GGUF blocks with q8k's values (q6k, q3k, iq4_xs) in each int8 source (its blocks_linear_i8
+// checks the arguments): q8k_linear_i8's bits over the codes, scale codes and d decoded from the blocks. Decode
+// passes decode 8 rows at a time into the thread's buffers just before q8_direct reads them (columns in tiles of
+// `unit`); longer passes decode chunks of rows whole and run the tier's q8k_linear_i8 (q8k) over each. quantize(x):
+// the tier's int8 rows of x per 16 values (.q, .d); store(y, acc, t, cols, n0): acc [t][unit] -> y's columns
+// [n0, n0 + cols) in y's dtype.
+template <class B, class Quantize, class Store, class Q8k>
+at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit, Quantize&& quantize, Store&& store,
+                     Q8k&& q8k) {
+  const int64_t t = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / 256, groups = k / 16;
+  const uint8_t* bw = blocks.data_ptr<uint8_t>();
+  at::Tensor y = at::empty({t, n}, x.options());
+  if (t == 0) return y;
+  if (t > kDirectRows) {
+    blocks_by_q8k_chunks<B>(x, bw, n, unit, y, q8k);
+    return y;
+  }
+  const auto a = quantize(x);
+  at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(t * unit);
+    std::vector<int8_t> codes(8 * k), sc(8 * groups);
+    std::vector<uint16_t> sup(8 * nb);
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n0 = blk * unit, cols = std::min(unit, n - n0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
+      store(y, acc.data(), t, cols, n0);
+    }
+  });
+  return y;
 }
 
 }  // namespace
