@@ -436,10 +436,14 @@ struct StoredRows {
 
 // acc[R][C] (+)= lane partials of x[R rows] . w[C rows j0 ..] over columns [kb, kb + kn) (32 bf16 per step), the
 // tail masked; x points at column kb.
-// Both forms fetch the next register block's rows (j0 + C ..) at the columns they read: the block's rows are
-// walked side by side in chunks of kDotChunk, streams too short for the hardware prefetcher; these lines are
-// used about C * kDotChunk weights later, and past the block's last rows they are the next block's. (Stream:
-// decode passes over stored weights; a prefill pass reuses each line R times and takes no extra instructions.)
+// Both forms fetch the rows kDotAhead further on (j0 + kDotAhead ..) at the columns they read: the block's rows
+// are walked side by side in chunks of kDotChunk, streams too short for the hardware prefetcher; these lines are
+// used a block of 16 rows later (decode_rows' parallel block: within a block of up to 64 they are its own rows
+// further on). The next register block's rows (C ahead: about C * kDotChunk weights) arrived too late from DRAM
+// (docs/performance.md, "Prefetch distance of the dot form"). (Stream: decode passes over stored weights; a
+// prefill pass reuses each line R times and takes no extra instructions.)
+constexpr int64_t kDotAhead = 16;
+
 template <int R, int C, bool Stream, class Src>
 void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, int64_t kn, __m512* acc,
               bool first) {
@@ -450,7 +454,7 @@ void dot_bf16(const uint16_t* x, int64_t ldx, const Src& w, int64_t j0, int64_t 
     const __mmask32 m = kn - k0 >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << (kn - k0)) - 1);
     __m512bh wv[C];
     for (int j = 0; j < C; ++j) {
-      if constexpr (Stream) __builtin_prefetch(w.at(j0 + C + j, kb + k0));
+      if constexpr (Stream) __builtin_prefetch(w.at(j0 + kDotAhead + j, kb + k0));
       wv[j] = w.bf16(j0 + j, kb + k0, m);
     }
     for (int r = 0; r < R; ++r) {
@@ -471,7 +475,7 @@ void dot_f32(const float* x, int64_t ldx, const Src& w, int64_t j0, int64_t kb, 
     const __mmask16 m = kn - k0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (kn - k0)) - 1);
     __m512 wv[C];
     for (int j = 0; j < C; ++j) {
-      if constexpr (Stream) __builtin_prefetch(w.at(j0 + C + j, kb + k0));
+      if constexpr (Stream) __builtin_prefetch(w.at(j0 + kDotAhead + j, kb + k0));
       wv[j] = w.f32(j0 + j, kb + k0, m);
     }
     for (int r = 0; r < R; ++r) {
