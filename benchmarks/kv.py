@@ -4,7 +4,7 @@
     python benchmarks/kv.py long    [--model DIR] [--tokens 6000] [--memory-limit 256M] [--kv-ram 32M]
     python benchmarks/kv.py ttft    [--model PATH]
     python benchmarks/kv.py quality [--tokens 4096]
-    python benchmarks/kv.py inplace [--model DIR] [--tokens 4000] [--rounds 4]
+    python benchmarks/kv.py inplace [--model DIR] [--tokens 4000] [--rounds 4] [--kv-quant q8]
 
 * turns: a 5-turn chat (a ~700-token first message of pydoc text, then short questions; greedy, 32 tokens per
   reply) on a container streaming under --memory-limit (default: Qwen2.5-Coder-0.5B q4 converted from its PyPI
@@ -19,7 +19,9 @@
 * inplace: plain decode (no drafts) over a --tokens-token context all in RAM, attention reading the KV blocks where they are
   (`ops.Paged`, the engine's path) against the same blocks copied into one tensor per layer and step first (what
   the engine did before, `Paged.dense`), alternating 16-token rounds in one process (the prompt is prefilled once;
-  its KV is reused from the prefix cache), with the tokens compared. Default model: SmolLM2-135M q4.
+  its KV is reused from the prefix cache), with the tokens compared; --kv-quant q8: q8 blocks read and dequantized
+  in the kernel against the context dequantized into one tensor per layer and step first. Default model: SmolLM2-135M
+  q4.
 * quality: perplexity of the first --tokens pydoc tokens with K and V stored in q8 against the unquantized cache
   (SmolLM2, Qwen2.5-Coder-0.5B; f32 and bf16 activations).
 
@@ -182,7 +184,7 @@ def inplace(args) -> None:
     from colibri.kv.cache import KVCache
 
     m = colibri.load(args.model or container("smollm2-q4", real_models.smollm2_gguf), ctx_length=args.tokens + 128,
-                     draft_tokens=0)  # plain T = 1 steps: each reads the whole context once per layer
+                     draft_tokens=0, kv_quant=args.kv_quant)  # plain T = 1 steps: each reads the context once a layer
     ids = (m.tokenizer.encode(real_models.pydoc_text()) * 4)[:args.tokens]
     in_place = KVCache._read
 
@@ -202,8 +204,8 @@ def inplace(args) -> None:
             rates[mode].append((len(req.token_ids) - 1) / (time.perf_counter() - t0))
             assert tokens.setdefault(mode, req.token_ids) == req.token_ids
     KVCache._read = in_place
-    print(json.dumps({"model": str(args.model), "context": args.tokens, **{f"decode_tok_s {k}": [round(r, 2) for r in v]
-                                                                          for k, v in rates.items()},
+    print(json.dumps({"model": str(args.model), "context": args.tokens, "kv_quant": args.kv_quant,
+                      **{f"decode_tok_s {k}": [round(r, 2) for r in v] for k, v in rates.items()},
                       "same_tokens": tokens["in place"] == tokens["copied"]}))
 
 
@@ -216,6 +218,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--kv-quant", choices=["q8"], help="inplace: q8 KV blocks")
     a = p.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     if a.what == "turns":

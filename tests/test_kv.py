@@ -15,7 +15,6 @@ from colibri.kv import session
 from colibri.kv import swap
 from colibri.core.errors import InputError
 from colibri.kernels import ops
-from colibri.kv import cache as cache_module
 from colibri.kv.cache import KVCache, block_for
 from colibri.kv.pool import BlockPool, KVLayout
 from colibri.kv.swap import SwapSlots
@@ -290,8 +289,7 @@ def test_kv_ram_too_small_and_context_overflow(tiny_model_dir, tmp_path):
 def test_attention_reads_the_blocks_in_place(monkeypatch):
     """A context of several blocks in RAM reaches attention as the blocks themselves (ops.Paged: no copy per layer
     and step), with the values written, and attention over them gives the bits of the assembled context, native
-    or torch; q8 blocks (dequantized per use) are still assembled, a few blocks per op, to the values of one block at
-    a time."""
+    or torch; q8 blocks too, as codes and scales, dequantized where attention reads them."""
     lay = KVLayout(2, 2, 16, torch.float32, 4)
     k, v = torch.randn(2, 10, 16), torch.randn(2, 10, 16)
     cache = KVCache(lay, 64)
@@ -308,13 +306,21 @@ def test_attention_reads_the_blocks_in_place(monkeypatch):
             m.setattr(ops.kernels, "native", lambda: False)
             assert torch.equal(ops.attend(q, keys, values, pos, 3, 0.25, None),
                                ops.attend(q, *assembled, pos, 3, 0.25, None))
-    monkeypatch.setattr(cache_module, "DEQUANT_BLOCKS", 2)  # chunks of blocks dequantized together: 2 + 1
     for dt in (torch.float32, torch.bfloat16):
         q8 = KVCache(KVLayout(2, 2, 32, dt, 4, "q8"), 64)
         got = q8.update(0, torch.randn(2, 10, 32).to(dt), torch.randn(2, 10, 32).to(dt))
-        for n, t in enumerate(got):  # block by block, as dequantized one at a time before
-            want = torch.cat([cache_module.dequantize(b.layers[0][n], b.layers[0][n + 2], dt) for b in q8.table], 1)
-            assert isinstance(t, torch.Tensor) and torch.equal(t, want[:, :10])
+        q, pos = torch.randn(4, 3, 32).to(dt), torch.arange(7, 10)
+        for n, t in enumerate(got):  # codes and scales where the blocks hold them
+            assert isinstance(t, ops.Paged) and t.length == 10 and t.dtype == dt
+            assert all(b.data_ptr() == e.layers[0][n].data_ptr() and s.data_ptr() == e.layers[0][n + 2].data_ptr()
+                       for b, s, e in zip(t.blocks, t.scales, q8.table))
+            want = torch.cat([ops.dequantize_q8(e.layers[0][n], e.layers[0][n + 2], dt) for e in q8.table], 1)
+            assert torch.equal(t.dense(), want[:, :10])
+        assembled = tuple(t.dense() for t in got)
+        assert torch.equal(ops.attend(q, *got, pos, None, 0.25, None), ops.attend(q, *assembled, pos, None, 0.25, None))
+        with monkeypatch.context() as m:
+            m.setattr(ops.kernels, "native", lambda: False)
+            assert torch.equal(ops.attend(q, *got, pos, 3, 0.25, None), ops.attend(q, *assembled, pos, 3, 0.25, None))
 
 
 def test_block_tables_hold_one_reference_per_entry(tmp_path):

@@ -4,7 +4,8 @@ q/k/v, head dims that are multiples of 16, of 8 only, and of neither, GQA groups
 in avx512, 4 in the others, and their remainders), sliding windows, softcap,
 scores far enough apart that exp lands below 2^-126, queries that see no key, views with strided rows as the
 engine passes them, and one or two threads; and attend_paged (the KV cache's blocks read in place) gives attend's
-bits for the blocks' concatenation, on every tier."""
+bits for the blocks' concatenation, on every tier, and attend_paged_q8 (q8 blocks: int8 codes and f32 scales)
+attend's bits for the blocks dequantized as the KV cache defines it."""
 
 from __future__ import annotations
 
@@ -99,6 +100,47 @@ def test_attend_paged_is_attend_of_the_blocks(tier_ops, case):
         assert torch.equal(o.attend(q, k, v, pos, window, scale, cap), ref), f"{tier} differs from portable"
 
 
+Q8 = [  # H, Hkv, D, B, T, S, q dtype, cache dtype, positions, window, softcap
+    (12, 2, 128, 64, 1, 300, BF16, BF16, "decode", 0, 0.0),  # Qwen2.5-1.5B's heads, a part-full last block
+    (9, 3, 64, 16, 20, 90, F32, F32, "prefill", 7, 30.0),  # f32 values (not rounded); a window; softcap
+    (6, 1, 96, 6, 5, 70, BF16, BF16, "scattered", 16, 0.0),  # Dh a multiple of 32 but not of 64
+    (4, 4, 32, 8, 3, 8, F32, BF16, "decode", 0, 0.0),  # one full block; f32 q over bf16 values
+]
+
+
+@pytest.mark.parametrize("case", range(len(Q8)))
+def test_attend_paged_q8_is_attend_of_the_dequantized_blocks(tier_ops, case):
+    """q8 blocks as the cache stores them (int8 codes, f32 scales per 32 values, views of a segment): every tier
+    gives attend's result over the rows dequantized (ops.dequantize_q8) and concatenated, bit for bit, including
+    values that round to bf16 ties and subnormal products."""
+    from colibri.kernels.ops import dequantize_q8
+    from colibri.kv.cache import quantize
+
+    H, Hkv, D, B, T, S, dq, dt, kind, window, cap = Q8[case]
+    n = -(-S // B)
+    q = _randn(T, H, D, seed=case).to(dq).transpose(0, 1)
+    blocks = []
+    for j in range(n):
+        kv = _randn(2, Hkv, B, D, seed=200 * case + j)
+        kv[0, :, 0] *= 1e-40  # a row whose scale is subnormal: its products too
+        codes, scales = quantize(kv, 32)
+        seg = torch.zeros(2, Hkv, B + 3, D, dtype=torch.int8)  # strided rows, like a segment's views
+        sseg = torch.zeros(2, Hkv, B + 3, D // 32)
+        seg[:, :, :B], sseg[:, :, :B] = codes, scales
+        blocks.append((seg[:, :, :B], sseg[:, :, :B]))
+    kb, vb = [b[0][0] for b in blocks], [b[0][1] for b in blocks]
+    ks, vs = [b[1][0] for b in blocks], [b[1][1] for b in blocks]
+    k = dequantize_q8(torch.cat(kb, 1), torch.cat(ks, 1), dt)[:, :S]
+    v = dequantize_q8(torch.cat(vb, 1), torch.cat(vs, 1), dt)[:, :S]
+    pos = _positions(kind, T, S)
+    scale = D ** -0.5
+    ref = tier_ops["portable"].attend(q, k, v, pos, window, scale, cap)
+    assert ref.isfinite().all()
+    for tier, o in tier_ops.items():
+        got = o.attend_paged_q8(q, kb, ks, vb, vs, S, pos, window, scale, cap, dt == BF16)
+        assert torch.equal(got, ref), f"{tier}: q8 paged differs"
+
+
 def test_attend_paged_refuses_mismatched_blocks(tier_ops):
     o = tier_ops["portable"]
     q = torch.zeros(2, 1, 16)
@@ -110,3 +152,16 @@ def test_attend_paged_refuses_mismatched_blocks(tier_ops):
         o.attend_paged(q, k[:1], k[:1], 9, pos, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="same number of blocks"):
         o.attend_paged(q, k[:1], k, 8, pos, 0, 1.0, 0.0)
+
+
+def test_attend_paged_q8_refuses_bad_blocks(tier_ops):
+    o = tier_ops["portable"]
+    q, pos = torch.zeros(2, 1, 32), torch.tensor([5])
+    k, s = [torch.zeros(1, 8, 32, dtype=torch.int8)], [torch.ones(1, 8, 1)]
+    assert o.attend_paged_q8(q, k, s, k, s, 8, pos, 0, 1.0, 0.0, True).shape == (2, 1, 32)
+    with pytest.raises(RuntimeError, match="int8 .* codes or f32"):
+        o.attend_paged_q8(q, [k[0].float()], s, k, s, 8, pos, 0, 1.0, 0.0, True)
+    with pytest.raises(RuntimeError, match="same number of blocks"):
+        o.attend_paged_q8(q, k, s + s, k, s, 8, pos, 0, 1.0, 0.0, True)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        o.attend_paged_q8(torch.zeros(2, 1, 16), [k[0][..., :16]], s, [k[0][..., :16]], s, 8, pos, 0, 1.0, 0.0, True)

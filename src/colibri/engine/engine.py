@@ -321,10 +321,8 @@ class Engine:
         return False
 
     def _grow(self, plan: StepPlan) -> int:
-        """RAM the pass's reservations add: each sequence's blocks and read buffers, and the shared workspace
-        once, for the longest context."""
-        return (sum(s.req.cache.grow_bytes(s.tokens, workspace=False) for s in plan.slots)
-                + self.space.work.bytes_for(max(s.req.cache.length + s.tokens for s in plan.slots)))
+        """RAM the pass's reservations add: each sequence's blocks and read buffers."""
+        return sum(s.req.cache.grow_bytes(s.tokens) for s in plan.slots)
 
     def _chunk(self, cache: "KVCache") -> int:
         return min(self.batch_tokens, cache.max_pass)

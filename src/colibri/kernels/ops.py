@@ -99,24 +99,40 @@ def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+def dequantize_q8(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q8 KV rows: int8 codes [..., Dh] times their f32 scales [..., Dh / group] (one per group of a head vector),
+    in f32, then converted to `dtype` (the values attention sees, however the rows are read)."""
+    g = q.unflatten(-1, (s.shape[-1], q.shape[-1] // s.shape[-1])).float() * s[..., None]
+    return g.flatten(-2).to(dtype)
+
+
 @dataclass(frozen=True)
 class Paged:
     """Keys or values [Hkv, length, Dh] where a paged KV cache stores them: `blocks`, [Hkv, B, Dh] each (the same
     shape, dtype and strides), block i holding rows [i * B, (i + 1) * B); the first `length` rows count. Attention
     reads them in place (the same rows in the same order as their concatenation: the same bits), so a decode step
-    does not copy the whole context per layer."""
+    does not copy the whole context per layer. q8 blocks (`--kv-quant q8`): `blocks` hold int8 codes and `scales`
+    their f32 scales [Hkv, B, Dh / group] (the same shape and strides each); their rows are
+    dequantize_q8(codes, scales, dtype), dequantized where they are read."""
 
     blocks: list[torch.Tensor]
     length: int
+    scales: list[torch.Tensor] | None = None
+    dtype: torch.dtype | None = None
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) as one [Hkv, hi - lo, Dh] tensor (a copy)."""
+        """Rows [lo, hi) as one [Hkv, hi - lo, Dh] tensor (a copy; q8: dequantized)."""
         B = self.blocks[0].shape[1]
-        first = lo // B
-        if hi <= lo:
-            return self.blocks[0][:, :0].clone()
-        return torch.cat([b[:, max(0, lo - j * B):min(B, hi - j * B)]
-                          for j, b in enumerate(self.blocks[first:-(-hi // B)], start=first)], dim=1)
+        first, last = lo // B, -(-hi // B)
+
+        def cat(blocks: list[torch.Tensor]) -> torch.Tensor:
+            if hi <= lo:
+                return blocks[0][:, :0].clone()
+            return torch.cat([b[:, max(0, lo - j * B):min(B, hi - j * B)]
+                              for j, b in enumerate(blocks[first:last], start=first)], dim=1)
+        if self.scales is None:
+            return cat(self.blocks)
+        return dequantize_q8(cat(self.blocks), cat(self.scales), self.dtype)
 
     def dense(self) -> torch.Tensor:
         """The rows as one [Hkv, length, Dh] tensor (a copy)."""
@@ -132,12 +148,25 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
     in key order. Query head h uses KV head h // (H / Hkv), without repeated copies."""
     pos = positions.to(torch.int64)
     paged = isinstance(k, Paged)
-    if kernels.native():
+    q8 = paged and k.scales is not None
+    if kernels.native() and (not q8 or _native_q8(k)):
         lib, w, sc, cap = kernels.library(), window or 0, float(scale), float(softcap or 0)
-        out = lib.attend_paged(q, k.blocks, v.blocks, k.length, pos, w, sc, cap) if paged else \
-            lib.attend(q, k, v, pos, w, sc, cap)
+        if q8:
+            out = lib.attend_paged_q8(q, k.blocks, k.scales, v.blocks, v.scales, k.length, pos, w, sc, cap,
+                                      k.dtype == torch.bfloat16)
+        elif paged:
+            out = lib.attend_paged(q, k.blocks, v.blocks, k.length, pos, w, sc, cap)
+        else:
+            out = lib.attend(q, k, v, pos, w, sc, cap)
         return out.to(q.dtype)
     return _attend_torch(q, k, v, positions, window, scale, softcap)
+
+
+def _native_q8(k: Paged) -> bool:
+    """Whether the native kernel reads these q8 blocks: groups of 32, values dequantized to f32 or bf16, head dim
+    up to 512 (generic/attention.cpp); others go through the fallback, which dequantizes the rows it reads."""
+    dh = k.blocks[0].shape[-1]
+    return k.dtype in (torch.float32, torch.bfloat16) and dh <= 512 and dh == 32 * k.scales[0].shape[-1]
 
 
 def _attend_torch(q, k, v, positions, window, scale, softcap) -> torch.Tensor:

@@ -22,6 +22,8 @@
   X(attend, "Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scale, float softcap")             \
   X(attend_paged, "Tensor q, Tensor[] k, Tensor[] v, int length, Tensor positions, int window, float scale, "      \
                   "float softcap")                                                                                \
+  X(attend_paged_q8, "Tensor q, Tensor[] k, Tensor[] ks, Tensor[] v, Tensor[] vs, int length, Tensor positions, "   \
+                     "int window, float scale, float softcap, bool bf16")                                         \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
   X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \
   X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \

@@ -6,9 +6,9 @@ starts with a cached prefix holds the prefix trie's blocks themselves, and a blo
 hold too (the partly filled last block of a reused prefix) is copied first. At most `window` positions of a sequence stay
 in RAM: when a pass needs more, its oldest blocks move to the swap file (for every holder), and attention reads
 them back one layer at a time (into a staging buffer) with the next layer's reads in flight. Attention reads
-unquantized blocks where they are, in RAM or staged (`ops.Paged`: no copy of the context per layer and step); q8
-blocks are dequantized per layer into one scratch buffer shared by the sequences of a pass (one at a time). The
-values attention sees are the same wherever a block lives, so placement never changes tokens. Sliding-window
+blocks where they are, in RAM or staged (`ops.Paged`: no copy of the context per layer and step; q8 blocks are
+dequantized row by row where attention reads them). The values attention sees are the same wherever a block
+lives, so placement never changes tokens. Sliding-window
 layers read back only the blocks inside their window.
 
 A block's bytes, the unit of the pool, the swap file and saved sessions, are per layer one 4096-aligned
@@ -32,7 +32,6 @@ from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
 
-DEQUANT_BLOCKS = 32  # q8 blocks dequantized together for attention
 MIN_BLOCK = 16  # the fewest: BLOCK is halved down to this while a block would take more than BLOCK_BYTES of RAM
 BLOCK_BYTES = 4 << 20
 
@@ -61,59 +60,16 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-2), s
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    g = q.unflatten(-1, (s.shape[-1], q.shape[-1] // s.shape[-1])).float() * s[..., None]
-    return g.flatten(-2).to(dtype)
-
-
-class Workspace:
-    """The buffer q8 blocks are dequantized into for attention: one layer's K and V (compute dtype) for the longest
-    context assembled so far, grown in whole blocks, at most the context. One per KV space, shared by its
-    sequences. (Unquantized blocks are read in place: they never use it.)"""
-
-    def __init__(self, layout: KVLayout, max_length: int):
-        self.layout, self.full = layout, align_up(max_length, layout.block)
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-
-    def positions_for(self, positions: int) -> int:
-        have = 0 if self._k is None else self._k.shape[1]
-        if positions <= have:
-            return have
-        return min(self.full, max(align_up(positions, self.layout.block), 2 * have))
-
-    def bytes_for(self, positions: int) -> int:
-        """RAM the workspace adds to assemble `positions` positions: none for unquantized blocks, which attention
-        reads where they are."""
-        lay = self.layout
-        if not lay.quant:
-            return 0
-        have = 0 if self._k is None else self._k.shape[1]
-        return 2 * (self.positions_for(positions) - have) * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._k is None else 2 * self._k.numel() * self._k.element_size()
-
-    def buffers(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.positions_for(positions)
-        if self._k is None or self._k.shape[1] < n:
-            lay = self.layout
-            self._k = self._v = None
-            self._k, self._v = (torch.zeros(lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype) for _ in range(2))
-        return self._k, self._v
-
-
 class KVCache:
-    """One sequence's KV; see the module docstring. `pool` and `work`: the block pool (with its swap slots, if
-    any) and the workspace it shares with other sequences (None: a pool and a workspace of its own, RAM only).
+    """One sequence's KV; see the module docstring. `pool`: the block pool it shares with other sequences, with
+    its swap slots if any (None: a pool of its own, RAM only).
     Its block table comes from `pool`; the cache keeps the positions and their token ids, its read buffers and
     the reads in flight. `on_truncate(cache, length)` is told when positions >= length are dropped (the prefix trie's
     cursor)."""
 
     def __init__(self, layout: KVLayout, max_length: int, window: int | None = None,
                  layer_windows: list[int | None] | None = None, pool: BlockPool | None = None,
-                 work: Workspace | None = None, on_truncate: Callable[[KVCache, int], None] | None = None):
+                 on_truncate: Callable[[KVCache, int], None] | None = None):
         self.layout = layout
         B = layout.block
         self.max_length = max_length
@@ -123,7 +79,6 @@ class KVCache:
             raise InputError(f"a KV window of {self.window} tokens is too small; it must hold two blocks "
                              f"({2 * B} tokens)")
         self.pool = pool if pool is not None else BlockPool(layout)
-        self.work = work if work is not None else Workspace(layout, max_length)
         self._on_truncate = on_truncate
         self.layer_windows = layer_windows or [None] * layout.num_layers
         self.length = 0  # positions committed (visible to the next pass)
@@ -158,10 +113,10 @@ class KVCache:
         lay = self.layout
         return 2 * align_up(align_up(self.max_length, lay.block) // lay.block * lay.seg_bytes)
 
-    def grow_bytes(self, tokens: int, workspace: bool = True) -> int:
+    def grow_bytes(self, tokens: int) -> int:
         """RAM the pool and this cache's buffers gain when room for `tokens` more positions is reserved (a
         swapped-out cache being read back first): blocks appended, read back or copied from shared ones, less
-        those the window sends to disk, and the workspace and read buffers the pass first needs."""
+        those the window sends to disk, and the read buffers the pass first needs."""
         lay, B = self.layout, self.layout.block
         table = self.table
         back = table.to_read_back()
@@ -174,8 +129,6 @@ class KVCache:
                 shared += 1
         spilled = max(0, own + added - self.window // B)
         extra = 0
-        if workspace:
-            extra += self.work.bytes_for(self.length + tokens)
         if not self._staging and (spilled or any(not b.in_ram for b in table)):
             extra += self._staging_size()
         return max(0, back + added + shared - spilled) * lay.ram_block_bytes + extra
@@ -278,30 +231,20 @@ class KVCache:
 
     def _read(self, i: int, end: int) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
         """K and V of layer i's `end` positions for attention. Its visible blocks in the swap file are read back
-        first (into a staging buffer, with the next layer's reads put in flight); then unquantized blocks go to
-        attention where they are, in RAM or staged (`Paged`: no copy of the context per layer and step), and q8
-        ones are dequantized into the workspace. Blocks before a sliding window are never read: the first
-        visible block stands in for them wherever they are (zeros in the workspace)."""
+        first (into a staging buffer, with the next layer's reads put in flight); then the blocks go to attention
+        where they are, in RAM or staged (`Paged`: no copy of the context per layer and step; q8 codes with their
+        scales, dequantized where attention reads them). Blocks before a sliding window are never read: the first
+        visible block stands in for them."""
         lay = self.layout
         B = lay.block
         first, nb = self._first_block(i), -(-end // B)
         staged = self._read_back(i) if any(not self.table[j].in_ram for j in range(first, nb)) else {}
         segs = [staged[j] if j in staged else self.table[j].layers[i] for j in range(first, nb)]
+        segs = [segs[0]] * first + segs
         if not lay.quant:
-            segs = [segs[0]] * first + segs
             return Paged([s[0] for s in segs], end), Paged([s[1] for s in segs], end)
-        sk, sv = self.work.buffers(end)
-        if first:
-            sk[:, :first * B].zero_()  # outside a sliding window: masked, but never stale NaNs
-            sv[:, :first * B].zero_()
-        # DEQUANT_BLOCKS blocks per few torch ops (one op per block was most of a long-context step), their f32
-        # transient bounded: the same elementwise values as block by block
-        for c in range(0, len(segs), DEQUANT_BLOCKS):
-            part, lo = segs[c:c + DEQUANT_BLOCKS], (first + c) * B
-            for dst, q, sc in ((sk, 0, 2), (sv, 1, 3)):
-                dst[:, lo:lo + len(part) * B].copy_(dequantize(torch.cat([p[q] for p in part], 1),
-                                                               torch.cat([p[sc] for p in part], 1), lay.dtype))
-        return sk[:, :end], sv[:, :end]
+        return (Paged([s[0] for s in segs], end, [s[2] for s in segs], lay.dtype),
+                Paged([s[1] for s in segs], end, [s[3] for s in segs], lay.dtype))
 
     def _read_back(self, i: int) -> dict[int, tuple]:
         """Layer i's visible blocks in the swap file, read into a staging buffer: {block: (k, v, k_scales,

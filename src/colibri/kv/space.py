@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import weakref
 
-from colibri.kv.cache import KVCache, Workspace
+from colibri.kv.cache import KVCache
 from colibri.kv.pool import BlockPool, KVLayout
 from colibri.kv.prefix import Node, PrefixTrie, common_prefix
 from colibri.kv.swap import SwapFile, SwapSlots
@@ -48,7 +48,6 @@ class KVSpace:
         self.slots = SwapSlots(layout.num_layers, layout.seg_bytes, layout.block, swap_path, swap_dir, temporary,
                                io_threads, make_room=lambda: self.trie.evict(disk=True))
         self.pool = BlockPool(layout, self.slots)
-        self.work = Workspace(layout, ctx)
         self.trie = PrefixTrie(self.pool, layout.block, prefix_ram)
         if swap_path is not None:
             _ = self.swap  # opened and locked at load: a bad or busy file is refused before any work
@@ -65,7 +64,7 @@ class KVSpace:
     # -- sequences -----------------------------------------------------------------------------------------
 
     def new_cache(self) -> KVCache:
-        cache = KVCache(self.layout, self.ctx, self.window, self.layer_windows, self.pool, self.work, self.trie.rewind)
+        cache = KVCache(self.layout, self.ctx, self.window, self.layer_windows, self.pool, self.trie.rewind)
         self._caches.add(cache)
         return cache
 
@@ -90,9 +89,8 @@ class KVSpace:
         return sum(self.layout.ram_block_bytes for n in nodes[-keep:] if not n.block.in_ram) if keep else 0
 
     def ram_bytes(self) -> int:
-        """RAM of the KV pool (each block once however many hold it), the shared workspace and the sequences'
-        read buffers."""
-        return self.pool.ram_bytes + self.work.nbytes + sum(c.staging_bytes() for c in list(self._caches))
+        """RAM of the KV pool (each block once however many hold it) and the sequences' read buffers."""
+        return self.pool.ram_bytes + sum(c.staging_bytes() for c in list(self._caches))
 
     @property
     def prefix_ram(self) -> int:

@@ -84,7 +84,7 @@ def context_length(args, ctx_length: int | None, limit: int | None, dtype: torch
 @dataclass
 class KVPlan:
     """How the KV cache uses its share: `window` positions of the live sequence in RAM (None: the whole
-    context), `prefix_ram` bytes of cached prefixes, and `working` bytes to assemble a layer's K/V (from disk)."""
+    context), `prefix_ram` bytes of cached prefixes, and `working` bytes of read buffers for the blocks on disk."""
     layout: object
     ctx: int
     window: int | None
@@ -107,15 +107,10 @@ class KVPlan:
                 "kv_working_bytes": self.working, "kv_quant": self.layout.quant, "kv_block_tokens": self.layout.block}
 
 
-def kv_scratch_bytes(args, lay, full: int, dtype: torch.dtype) -> int:
-    """The workspace q8 blocks are dequantized into for attention (kv.Workspace): one layer's K and V for the whole
-    context, in the compute dtype; none for unquantized blocks (read in place)."""
-    return 2 * full * args.num_kv_heads * args.head_dim * dtype.itemsize if lay.quant else 0
-
-
-def kv_working_bytes(args, lay, full: int, dtype: torch.dtype) -> int:
-    """RAM an offloaded context needs besides its window: the workspace and two read buffers of its blocks."""
-    return kv_scratch_bytes(args, lay, full, dtype) + 2 * (full // lay.block) * lay.seg_bytes
+def kv_working_bytes(lay, full: int) -> int:
+    """RAM an offloaded context needs besides its window: two read buffers of its blocks (attention reads every
+    block where it is, q8 ones too: no dequantized copy of the context)."""
+    return 2 * (full // lay.block) * lay.seg_bytes
 
 
 def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int | None = None,
@@ -133,21 +128,21 @@ def kv_plan(args, ctx: int, dtype: torch.dtype, limit: int | None, kv_ram: int |
     ctx_bytes = full * lay.token_bytes
     if kv_ram is None:
         if limit is None:
-            return KVPlan(lay, ctx, None, ctx_bytes, kv_scratch_bytes(args, lay, full, dtype))
+            return KVPlan(lay, ctx, None, ctx_bytes, 0)
         share = int(KV_SHARE * limit)
-        room = share if spare is None else min(share, spare - kv_working_bytes(args, lay, full, dtype))
+        room = share if spare is None else min(share, spare - kv_working_bytes(lay, full))
         fits_whole = ctx_bytes <= share and (spare is None or ctx_bytes <= spare)
         if fits_whole or not explicit_ctx or room // lay.token_bytes < 2 * lay.block:
             # (a limit too small for it is refused with the minimum)
-            return KVPlan(lay, ctx, None, 0, kv_scratch_bytes(args, lay, full, dtype))
+            return KVPlan(lay, ctx, None, 0, 0)
         kv_ram = room
     window = kv_ram // lay.token_bytes // lay.block * lay.block
     if window >= full:
-        return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, kv_scratch_bytes(args, lay, full, dtype))
+        return KVPlan(lay, ctx, None, kv_ram - ctx_bytes, 0)
     if window < 2 * lay.block:
         raise InputError(f"a KV RAM share of {kv_ram} bytes holds {kv_ram // lay.token_bytes} tokens; it must hold "
                          f"at least {2 * lay.block} ({2 * lay.block * lay.token_bytes} bytes): raise --kv-ram")
-    return KVPlan(lay, ctx, window, 0, kv_working_bytes(args, lay, full, dtype))
+    return KVPlan(lay, ctx, window, 0, kv_working_bytes(lay, full))
 
 
 @dataclass

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,16 +44,45 @@ constexpr int64_t kAheadRows = 16;  // the best of 0-32 measured (docs/performan
 struct Rows {
   const char* const* rows;
   int64_t s0, n, ahead;  // n: rows in the table
+  const char* const* scales = nullptr;  // q8 rows: row j's scales of head h at scales[j] + h * ss0
+  int64_t ss0 = 0;
   const char* row(int64_t h, int64_t j) const { return rows[j] + h * s0; }
   void fetch(int64_t h, int64_t j, int64_t off, int64_t bytes) const {
     if (ahead > 0 && j + ahead < n) prefetch_span(row(h, j + ahead) + off, bytes);
   }
 };
 
+// q8 rows (--kv-quant q8): int8 codes [Hkv, B, Dh] and f32 scales [Hkv, B, Dh / kQ8Group] per block. A value is
+// its code times its group's scale in f32, rounded to bf16 (to nearest, ties to even: torch's conversion) where
+// the cache's dtype is bf16: kv/cache.py's dequantize, so attention over q8 rows is attention over those rows
+// dequantized, bit for bit, without a dequantized copy of the context per layer and step. The row type `Q8`:
+// scores and outputs dequantize each row (or a pass's columns of it) into a small buffer where they read it.
+constexpr int64_t kQ8Group = 32;
+constexpr int64_t kQ8MaxD = 512;
+struct Q8 {
+  int8_t code;  // (sizeof: a stored value's bytes)
+};
+
+// f32 -> the nearest bf16 as f32, ties to even, subnormals kept (torch's rounding; the values are finite)
+inline simd::f8 rne_bf16(simd::f8 v) {
+  const simd::u8 u = simd::as_u(v);
+  return simd::as_f((u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
+}
+
+// Values [c0, c0 + n) of q8 row j of head h into out (c0 and n multiples of 8: Dh % 32 == 0 is checked).
+inline void q8_values(const Rows& r, int64_t h, int64_t j, int64_t c0, int64_t n, bool bf, float* out) {
+  const int8_t* c = reinterpret_cast<const int8_t*>(r.row(h, j));
+  const float* s = reinterpret_cast<const float*>(r.scales[j] + h * r.ss0);
+  for (int64_t i = c0; i < c0 + n; i += 8) {
+    const simd::f8 v = simd::to_f(simd::s8x8(c + i)) * simd::set1(s[i / kQ8Group]);
+    simd::store(out + (i - c0), bf ? rne_bf16(v) : v);
+  }
+}
+
 struct Pass {  // what every task of one attend() call shares
   View qv;
   Rows kv, vv;
-  bool qb, kb, vb;
+  bool qb, kb, vb, q8;  // kb, vb: the values are bf16 (q8: dequantized to bf16)
   int64_t T, D, S, G, Dp, window;
   const int64_t* pos;
   float sc, cap, *out;
@@ -87,13 +117,30 @@ void scores(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float* q, fl
     for (int64_t i = 0; i < kL; ++i) {
       if (i < nb) {
         a.kv.fetch(hk, lo + jb + i, 0, a.D * sizeof(KT));
-        key_dots<KT, GB, EXACT>(reinterpret_cast<const KT*>(a.kv.row(hk, lo + jb + i)), q, a.Dp, a.D, r);
+        if constexpr (std::is_same_v<KT, Q8>) {
+          alignas(64) float k[kQ8MaxD];
+          q8_values(a.kv, hk, lo + jb + i, 0, a.D, a.kb, k);
+          key_dots<float, GB, EXACT>(k, q, a.Dp, a.D, r);
+        } else {
+          key_dots<KT, GB, EXACT>(reinterpret_cast<const KT*>(a.kv.row(hk, lo + jb + i)), q, a.Dp, a.D, r);
+        }
         for (int g = 0; g < GB; ++g) t[g][i] = r[g];
       } else {
         for (int g = 0; g < GB; ++g) t[g][i] = Lanes::zero();
       }
     }
     for (int g = 0; g < GB; ++g) Lanes::store(s + g * ld + jb, Lanes::reduce_rows(t[g]) * Lanes::set1(a.sc));
+  }
+}
+
+// Columns [col, col + n) of value row j: where they are stored, or (q8) dequantized into buf.
+template <class VT>
+inline auto value_columns(const Pass& a, int64_t hk, int64_t j, int64_t col, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<VT, Q8>) {
+    q8_values(a.vv, hk, j, col, n, a.vb, buf);
+    return static_cast<const float*>(buf);
+  } else {
+    return reinterpret_cast<const VT*>(a.vv.row(hk, j)) + col;
   }
 }
 
@@ -104,9 +151,10 @@ void weighted(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float* e, 
   V acc[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = Lanes::zero();
+  alignas(64) float buf[kL * NV];
   for (int64_t j = 0; j < n; ++j) {
-    const VT* r = reinterpret_cast<const VT*>(a.vv.row(hk, lo + j)) + col;
     a.vv.fetch(hk, lo + j, col * sizeof(VT), kL * NV * sizeof(VT));  // this pass's columns of the row
+    const auto* r = value_columns<VT>(a, hk, lo + j, col, kL * NV, buf);
     V v[NV];
     for (int c = 0; c < NV; ++c) v[c] = Lanes::load(r + kL * c);
     for (int g = 0; g < GB; ++g) {
@@ -124,8 +172,9 @@ void weighted_tail(const Pass& a, int64_t hk, int64_t lo, int64_t n, const float
                    float* const* out, int64_t col, int64_t m) {
   V acc[GB];
   for (int g = 0; g < GB; ++g) acc[g] = Lanes::zero();
+  alignas(64) float buf[kL];
   for (int64_t j = 0; j < n; ++j) {
-    const V v = Lanes::load_n(reinterpret_cast<const VT*>(a.vv.row(hk, lo + j)) + col, m);
+    const V v = Lanes::load_n(value_columns<VT>(a, hk, lo + j, col, m, buf), m);
     for (int g = 0; g < GB; ++g) acc[g] = Lanes::fma(Lanes::set1(e[g * ld + j]), v, acc[g]);
   }
   for (int g = 0; g < GB; ++g) Lanes::store_n(out[g] + col, acc[g] / Lanes::set1(l[g]), m);
@@ -170,7 +219,11 @@ void attend_heads(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<
     }
     std::fill(qg + D, qg + Dp, 0.f);
   }
-  if (a.kb && a.qb)
+  if (a.q8 && a.kb && a.qb)
+    scores<Q8, GB, true>(a, hk, lo, n, q, s, ld);
+  else if (a.q8)
+    scores<Q8, GB, false>(a, hk, lo, n, q, s, ld);
+  else if (a.kb && a.qb)
     scores<uint16_t, GB, true>(a, hk, lo, n, q, s, ld);
   else if (a.kb)
     scores<uint16_t, GB, false>(a, hk, lo, n, q, s, ld);
@@ -187,7 +240,9 @@ void attend_heads(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<
     for (int64_t j = 0; j < n; ++j) sum += sg[j];
     l[g] = sum;
   }
-  if (a.vb)
+  if (a.q8)
+    outputs<Q8, GB>(a, hk, lo, n, s, ld, l, out);
+  else if (a.vb)
     outputs<uint16_t, GB>(a, hk, lo, n, s, ld, l, out);
   else
     outputs<float, GB>(a, hk, lo, n, s, ld, l, out);
@@ -202,7 +257,7 @@ void attend_task(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<f
 
 // The pass over q's queries and heads, with the key and value rows laid out as tables (S entries each).
 at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool kb, bool vb, int64_t Hkv, int64_t S,
-                       const at::Tensor& positions, int64_t window, double scale, double softcap) {
+                       const at::Tensor& positions, int64_t window, double scale, double softcap, bool q8 = false) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2);
   const View qv = view_of(q);
   const bool qb = q.scalar_type() == at::kBFloat16;
@@ -210,7 +265,7 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   const at::Tensor pos = positions.contiguous();
   at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
-  const Pass a{qv, kr, vr, qb, kb, vb, T, D, S, G, 16 * ((D + 15) / 16), window, pos.data_ptr<int64_t>(),
+  const Pass a{qv, kr, vr, qb, kb, vb, q8, T, D, S, G, 16 * ((D + 15) / 16), window, pos.data_ptr<int64_t>(),
                static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
   // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups where that leaves too
   // few tasks for the threads (same results either way).
@@ -271,6 +326,47 @@ at::Tensor attend_paged(const at::Tensor& q, at::TensorList k, at::TensorList v,
                   "attend_paged: every block of k (of v) must have the same shape, strides and dtype");
   check_attend(q, k[0], v[0], positions);
   return attend_blocks(q, k, v, length, positions, window, scale, softcap, q.size(1) <= 4 ? kAheadRows : 0);
+}
+
+// The same over q8 blocks (--kv-quant q8): codes k, v [Hkv, B, Dh] int8 and their scales ks, vs [Hkv, B, Dh / 32]
+// f32 per block; bf16: the cache's dtype is bf16 (values rounded as they are dequantized), else f32. attend's
+// result for the blocks dequantized and concatenated, bit for bit.
+at::Tensor attend_paged_q8(const at::Tensor& q, at::TensorList k, at::TensorList ks, at::TensorList v,
+                           at::TensorList vs, int64_t length, const at::Tensor& positions, int64_t window, double scale,
+                           double softcap, bool bf16) {
+  TORCH_CHECK(!k.empty() && ks.size() == k.size() && v.size() == k.size() && vs.size() == k.size(),
+              "attend_paged_q8: k, k scales, v and v scales must be lists of the same number of blocks");
+  const int64_t Hkv = k[0].size(0), B = k[0].size(1), D = k[0].size(2);
+  TORCH_CHECK(k[0].dim() == 3 && B > 0 && length >= 0 && length <= B * static_cast<int64_t>(k.size()),
+              "attend_paged_q8: blocks must be [Hkv, B, Dh] and hold `length` keys");
+  TORCH_CHECK(D % kQ8Group == 0 && D <= kQ8MaxD, "attend_paged_q8: Dh must be a multiple of 32, at most 512");
+  for (const at::TensorList* l : {&k, &v, &ks, &vs}) {
+    const bool codes = l == &k || l == &v;
+    for (const at::Tensor& t : *l)
+      TORCH_CHECK(t.dim() == 3 && t.size(0) == Hkv && t.size(1) == B && t.size(2) == (codes ? D : D / kQ8Group) &&
+                      t.stride(2) == 1 && t.strides() == (*l)[0].strides() &&
+                      t.scalar_type() == (codes ? at::kChar : at::kFloat),
+                  "attend_paged_q8: every block must be int8 [Hkv, B, Dh] codes or f32 [Hkv, B, Dh / 32] scales, "
+                  "each list with the same strides");
+  }
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && Hkv > 0 && q.size(0) % Hkv == 0,
+              "attend_paged_q8: q must be [heads, rows, Dh], heads a multiple of the KV heads");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "attend_paged_q8: f32 or bf16 q");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q.size(1) && positions.scalar_type() == at::kLong,
+              "attend_paged_q8: positions must be int64 [T]");
+  const View k0 = view_of(k[0]), v0 = view_of(v[0]), ks0 = view_of(ks[0]), vs0 = view_of(vs[0]);
+  std::vector<const char*> kr(length), vr(length), ksr(length), vsr(length);
+  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b)
+    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
+      kr[j] = static_cast<const char*>(k[b].data_ptr()) + (j - j0) * k0.s1;
+      vr[j] = static_cast<const char*>(v[b].data_ptr()) + (j - j0) * v0.s1;
+      ksr[j] = static_cast<const char*>(ks[b].data_ptr()) + (j - j0) * ks0.s1;
+      vsr[j] = static_cast<const char*>(vs[b].data_ptr()) + (j - j0) * vs0.s1;
+    }
+  const int64_t ahead = q.size(1) <= 4 ? kAheadRows : 0;
+  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead, ksr.data(), ks0.s0},
+                     Rows{vr.data(), v0.s0, length, ahead, vsr.data(), vs0.s0}, bf16, bf16, Hkv, length, positions,
+                     window, scale, softcap, true);
 }
 
 }  // namespace
