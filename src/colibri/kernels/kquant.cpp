@@ -66,7 +66,7 @@ struct Q8kRows {
   int64_t k;
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
     const float* sj = s + j * (k / 16) + k0 / 16;
-    return scaled_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * k + k0)), sj[0], sj[1]);
+    return scaled_bf16(q + j * k + k0, sj[0], sj[1]);
   }
   const void* at(int64_t j, int64_t k0) const { return q + j * k + k0; }
   __m512 f32(int64_t j, int64_t k0, __mmask16) const {
@@ -152,9 +152,10 @@ struct BlockRows {
   __m512bh bf16(int64_t j, int64_t k0, __mmask32) const {
     const int8_t* c = codes(j, k0);
     const float* sj = s + j * ls + (k0 >> 4);
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-    if constexpr (B::kMins) return scaled_min_bf16(q, sj[0], sj[1], sj[k / 16], sj[k / 16 + 1]);
-    return scaled_bf16(q, sj[0], sj[1]);
+    if constexpr (B::kMins)
+      return scaled_min_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), sj[0], sj[1], sj[k / 16],
+                             sj[k / 16 + 1]);
+    return scaled_bf16(c, sj[0], sj[1]);
   }
   // where the next rows' bytes are fetched from: 8 steps of 32 values spread over the block's bytes
   const void* at(int64_t j, int64_t k0) const { return block(j, k0) + (k0 & 255) * B::kBlockBytes / 256; }

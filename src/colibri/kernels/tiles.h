@@ -403,6 +403,14 @@ inline __m512bh scaled_bf16(__m256i q, float s_lo, float s_hi) {
                                   _mm512_set1_ps(s_hi));
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
+// The same for the 32 codes at p: each half widened straight from memory (no 256-bit load and lane extract).
+inline __m512bh scaled_bf16(const int8_t* p, float s_lo, float s_hi) {
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(p)))), _mm512_set1_ps(s_lo));
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(p + 16)))), _mm512_set1_ps(s_hi));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
 inline __m512 scaled_f32(__m128i q, float s) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
 }
