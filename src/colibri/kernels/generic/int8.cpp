@@ -460,12 +460,6 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   return y;
 }
 
-void check_x(const at::Tensor& x, int64_t k, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
-  TORCH_CHECK(k % 64 == 0, name, ": K must be a multiple of 64");
-}
-
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                         int64_t group_size) {
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2, g = group_size;

@@ -33,6 +33,13 @@ inline V vload(const void* p) {
   return v;
 }
 
+// The activations every int8 linear takes: contiguous [T, K] f32 or bf16, K a multiple of 64.
+inline void check_x(const at::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
+  TORCH_CHECK(k % 64 == 0, name, ": K must be a multiple of 64");
+}
+
 // ---- integer primitives: the only code with an ISA form ------------------------------------------------------
 
 // u (unsigned bytes) x s (signed bytes), adjacent products summed into int16 lanes: vpmaddubsw (whose saturation
