@@ -62,6 +62,13 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
   auto block = [&](int64_t j, int64_t b) { return bw + (j * nb + b) * B::kBlockBytes; };
   // per row: d * sc [K/16], then (kMins) dmin * m [K/16]
   const int64_t ls = k / 16 * (B::kMins ? 2 : 1);
+  // the direct form walks one or two x rows over two weight rows side by side through the whole of K: each half
+  // block fetches the same columns an even number of weight rows on (at least kStreamAhead bytes), where the
+  // distance within the row's own stream left the second row of every pair cold at its start when rows are longer
+  // than it; with three or four x rows it walks one weight row at a time: kStreamAhead bytes on in its own stream
+  const int64_t row_bytes = nb * B::kBlockBytes;
+  const int64_t ahead = x.size(0) <= 2 ? 2 * row_bytes * ((kStreamAhead + 2 * row_bytes - 1) / (2 * row_bytes))
+                                       : kStreamAhead;  // bytes
   auto row_scales = [&](int64_t j, float* s) {  // (in vectors: a decode row of K = 1536 has only 6 blocks)
     alignas(16) int8_t sc[16];
     auto scaled = [&](float d, float* out) {
@@ -94,17 +101,18 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
         }
       }
     }
-  }, no_post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
+  }, no_post, [&, ahead](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
+    // (`ahead` by value: read through the closure, q5k's four-row passes ran 30 % slower)
     // the row's scratch: its scales (ls floats), then the codes of the half block k0 is in, decoded at its start
     // and put in the pair-split order
     int8_t* c = reinterpret_cast<int8_t*>(s + ls);
     if (k0 == 0) row_scales(j, s);
     if (k0 % 128 == 0) {
       const uint8_t* bp = block(j, k0 / 256);
-      // every line of the stream ahead: a half block's share of the row (B::kBlockBytes / 2 <= 128 bytes) in two
-      const uint8_t* half = bp + k0 % 256 / 128 * (B::kBlockBytes / 2);
-      prefetch_ahead(half);
-      prefetch_ahead(half + 64);
+      // every line of the half block's share of the row (B::kBlockBytes / 2 <= 128 bytes: two), `ahead` bytes on
+      const uint8_t* half = bp + ahead + k0 % 256 / 128 * (B::kBlockBytes / 2);
+      __builtin_prefetch(half);
+      __builtin_prefetch(half + 64);
       B::codes128(bp, k0 % 256 / 128, c);
       simd::split_codes(c, 128);
     }
