@@ -63,19 +63,14 @@ struct Q8 {
   int8_t code;  // (sizeof: a stored value's bytes)
 };
 
-// f32 -> the nearest bf16 as f32, ties to even, subnormals kept (torch's rounding; the values are finite)
-inline simd::f8 rne_bf16(simd::f8 v) {
-  const simd::u8 u = simd::as_u(v);
-  return simd::as_f((u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
-}
-
-// Values [c0, c0 + n) of q8 row j of head h into out (c0 and n multiples of 8: Dh % 32 == 0 is checked).
+// Values [c0, c0 + n) of q8 row j of head h into out (c0 and n multiples of kL: Dh % 32 == 0 is checked, and the
+// passes over a value row's columns take whole vectors).
 inline void q8_values(const Rows& r, int64_t h, int64_t j, int64_t c0, int64_t n, bool bf, float* out) {
   const int8_t* c = reinterpret_cast<const int8_t*>(r.row(h, j));
   const float* s = reinterpret_cast<const float*>(r.scales[j] + h * r.ss0);
-  for (int64_t i = c0; i < c0 + n; i += 8) {
-    const simd::f8 v = simd::to_f(simd::s8x8(c + i)) * simd::set1(s[i / kQ8Group]);
-    simd::store(out + (i - c0), bf ? rne_bf16(v) : v);
+  for (int64_t i = c0; i < c0 + n; i += kL) {
+    const V v = Lanes::load_i8(c + i) * Lanes::set1(s[i / kQ8Group]);
+    Lanes::store(out + (i - c0), bf ? Lanes::round_bf16(v) : v);
   }
 }
 
