@@ -16,12 +16,12 @@
   with TTFT, prefill and decode speed, KV bytes written and read (per decode token), the wait for those reads,
   and the slowdown against the all-in-RAM run. Default model: SmolLM2-135M q4.
 * ttft: SmolLM2 turn 2 after a ~1,000-token turn 1, against a cold prefill of the same history (median of 3).
-* inplace: plain decode (no drafts) over a --tokens-token context all in RAM, attention reading the KV blocks where they are
-  (`ops.Paged`, the engine's path) against the same blocks copied into one tensor per layer and step first (what
-  the engine did before, `Paged.dense`), alternating 16-token rounds in one process (the prompt is prefilled once;
-  its KV is reused from the prefix cache), with the tokens compared; --kv-quant q8: q8 blocks read and dequantized
-  in the kernel against the context dequantized into one tensor per layer and step first. Default model: SmolLM2-135M
-  q4.
+* inplace: plain decode (no drafts) over a --tokens-token context all in RAM, attention reading the KV blocks where
+  they are (`ops.Paged`, the engine's path) against the same blocks copied into one tensor per layer and step
+  first (what the engine did before, `Paged.dense`), alternating 16-token rounds in one process (the prompt is
+  prefilled once; its KV is reused from the prefix cache), with the tokens compared; --kv-quant q8: q8 blocks read
+  and dequantized in the kernel against the context dequantized into one tensor per layer and step first. Default
+  model: SmolLM2-135M q4.
 * quality: perplexity of the first --tokens pydoc tokens with K and V stored in q8 against the unquantized cache
   (SmolLM2, Qwen2.5-Coder-0.5B; f32 and bf16 activations).
 

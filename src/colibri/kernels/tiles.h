@@ -396,23 +396,17 @@ inline __m512bh load_w32(const int8_t* p, __mmask32 m) {
 // 32 int8 codes times the scale of codes 0-15 and of codes 16-31 (f32, exact), rounded to bf16 (RNE per lane, as
 // _mm512_cvtneps_pbh in q8_store16): the weights the int8-valued sources (grouped q8, q8k and the GGUF blocks kept
 // as stored) hand vdpbf16ps; and 16 codes times one scale in f32, for f32 x.
+inline __m512 scaled_f32(__m128i q, float s) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
+}
 inline __m512bh scaled_bf16(__m256i q, float s_lo, float s_hi) {
-  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
-                                  _mm512_set1_ps(s_lo));
-  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
-                                  _mm512_set1_ps(s_hi));
-  return _mm512_cvtne2ps_pbh(hi, lo);
+  return _mm512_cvtne2ps_pbh(scaled_f32(_mm256_extracti128_si256(q, 1), s_hi),
+                             scaled_f32(_mm256_castsi256_si128(q), s_lo));
 }
 // The same for the 32 codes at p: each half widened straight from memory (no 256-bit load and lane extract).
 inline __m512bh scaled_bf16(const int8_t* p, float s_lo, float s_hi) {
-  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(p)))), _mm512_set1_ps(s_lo));
-  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(p + 16)))), _mm512_set1_ps(s_hi));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-inline __m512 scaled_f32(__m128i q, float s) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(s));
+  return _mm512_cvtne2ps_pbh(scaled_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)), s_hi),
+                             scaled_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), s_lo));
 }
 // The same minus an offset per 16 codes (q5k, q2k: q * (d * sc) - dmin * m; q5_1: d * q - (-m)): one fused
 // multiply-subtract, whose product is exact (at most 22 significant bits), so its one rounding is the

@@ -8,8 +8,7 @@ in RAM: when a pass needs more, its oldest blocks move to the swap file (for eve
 them back one layer at a time (into a staging buffer) with the next layer's reads in flight. Attention reads
 blocks where they are, in RAM or staged (`ops.Paged`: no copy of the context per layer and step; q8 blocks are
 dequantized row by row where attention reads them). The values attention sees are the same wherever a block
-lives, so placement never changes tokens. Sliding-window
-layers read back only the blocks inside their window.
+lives, so placement never changes tokens. Sliding-window layers read back only the blocks inside their window.
 
 A block's bytes, the unit of the pool, the swap file and saved sessions, are per layer one 4096-aligned
 segment: K [Hkv, block, Dh], V [Hkv, block, Dh] in the storage dtype, then (q8 only) their f32 scales

@@ -70,14 +70,14 @@ inline void q8_values(const Rows& r, int64_t h, int64_t j, int64_t c0, int64_t n
   const float* s = reinterpret_cast<const float*>(r.scales[j] + h * r.ss0);
   for (int64_t i = c0; i < c0 + n; i += kL) {
     const V v = Lanes::load_i8(c + i) * Lanes::set1(s[i / kQ8Group]);
-    Lanes::store(out + (i - c0), bf ? Lanes::round_bf16(v) : v);
+    Lanes::store(out + (i - c0), bf ? Lanes::torch_bf16(v) : v);
   }
 }
 
 struct Pass {  // what every task of one attend() call shares
   View qv;
   Rows kv, vv;
-  bool qb, kb, vb, q8;  // kb, vb: the values are bf16 (q8: dequantized to bf16)
+  bool qb, kb, vb, q8;  // kb, vb: the values are bf16 (q8: dequantized to bf16); q8: the rows have scales
   int64_t T, D, S, G, Dp, window;
   const int64_t* pos;
   float sc, cap, *out;
@@ -252,7 +252,7 @@ void attend_task(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<f
 
 // The pass over q's queries and heads, with the key and value rows laid out as tables (S entries each).
 at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool kb, bool vb, int64_t Hkv, int64_t S,
-                       const at::Tensor& positions, int64_t window, double scale, double softcap, bool q8 = false) {
+                       const at::Tensor& positions, int64_t window, double scale, double softcap) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2);
   const View qv = view_of(q);
   const bool qb = q.scalar_type() == at::kBFloat16;
@@ -260,8 +260,8 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   const at::Tensor pos = positions.contiguous();
   at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
-  const Pass a{qv, kr, vr, qb, kb, vb, q8, T, D, S, G, 16 * ((D + 15) / 16), window, pos.data_ptr<int64_t>(),
-               static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
+  const Pass a{qv, kr, vr, qb, kb, vb, kr.scales != nullptr, T, D, S, G, 16 * ((D + 15) / 16), window,
+               pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
   // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups where that leaves too
   // few tasks for the threads (same results either way).
   int64_t gs = std::min<int64_t>(G, Lanes::kMaxGroup);
@@ -277,23 +277,27 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   return out;
 }
 
+// The table of the first `length` rows of blocks of [Hkv, B, ...] rows with the same strides (rows [i * B,
+// (i + 1) * B) in block i): row j's address, each where it lies.
+std::vector<const char*> row_table(at::TensorList blocks, int64_t length) {
+  const int64_t B = blocks[0].size(1), s1 = view_of(blocks[0]).s1;
+  std::vector<const char*> rows(length);
+  for (int64_t j = 0; j < length; ++j)
+    rows[j] = static_cast<const char*>(blocks[j / B].data_ptr()) + j % B * s1;
+  return rows;
+}
+
+// The prefetch distance of a pass over rows that lie apart: decode passes (a few queries) read each row once.
+int64_t rows_ahead(const at::Tensor& q) { return q.size(1) <= 4 ? kAheadRows : 0; }
+
 // Keys and values in blocks of [Hkv, B, Dh] rows (the same strides), keys [i * B, (i + 1) * B) in block i; the
 // first `length` attended, each row read where it lies (ahead: attend_rows' prefetch distance, 0 for none).
 at::Tensor attend_blocks(const at::Tensor& q, at::TensorList k, at::TensorList v, int64_t length,
                          const at::Tensor& positions, int64_t window, double scale, double softcap, int64_t ahead) {
-  const int64_t B = k[0].size(1);
-  const View k0 = view_of(k[0]), v0 = view_of(v[0]);
-  std::vector<const char*> kr(length), vr(length);
-  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b) {
-    const char *kb = static_cast<const char*>(k[b].data_ptr()), *vb = static_cast<const char*>(v[b].data_ptr());
-    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
-      kr[j] = kb + (j - j0) * k0.s1;
-      vr[j] = vb + (j - j0) * v0.s1;
-    }
-  }
-  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead}, Rows{vr.data(), v0.s0, length, ahead},
-                     k[0].scalar_type() == at::kBFloat16, v[0].scalar_type() == at::kBFloat16, k[0].size(0), length,
-                     positions, window, scale, softcap);
+  const std::vector<const char*> kr = row_table(k, length), vr = row_table(v, length);
+  return attend_rows(q, Rows{kr.data(), view_of(k[0]).s0, length, ahead},
+                     Rows{vr.data(), view_of(v[0]).s0, length, ahead}, k[0].scalar_type() == at::kBFloat16,
+                     v[0].scalar_type() == at::kBFloat16, k[0].size(0), length, positions, window, scale, softcap);
 }
 
 // k, v: [Hkv, S, Dh] tensors (strided rows, contiguous last dimension): one block of S rows, with no software
@@ -320,7 +324,7 @@ at::Tensor attend_paged(const at::Tensor& q, at::TensorList k, at::TensorList v,
                       t.scalar_type() == (*l)[0].scalar_type(),
                   "attend_paged: every block of k (of v) must have the same shape, strides and dtype");
   check_attend(q, k[0], v[0], positions);
-  return attend_blocks(q, k, v, length, positions, window, scale, softcap, q.size(1) <= 4 ? kAheadRows : 0);
+  return attend_blocks(q, k, v, length, positions, window, scale, softcap, rows_ahead(q));
 }
 
 // The same over q8 blocks (--kv-quant q8): codes k, v [Hkv, B, Dh] int8 and their scales ks, vs [Hkv, B, Dh / 32]
@@ -349,19 +353,12 @@ at::Tensor attend_paged_q8(const at::Tensor& q, at::TensorList k, at::TensorList
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "attend_paged_q8: f32 or bf16 q");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q.size(1) && positions.scalar_type() == at::kLong,
               "attend_paged_q8: positions must be int64 [T]");
-  const View k0 = view_of(k[0]), v0 = view_of(v[0]), ks0 = view_of(ks[0]), vs0 = view_of(vs[0]);
-  std::vector<const char*> kr(length), vr(length), ksr(length), vsr(length);
-  for (int64_t j0 = 0, b = 0; j0 < length; j0 += B, ++b)
-    for (int64_t j = j0; j < std::min(length, j0 + B); ++j) {
-      kr[j] = static_cast<const char*>(k[b].data_ptr()) + (j - j0) * k0.s1;
-      vr[j] = static_cast<const char*>(v[b].data_ptr()) + (j - j0) * v0.s1;
-      ksr[j] = static_cast<const char*>(ks[b].data_ptr()) + (j - j0) * ks0.s1;
-      vsr[j] = static_cast<const char*>(vs[b].data_ptr()) + (j - j0) * vs0.s1;
-    }
-  const int64_t ahead = q.size(1) <= 4 ? kAheadRows : 0;
-  return attend_rows(q, Rows{kr.data(), k0.s0, length, ahead, ksr.data(), ks0.s0},
-                     Rows{vr.data(), v0.s0, length, ahead, vsr.data(), vs0.s0}, bf16, bf16, Hkv, length, positions,
-                     window, scale, softcap, true);
+  const std::vector<const char*> kr = row_table(k, length), vr = row_table(v, length),
+                                  ksr = row_table(ks, length), vsr = row_table(vs, length);
+  const int64_t ahead = rows_ahead(q);
+  return attend_rows(q, Rows{kr.data(), view_of(k[0]).s0, length, ahead, ksr.data(), view_of(ks[0]).s0},
+                     Rows{vr.data(), view_of(v[0]).s0, length, ahead, vsr.data(), view_of(vs[0]).s0}, bf16, bf16, Hkv,
+                     length, positions, window, scale, softcap);
 }
 
 }  // namespace

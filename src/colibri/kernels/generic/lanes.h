@@ -13,8 +13,9 @@
 //   max_slots  the max of n values as _mm512_mask_max_ps into 16 slots (value j in slot j % 16) and then
 //           _mm512_reduce_max_ps's tree: vmaxps(a, b) = a > b ? a : b.
 //   exp     e^x for x <= 0: range reduction by ln 2 (ties to even), a degree-6 Horner polynomial, scalef (~1 ulp).
-//   load_i8, round_bf16  L int8 values as f32 (exact), and each lane rounded to the nearest bf16, ties to even,
-//           subnormals kept (integer arithmetic: torch's rounding of finite values).
+//   load_i8, torch_bf16  L int8 values as f32 (exact), and each lane rounded to the nearest bf16, ties to even,
+//           subnormals kept (integer arithmetic: torch's rounding of finite values; simd::round_bf16, the
+//           vcvtneps2bf16 form, flushes subnormals).
 #pragma once
 
 #include <algorithm>
@@ -61,7 +62,7 @@ struct Lanes8 {
   static V fma(V a, V b, V c) { return simd::fma(a, b, c); }
   static V load_i8(const int8_t* p) { return simd::to_f(simd::s8x8(p)); }  // L int8 values, exact
   // the nearest bf16 as f32, ties to even, subnormals kept (torch's rounding of finite values)
-  static V round_bf16(V v) {
+  static V torch_bf16(V v) {
     const simd::u8 u = simd::as_u(v);
     return simd::as_f((u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u);
   }
@@ -165,7 +166,7 @@ struct Lanes16 {
   static V load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static V round_bf16(V v) {
+  static V torch_bf16(V v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
                                                                                       _mm512_set1_epi32(1)));
