@@ -74,6 +74,31 @@ inline void codes128(const uint8_t* block, int64_t h, int8_t* out) {
 inline void scales16(const uint8_t* block, int8_t* out) { std::memcpy(out, block + 192, 16); }
 inline uint16_t d_bits(const uint8_t* block) { return u16_at(block + 208); }
 
+// The unsigned codes q (0..63, the code plus 32) of values [64 s, 64 s + 64) of a block, 32 in each of u[0], u[1],
+// left in registers (the int8 decode form multiplies them as they are, vpmaddubsw's unsigned operand). Step s is
+// half h = s / 2, value quarters j = 2 (s & 1) and j + 1: the same low-bit bytes for both steps of a half (low
+// nibbles, then high), the high-bit byte's pairs 0-1 / 2-3 or 4-5 / 6-7. 16-bit shifts; each mask drops the bits
+// crossing from the neighbouring byte.
+template <int S>
+inline void ucodes64(const uint8_t* block, u8x32 u[2]) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  constexpr int h = S / 2;
+  u8x32 a, b, q;
+  std::memcpy(&a, block + 64 * h, 32);
+  std::memcpy(&b, block + 64 * h + 32, 32);
+  std::memcpy(&q, block + 128 + 32 * h, 32);
+  const u16x16 a16 = reinterpret_cast<u16x16>(a), b16 = reinterpret_cast<u16x16>(b);
+  const u16x16 q16 = reinterpret_cast<u16x16>(q);
+  const u8x32 m4 = u8x32{} + 15, m2 = u8x32{} + 0x30;
+  if constexpr (S % 2 == 0) {
+    u[0] = (a & m4) | (reinterpret_cast<u8x32>(q16 << 4) & m2);
+    u[1] = (b & m4) | (reinterpret_cast<u8x32>(q16 << 2) & m2);
+  } else {
+    u[0] = (reinterpret_cast<u8x32>(a16 >> 4) & m4) | (q & m2);
+    u[1] = (reinterpret_cast<u8x32>(b16 >> 4) & m4) | (reinterpret_cast<u8x32>(q16 >> 2) & m2);
+  }
+}
+
 }  // namespace q6k
 
 namespace q3k {
@@ -248,6 +273,7 @@ template <int64_t Bytes, void (*Codes)(const uint8_t*, int64_t, int8_t*), void (
 struct KBlocks {
   static constexpr int64_t kBlockBytes = Bytes;
   static constexpr bool kMins = false;
+  static constexpr bool kUnsigned = false;  // ucodes64: the codes plus 32, unsigned, 64 values a step (q6k)
   static void codes128(const uint8_t* block, int64_t h, int8_t* out) { Codes(block, h, out); }
   static void scales16(const uint8_t* block, int8_t* out) { Scales(block, out); }
   static uint16_t d_bits(const uint8_t* block) { return D(block); }
@@ -271,7 +297,11 @@ inline void rows_as_q8k(const uint8_t* blocks, int64_t k, int64_t r0, int64_t ro
     }
 }
 
-using Q6kBlocks = KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits>;
+struct Q6kBlocks : KBlocks<q6k::kBlockBytes, q6k::codes128, q6k::scales16, q6k::d_bits> {
+  static constexpr bool kUnsigned = true;
+  template <int S>
+  static void ucodes64(const uint8_t* block, q6k::u8x32 u[2]) { q6k::ucodes64<S>(block, u); }
+};
 using Q3kBlocks = KBlocks<q3k::kBlockBytes, q3k::codes128, q3k::scales16, q3k::d_bits>;
 using Iq4xsBlocks = KBlocks<iq4_xs::kBlockBytes, iq4_xs::codes128, iq4_xs::scales16, iq4_xs::d_bits>;
 struct Q5kBlocks : KBlocks<q5k::kBlockBytes, q5k::codes128, q5k::scales16, q5k::d_bits> {
@@ -335,6 +365,7 @@ template <int64_t Bytes, int Qh, int Qs, int Bias>
 struct FiveBitBlocks {
   static constexpr int64_t kBlockBytes = Bytes;
   static constexpr bool kMins = false;
+  static constexpr bool kUnsigned = false;  // ucodes64: the codes plus 32, unsigned, 64 values a step (q6k)
 #if defined(__AVX2__)
   // The 32 codes of a block as bytes in a register (AVX2: what the avx2 and avx512 tiers use).
   static __m256i codes32v(const uint8_t* block) {

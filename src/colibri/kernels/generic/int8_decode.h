@@ -133,26 +133,29 @@ inline i32x8 dot4(s8x32 w, s8x32 x) {
 #endif
 }
 
-// v[c] (8 columns' int32 lanes) -> per column c the sum of lanes 0-3 (lo) and of lanes 4-7 (hi).
+// Adjacent int32 lanes of a and b summed, in vphaddd's order: per 128-bit half, a's two pairs then b's.
+inline i32x8 hadd(i32x8 a, i32x8 b) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i32x8>(_mm256_hadd_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+#else
+  return i32x8{a[0] + a[1], a[2] + a[3], b[0] + b[1], b[2] + b[3], a[4] + a[5], a[6] + a[7], b[4] + b[5], b[6] + b[7]};
+#endif
+}
+
+// Of 8 columns' int32 lanes v[c], given as p[i] = hadd(v[2i], v[2i + 1]) (taken as each pair of columns is done:
+// fewer registers live): per column c the sum of lanes 0-3 (lo) and of lanes 4-7 (hi).
 struct Halves {
   i32x8 lo, hi;
 };
-inline Halves column_sums(const i32x8* v) {
+inline Halves column_sums(const i32x8* p) {
+  const i32x8 q0 = hadd(p[0], p[1]), q1 = hadd(p[2], p[3]);  // columns 0-3 lo, then hi | columns 4-7
 #if defined(__AVX2__)
-  auto h = [](i32x8 a, i32x8 b) {
-    return reinterpret_cast<i32x8>(_mm256_hadd_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
-  };
-  const __m256i q0 = reinterpret_cast<__m256i>(h(h(v[0], v[1]), h(v[2], v[3])));  // c0-3 lo | c0-3 hi
-  const __m256i q1 = reinterpret_cast<__m256i>(h(h(v[4], v[5]), h(v[6], v[7])));  // c4-7 lo | c4-7 hi
-  return Halves{reinterpret_cast<i32x8>(_mm256_permute2x128_si256(q0, q1, 0x20)),
-                reinterpret_cast<i32x8>(_mm256_permute2x128_si256(q0, q1, 0x31))};
+  const __m256i a = reinterpret_cast<__m256i>(q0), b = reinterpret_cast<__m256i>(q1);
+  return Halves{reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a, b, 0x20)),
+                reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a, b, 0x31))};
 #else
-  Halves r;
-  for (int c = 0; c < 8; ++c) {
-    r.lo[c] = v[c][0] + v[c][1] + v[c][2] + v[c][3];
-    r.hi[c] = v[c][4] + v[c][5] + v[c][6] + v[c][7];
-  }
-  return r;
+  return Halves{i32x8{q0[0], q0[1], q0[2], q0[3], q1[0], q1[1], q1[2], q1[3]},
+                i32x8{q0[4], q0[5], q0[6], q0[7], q1[4], q1[5], q1[6], q1[7]}};
 #endif
 }
 
@@ -236,16 +239,22 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
         for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(sup[rc[c] * (k / 256) + k0 / 256]);
       for (int c = 0; c < 8; ++c) std::memcpy(&codes[c], sc + rc[c] * (k / 16) + k0 / 16, 4);
     }
-    i32x8 v0[8], v1[8];
+    i32x8 p0[4], p1[4];
     const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
-      __builtin_prefetch(k0 + kAhead < k ? rows[c] + k0 + kAhead : rows[c] + 7 * k + k0 + kAhead);
-      v0[c] = dot4(vload<s8x32>(rows[c] + k0), x0);
-      v1[c] = dot4(vload<s8x32>(rows[c] + k0 + 32), x1);
+#pragma GCC unroll 4
+    for (int c = 0; c < 8; c += 2) {
+      i32x8 v0[2], v1[2];
+      for (int i = 0; i < 2; ++i) {
+        // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
+        const int8_t* r = rows[c + i];
+        __builtin_prefetch(k0 + kAhead < k ? r + k0 + kAhead : r + 7 * k + k0 + kAhead);
+        v0[i] = dot4(vload<s8x32>(r + k0), x0);
+        v1[i] = dot4(vload<s8x32>(r + k0 + 32), x1);
+      }
+      p0[c / 2] = hadd(v0[0], v0[1]);
+      p1[c / 2] = hadd(v1[0], v1[1]);
     }
-    const Halves a = column_sums(v0), b = column_sums(v1);
+    const Halves a = column_sums(p0), b = column_sums(p1);
     if (xg == 16) {
       step(k0 / 16, a.lo);
       step(k0 / 16 + 1, a.hi);
@@ -261,6 +270,67 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
         big = i32x8{};
       }
     }
+  }
+  simd::store(tot, acc);
+}
+
+// One row of x against up to 8 weight rows of blocks whose codes B::ucodes64 gives unsigned (q6k: u = q + 32;
+// w: the first row's blocks, rows >= n read row n - 1): q8_direct's q8k steps with the codes decoded in registers
+// where they are multiplied, straight from the stored blocks (no buffer: decoding 8 rows into one and reading it
+// back cost about twice the products). A = sum(u x) - 32 sum(x) per group of 16, exact int32 as q8_direct's
+// sum(q x): u x by vpmaddubsw (|pair| <= 2 * 63 * 127, no saturation), xoff[g] = 32 * sum of the group's x codes.
+// The same bytes of the row 8 on (the next call's) are fetched into L2 as these are read: with rows of a few
+// blocks (K = 1536: 1260 bytes) each stream is too short for the hardware prefetcher, and fetching into L1 ran
+// out of its miss buffers (docs/performance.md).
+constexpr int64_t kUnsignedRows = 4;  // passes up to this many rows decode the codes once per x row
+
+template <class B>
+__attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* d,
+                                              const int32_t* xoff, float* tot) {
+  constexpr int64_t bb = B::kBlockBytes;
+  const int64_t nb = k / 256, rs = nb * bb;
+  const uint8_t* rows[8];
+  for (int c = 0; c < 8; ++c) rows[c] = w + std::min<int64_t>(c, n - 1) * rs;
+  f8 acc = simd::load(tot);
+  for (int64_t b = 0; b < nb; ++b) {
+    f8 sd;  // the rows' d of this block
+    for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(B::d_bits(rows[c] + b * bb));
+    auto step = [&](auto S) {
+      constexpr int s = decltype(S)::value;
+      const int64_t k0 = 256 * b + 64 * s;
+      i32x8 codes;  // the rows' four scale codes of the step (byte g: group 4 s + g)
+      i32x8 p0[4], p1[4];
+      const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
+#pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        i32x8 v0[2], v1[2];
+        for (int i = 0; i < 2; ++i) {
+          const uint8_t* bp = rows[c + i] + b * bb;
+          __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
+          int8_t sc[16];
+          B::scales16(bp, sc);
+          std::memcpy(&codes[c + i], sc + 4 * s, 4);
+          u8x32 u[2];
+          B::template ucodes64<s>(bp, u);
+          v0[i] = pair_sums(maddubs(u[0], x0));
+          v1[i] = pair_sums(maddubs(u[1], x1));
+        }
+        p0[c / 2] = hadd(v0[0], v0[1]);
+        p1[c / 2] = hadd(v1[0], v1[1]);
+      }
+      const Halves lo = column_sums(p0), hi = column_sums(p1);
+      const i32x8 a[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {  // q8_direct's q8k step, group by group
+        const int64_t gi = k0 / 16 + g;
+        const f8 f = simd::to_f(a[g] - xoff[gi]) * simd::set1(d[gi]);
+        acc = simd::fma(f, sd * simd::to_f((codes << (8 * (3 - g))) >> 24), acc);
+      }
+    };
+    step(std::integral_constant<int, 0>{});
+    step(std::integral_constant<int, 1>{});
+    step(std::integral_constant<int, 2>{});
+    step(std::integral_constant<int, 3>{});
   }
   simd::store(tot, acc);
 }
@@ -317,13 +387,30 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
     return y;
   }
   const auto a = quantize(x);
+  const bool fused = B::kUnsigned && t <= kUnsignedRows;
+  std::vector<int32_t> xoff(fused ? t * groups : 0);  // 32 * the sum of each group's x codes (ublocks_direct)
+  for (int64_t i = 0; i < static_cast<int64_t>(xoff.size()); ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < 16; ++j) s += a.q[16 * i + j];
+    xoff[i] = 32 * s;
+  }
   at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * unit);
-    std::vector<int8_t> codes(8 * k), sc(8 * groups);
-    std::vector<uint16_t> sup(8 * nb);
+    std::vector<int8_t> codes(fused ? 0 : 8 * k), sc(fused ? 0 : 8 * groups);
+    std::vector<uint16_t> sup(fused ? 0 : 8 * nb);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * unit, cols = std::min(unit, n - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
+      if constexpr (B::kUnsigned) {
+        if (fused) {
+          for (int64_t c = 0; c < cols; c += 8)
+            for (int64_t r = 0; r < t; ++r)
+              ublocks_direct<B>(bw + (n0 + c) * nb * B::kBlockBytes, cols - c, k, a.q + r * k, a.d + r * groups,
+                                xoff.data() + r * groups, acc.data() + r * unit + c);
+          store(y, acc.data(), t, cols, n0);
+          continue;
+        }
+      }
       blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
       store(y, acc.data(), t, cols, n0);
     }
