@@ -346,11 +346,12 @@ template <int K>
 void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, float* prm) {
   if constexpr (K == kQ4) {  // the exact kernels' (tiles.h): q4 (scale, zero) pairs, q4k's with codes from 8
     const Q4 q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.cols, w.k, w.g};
+    Q4kSupers ds;
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
       if (w.sup)
         q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, static_cast<const uint16_t*>(w.sup), w.cols, gi, n0,
-                   true, o, o + kCols);
+                   true, o, o + kCols, ds);
       else
         q4_group_params(q4, gi, n0, o, o + kCols);
     }

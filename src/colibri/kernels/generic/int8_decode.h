@@ -159,6 +159,23 @@ inline Halves column_sums(const i32x8* p) {
 #endif
 }
 
+// A step of 64 k over 8 weight rows: dot(c, v) gives row c's int32 lanes of the step's first 32 k (v[0]) and
+// second 32 (v[1]); a (from v[0]) and b (from v[1]) their column sums, each pair of rows reduced as it is done.
+template <class Dot>
+inline void step_sums(Dot&& dot, Halves& a, Halves& b) {
+  i32x8 p0[4], p1[4];
+#pragma GCC unroll 4
+  for (int c = 0; c < 8; c += 2) {
+    i32x8 v[2][2];
+    dot(c, v[0]);
+    dot(c + 1, v[1]);
+    p0[c / 2] = hadd(v[0][0], v[1][0]);
+    p1[c / 2] = hadd(v[0][1], v[1][1]);
+  }
+  a = column_sums(p0);
+  b = column_sums(p1);
+}
+
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols]) gets each group's f32
 // steps. xq: the row's codes; d, qs: its per-group scale and offset term; prm: group 0's scales (group stride lds).
 __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
@@ -169,7 +186,8 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
     i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
       i16x16 c[4] = {};  // interleave h, low / high nibbles
-#pragma GCC unroll 8
+      // unrolled further, GCC reassociates the int16 sums into trees and spills every product
+#pragma GCC unroll 2
       for (int p = 0; p < 8; ++p) {
         const int64_t kk = w0 + 2 * p;
         prefetch_ahead(tile + kk * 32);  // this line's successor a stream distance on (the next tile past the end)
@@ -239,22 +257,16 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
         for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(sup[rc[c] * (k / 256) + k0 / 256]);
       for (int c = 0; c < 8; ++c) std::memcpy(&codes[c], sc + rc[c] * (k / 16) + k0 / 16, 4);
     }
-    i32x8 p0[4], p1[4];
     const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
-#pragma GCC unroll 4
-    for (int c = 0; c < 8; c += 2) {
-      i32x8 v0[2], v1[2];
-      for (int i = 0; i < 2; ++i) {
-        // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
-        const int8_t* r = rows[c + i];
-        __builtin_prefetch(k0 + kAhead < k ? r + k0 + kAhead : r + 7 * k + k0 + kAhead);
-        v0[i] = dot4(vload<s8x32>(r + k0), x0);
-        v1[i] = dot4(vload<s8x32>(r + k0 + 32), x1);
-      }
-      p0[c / 2] = hadd(v0[0], v0[1]);
-      p1[c / 2] = hadd(v1[0], v1[1]);
-    }
-    const Halves a = column_sums(p0), b = column_sums(p1);
+    Halves a, b;
+    step_sums(
+        [&](int c, i32x8 v[2]) {
+          // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
+          __builtin_prefetch(k0 + kAhead < k ? rows[c] + k0 + kAhead : rows[c] + 7 * k + k0 + kAhead);
+          v[0] = dot4(vload<s8x32>(rows[c] + k0), x0);
+          v[1] = dot4(vload<s8x32>(rows[c] + k0 + 32), x1);
+        },
+        a, b);
     if (xg == 16) {
       step(k0 / 16, a.lo);
       step(k0 / 16 + 1, a.hi);
@@ -299,26 +311,21 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
       constexpr int s = decltype(S)::value;
       const int64_t k0 = 256 * b + 64 * s;
       i32x8 codes;  // the rows' four scale codes of the step (byte g: group 4 s + g)
-      i32x8 p0[4], p1[4];
       const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
-#pragma GCC unroll 4
-      for (int c = 0; c < 8; c += 2) {
-        i32x8 v0[2], v1[2];
-        for (int i = 0; i < 2; ++i) {
-          const uint8_t* bp = rows[c + i] + b * bb;
-          __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
-          int8_t sc[16];
-          B::scales16(bp, sc);
-          std::memcpy(&codes[c + i], sc + 4 * s, 4);
-          u8x32 u[2];
-          B::template ucodes64<s>(bp, u);
-          v0[i] = pair_sums(maddubs(u[0], x0));
-          v1[i] = pair_sums(maddubs(u[1], x1));
-        }
-        p0[c / 2] = hadd(v0[0], v0[1]);
-        p1[c / 2] = hadd(v1[0], v1[1]);
-      }
-      const Halves lo = column_sums(p0), hi = column_sums(p1);
+      Halves lo, hi;
+      step_sums(
+          [&](int c, i32x8 v[2]) {
+            const uint8_t* bp = rows[c] + b * bb;
+            __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
+            int8_t sc[16];
+            B::scales16(bp, sc);
+            std::memcpy(&codes[c], sc + 4 * s, 4);
+            u8x32 u[2];
+            B::template ucodes64<s>(bp, u);
+            v[0] = pair_sums(maddubs(u[0], x0));
+            v[1] = pair_sums(maddubs(u[1], x1));
+          },
+          lo, hi);
       const i32x8 a[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {  // q8_direct's q8k step, group by group

@@ -13,7 +13,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
              scales_zeros.scalar_type(), np, k, g};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) { q4_group_params(w, gi, n0, s, z); };
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) { q4_group_params(w, gi, n0, s, z); };
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
@@ -23,7 +23,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear: f16 (d, m)");
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, np, k, 32};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
     q4_group_params(w, gi, n0, s, z);
     for (int64_t j = 0; j < kTile; j += 8) simd::store(z + j, simd::load(z + j) + simd::set1(8.f) * simd::load(s + j));
   };
@@ -36,7 +36,7 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z) {
+  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
     const uint16_t* p = d + gi * np + n0;
     const int64_t cols = std::min<int64_t>(kTile, np - n0);
     prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now

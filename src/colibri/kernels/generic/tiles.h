@@ -142,26 +142,40 @@ inline void q4k_codes8(const uint8_t* p, int64_t c, simd::u8& sc, simd::u8& m) {
   m = (lo >> 6) | (hi << 2);
 }
 
+// q4k: the f32 (d, dmin) of a tile's 64 columns in one super-block (8 groups of 32): decoded by q4k_params for the
+// super-block's first group and read by all eight (the caller keeps one per thread and asks for a tile's groups in
+// order from 0, as both drivers do).
+struct Q4kSupers {
+  alignas(32) float d[kTile], dmin[kTile];
+};
+
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
 // z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
-// w = q * s + z (the f32 path). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout).
+// w = q * s + z (the f32 path). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout); sup: the
+// f16 (d, dmin), decoded into ds when gi % 8 == 0.
 inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
-                       bool signed_codes, float* s, float* z) {
+                       bool signed_codes, float* s, float* z, Q4kSupers& ds) {
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
   const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
   // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
   const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
   prefetch_span(pc + tile_bytes, tile_bytes);
-  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
+  if (gi % 8 == 0) {
+    const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
+    prefetch_span(pd + kTile, 4 * kTile);
+    for (int64_t j = 0; j < cols; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+      const simd::u8 halves = simd::loadu(pd + j);
+      simd::store(ds.d + j, simd::f16x8(halves));
+      simd::store(ds.dmin + j, simd::f16x8(halves >> 16));
+    }
+  }
   for (int64_t j = 0; j < kTile; j += 8) {
-    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+    if (j >= cols) {
       simd::store(s + j, simd::zero());
       simd::store(z + j, simd::zero());
       continue;
     }
-    const simd::u8 halves = simd::loadu(pd + j);
     simd::u8 c, mc;
     if (packed) {
       q4k_codes8(pc, j, c, mc);
@@ -172,9 +186,8 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
       c = codes & 0xffu;
       mc = codes >> 8;
     }
-    const f8 d = simd::f16x8(halves), dmin = simd::f16x8(halves >> 16);
-    const f8 sv = d * simd::to_f(reinterpret_cast<simd::i8>(c));
-    const f8 mm = dmin * simd::to_f(reinterpret_cast<simd::i8>(mc));
+    const f8 sv = simd::load(ds.d + j) * simd::to_f(reinterpret_cast<simd::i8>(c));
+    const f8 mm = simd::load(ds.dmin + j) * simd::to_f(reinterpret_cast<simd::i8>(mc));
     simd::store(s + j, sv);
     simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
   }
@@ -290,8 +303,8 @@ void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float*
   }
 }
 
-// The outer-form driver over 64-column code tiles (q4 and the two-level q4k). params(gi, n0, s[64], z[64])
-// gives a group's parameters: bf16 x uses w ~ (q - 8) * s + z (the exact codes in the dot products, s and z in
+// The outer-form driver over 64-column code tiles (q4 and the two-level q4k). params(gi, n0, s[64], z[64], ds)
+// gives a group's parameters (ds: the thread's Q4kSupers, a tile's groups asked for in order from 0): bf16 x uses w ~ (q - 8) * s + z (the exact codes in the dot products, s and z in
 // f32 after them); f32 x multiplies the exact weights (q + off) * s + z.
 template <class PB, class PF>
 at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, PF&& params_f32, int off) {
@@ -321,13 +334,14 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     std::vector<float> acc(t * kTile);
     std::vector<float> buf(kMaxGroup * kTile);
     alignas(32) float s[kTile], z[kTile], xsum[kRows];
+    Q4kSupers ds;
     const simd::NibbleTables nt = simd::nibble_tables();
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
       if (!bf) {
         for (int64_t gi = 0; gi < groups; ++gi) {
-          params_f32(gi, n0, s, z);
+          params_f32(gi, n0, s, z, ds);
           q4_codes(w, n0, gi * g, g, off, buf.data());
           for (int64_t kk = 0; kk < g; ++kk)
             for (int c = 0; c < kVecs; ++c) {
@@ -348,7 +362,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       const uint8_t* tp = w.qw + n0 * (k / 2);
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t kg = gi * g;
-        params_bf16(gi, n0, s, z);
+        params_bf16(gi, n0, s, z, ds);
         if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
