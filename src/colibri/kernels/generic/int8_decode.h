@@ -176,6 +176,10 @@ inline void step_sums(Dot&& dot, Halves& a, Halves& b) {
   b = column_sums(p1);
 }
 
+// How far ahead q4_direct fetches its tile's bytes: into L2 (prefetcht1), three times kStreamAhead; both measured
+// faster from DRAM than kStreamAhead into L1 (docs/performance.md).
+constexpr int64_t kTileAhead = 3 * kStreamAhead;
+
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols]) gets each group's f32
 // steps. xq: the row's codes; d, qs: its per-group scale and offset term; prm: group 0's scales (group stride lds).
 __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
@@ -190,7 +194,8 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
 #pragma GCC unroll 2
       for (int p = 0; p < 8; ++p) {
         const int64_t kk = w0 + 2 * p;
-        prefetch_ahead(tile + kk * 32);  // this line's successor a stream distance on (the next tile past the end)
+        // this line's successor kTileAhead on (past the tile's end, the next tile's), into L2
+        __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
         const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
         int16_t pr;
         std::memcpy(&pr, xq + kk, 2);
