@@ -1,14 +1,17 @@
-"""The LOSSY int8-activation ops on GGUF K-quants as stored (q4k_linear_i8, q8k_linear_i8), which decode each
-group's scale on the fly from the 8-bit codes and the f16 super-scales, give the bits of the q4 / q8 int8 ops on the
-same codes with those scales materialized in f32 (q4k: s = d * sc, z = 8 * s - dmin * m, group 32; q8k: d * sc,
-group 16), in every kernel tier whose int8 ops this CPU runs: f32 and bf16 x, pass sizes 1 to 100, a 16-column q4
-tail tile, 8-row q8 tails, K past a 1024-k chunk, one or two threads."""
+"""The LOSSY int8-activation ops on GGUF kinds as stored (q4k_linear_i8, q8k_linear_i8; q4_1_linear_i8,
+q4_0_linear_i8), which decode each group's scale on the fly from the 8-bit codes and the f16 super-scales (or from
+the f16 (d, m) / d), give the bits of the q4 / q8 int8 ops on the same codes with those scales materialized in f32
+(q4k: s = d * sc, z = 8 * s - dmin * m, group 32; q8k: d * sc, group 16; q4_1: (d, m + 8 d); q4_0: (d, 0)), in every
+kernel tier whose int8 ops this CPU runs: f32 and bf16 x, pass sizes 1 to 100, a 16-column q4 tail tile, 8-row q8
+tails, K past a 1024-k chunk, one or two threads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize as gguf_quantize
 
 from colibri.quant.kinds import from_gguf, q4k_codes
 
@@ -85,6 +88,43 @@ def test_int8_kquants_do_not_depend_on_the_thread_count(tier_ops):
             _check(tier_ops, 200, 1536, (1, 6, 37), [torch.bfloat16], f" threads={n}")
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_1, QT.Q4_0])
+def test_int8_q4_1_and_q4_0_equal_their_derived_pairs(tier_ops, qt):
+    """Q4_1 / Q4_0 as stored: their int8 ops give q4_linear_i8's bits over the f32 pairs the weight derives, on every
+    tier, at every pass size (200 rows: a 16-column tail tile; K past a chunk), and the weight's linear() takes them
+    in the LOSSY mode (the pairs were made in torch on every call before: 4-5x the kernel's time on a decode step)."""
+    from colibri import kernels
+
+    n, k = 200, 2304
+    raw = gguf_quantize((np.random.default_rng(5).standard_normal((n, k)) * 0.02).astype(np.float32), qt)
+    w = from_gguf(raw, qt, (n, k))
+    b = w._buffers
+    s, z = w._scales_zeros_f32(0, b["qweight"].shape[0])
+    pairs = torch.stack([s, z], dim=-1).contiguous()
+
+    def op(o, x):
+        if qt == QT.Q4_1:
+            return o.q4_1_linear_i8(x, b["qweight"], b["scales_mins"])
+        return o.q4_0_linear_i8(x, b["qweight"], b["scales"])
+
+    for tier, o in tier_ops.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for t in ROWS:
+                x = _x(t, k, dtype, seed=t)
+                y = op(o, x)
+                assert y.dtype == dtype and torch.equal(y, o.q4_linear_i8(x, b["qweight"], pairs, 32)), (qt, tier, t)
+    x = _x(3, k, torch.bfloat16, seed=9)
+    try:
+        for tier in tier_ops:
+            kernels.use(tier)
+            kernels.set_int8_activations(True)
+            assert torch.equal(w.linear(x), op(tier_ops[tier], x)[:, :n]), (qt, tier)
+            kernels.set_int8_activations(None)
+    finally:
+        kernels.set_int8_activations(None)
+        kernels.use(None)
 
 
 def test_k_quant_weights_use_them_in_the_lossy_mode_only():

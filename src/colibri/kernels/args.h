@@ -14,23 +14,29 @@ inline void check_x(const at::Tensor& x, const char* op) {
 }
 
 // q4: qweight [Np, K/2] tiles, scales_zeros [K/g, Np, 2]; g divides the 256-k chunks the tiers walk.
-inline void check_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t g) {
-  check_x(x, "q4_linear");
+inline void check_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t g,
+                     const char* op = "q4_linear") {
+  check_x(x, op);
   const int64_t k = x.size(1), np = qweight.size(0);
   TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && qweight.size(1) * 2 == k &&
-              scales_zeros.size(1) == np && np % 16 == 0 && g > 0 && k % g == 0 && 256 % g == 0,
-              "q4_linear: shapes do not match the stored layout");
+              scales_zeros.size(1) == np && np % 16 == 0 && g > 0 && k % g == 0 && 256 % g == 0, op,
+              ": shapes do not match the stored layout");
 }
 
 // q4_0: qweight [Np, K/2] tiles, scales f16 [K/32, Np] (d per group of 32 and row).
-inline void check_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  check_x(x, "q4_0_linear");
+inline void check_q4_0(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const char* op = "q4_0_linear") {
+  check_x(x, op);
   const int64_t k = x.size(1), np = qweight.size(0);
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && qweight.scalar_type() == at::kByte &&
               scales.scalar_type() == at::kHalf && qweight.size(1) * 2 == k && k % 32 == 0 && np % 16 == 0 &&
-              scales.dim() == 2 && scales.size(0) == k / 32 && scales.size(1) == np,
-              "q4_0_linear: shapes do not match the stored layout");
+              scales.dim() == 2 && scales.size(0) == k / 32 && scales.size(1) == np, op,
+              ": shapes do not match the stored layout");
 }
+
+// Where a q4-tiled weight's (scale, zero) per group come from: q4's stored pairs; Q4_1's f16 (d, m) as stored
+// (scale d, zero m + 8 d, each f32 step rounded once); Q4_0's f16 d (scale d, zero 0).
+enum class Q4Pairs { kStored, kQ41, kQ40 };
 
 inline void check_dense(const at::Tensor& x, const at::Tensor& w) {
   check_x(x, "dense_linear");

@@ -289,6 +289,7 @@ struct Weight {
   // q8k: d [N, G/16] with sc s8 [N, G]. Null: sc holds the scales themselves.
   const uint16_t* sup = nullptr;
   bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
+  Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
 };
 
 // q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
@@ -303,7 +304,19 @@ inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
   if (w.sup)
     return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4);
+  if (w.pairs == Q4Pairs::kQ40) {  // f16 d [G, Np]: the exact q4_0_linear's
+    const uint16_t* d = static_cast<const uint16_t*>(w.sc) + gi * w.cols + n0;
+    const int64_t cols = std::min<int64_t>(kCols, w.cols - n0);
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = cols - 16 * c;
+      prm[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), d + 16 * c));
+      prm[4 + c] = _mm512_setzero_ps();
+    }
+    return;
+  }
   q4_group_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, gi, n0, prm, prm + 4);
+  if (w.pairs == Q4Pairs::kQ41)  // (d, m): zero m + 8 d
+    for (int c = 0; c < 4; ++c) prm[4 + c] = _mm512_add_ps(prm[4 + c], _mm512_mul_ps(_mm512_set1_ps(8.f), prm[c]));
 }
 
 // ---- q8, small passes: the dot form ---------------------------------------------------------------------------
@@ -595,6 +608,27 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
            static_cast<int64_t>(scales.element_size()), n, k, xg};
   return q8_run(x, w, group_size);
+}
+
+// GGUF Q4_1 / Q4_0 as stored (colibri.quant.kinds q4_1, q4_0: the q4 tiles with f16 (d, m) / d per group of 32).
+// Bit for bit q4_linear_i8 with group 32 and the f32 pairs (d, m + 8 d) / (d, 0).
+at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_1_linear_i8");
+  check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
+  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
+  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, 2, np, k, 32};
+  w.pairs = Q4Pairs::kQ41;
+  return linear_i8<kQ4>(x, w, 32);
+}
+
+at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_0_linear_i8");
+  check_q4_0(x, qweight, scales, "q4_0_linear_i8");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, 2, np, k, 32};
+  w.pairs = Q4Pairs::kQ40;
+  return linear_i8<kQ4>(x, w, 32);
 }
 
 // GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tiles (group 32), the (sc, m) codes (args.h), (d, dmin)

@@ -29,6 +29,8 @@
   X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \
   X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \
   X(q8_linear_i8, "Tensor x, Tensor qweight, Tensor scales, int group_size")                                      \
+  X(q4_1_linear_i8, "Tensor x, Tensor qweight, Tensor scales_mins")                                               \
+  X(q4_0_linear_i8, "Tensor x, Tensor qweight, Tensor scales")                                                    \
   X(q4k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
   X(q8k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
   X(q6k_linear_i8, "Tensor x, Tensor blocks")                                                                     \

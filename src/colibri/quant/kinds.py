@@ -399,13 +399,6 @@ class _DerivedQ4Weight(Q4Weight):
         p = torch.stack([s, z]).view(2, k // g, t1 - t0, _TILE).permute(0, 2, 1, 3).unsqueeze(3).contiguous()
         return p[0], p[1]
 
-    def _q4_linear_i8(self, x: torch.Tensor) -> torch.Tensor:
-        """LOSSY: q4's int8 kernel over the derived pairs in f32 (exact), made per call (a kept f32 copy would cost
-        a third of the weight's bytes again, outside the budget)."""
-        qw = self._buffers["qweight"]
-        s, z = self._scales_zeros_f32(0, qw.shape[0])
-        return kernels.library().q4_linear_i8(x, qw, torch.stack([s, z], dim=-1), self.group_size)
-
 
 class Q41Weight(_DerivedQ4Weight):
     """GGUF Q4_1 kept exactly: the q4 tiles with f16 (d, m) per group of 32 as the file stores them, w = d q + m,
@@ -423,7 +416,7 @@ class Q41Weight(_DerivedQ4Weight):
         b = self._buffers
         if kernels.native():
             if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
-                return self._q4_linear_i8(x)
+                return kernels.library().q4_1_linear_i8(x, b["qweight"], b["scales_mins"])
             return kernels.library().q4_1_linear(x, b["qweight"], b["scales_mins"])
         return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
 
@@ -444,7 +437,7 @@ class Q40Weight(_DerivedQ4Weight):
         b = self._buffers
         if kernels.native():
             if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
-                return self._q4_linear_i8(x)
+                return kernels.library().q4_0_linear_i8(x, b["qweight"], b["scales"])
             return kernels.library().q4_0_linear(x, b["qweight"], b["scales"])
         if x.dtype == torch.bfloat16:  # torch's int4 kernel, as q4 with (d, 0) in bf16
             if self._packed is None:

@@ -237,6 +237,7 @@ struct Weight {
   // a stored-f32 call would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
   const void* sup = nullptr;
   bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
+  Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
 };
 
 // One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
@@ -349,11 +350,21 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
     Q4kSupers ds;
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
-      if (w.sup)
+      if (w.sup) {
         q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, static_cast<const uint16_t*>(w.sup), w.cols, gi, n0,
                    true, o, o + kCols, ds);
-      else
+      } else if (w.pairs == Q4Pairs::kQ40) {  // f16 d [G, Np]
+        const uint16_t* d = static_cast<const uint16_t*>(w.sc) + gi * w.cols + n0;
+        for (int64_t j = 0; j < kCols; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+          simd::store(o + j, j < cols ? simd::f16x8(d + j) : simd::zero());
+          simd::store(o + kCols + j, simd::zero());
+        }
+      } else {
         q4_group_params(q4, gi, n0, o, o + kCols);
+        if (w.pairs == Q4Pairs::kQ41)  // (d, m): zero m + 8 d
+          for (int64_t j = 0; j < kCols; j += 8)
+            simd::store(o + kCols + j, simd::load(o + kCols + j) + simd::set1(8.f) * simd::load(o + j));
+      }
     }
   } else if constexpr (K == kQ8Grouped) {  // [N, G]
     std::vector<float> row(groups);
@@ -481,6 +492,27 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
            n, k, xg};
   return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
+}
+
+// GGUF Q4_1 / Q4_0 kept as stored (colibri.quant.kinds's q4_1, q4_0: the q4 tiles with f16 (d, m) / d per group of
+// 32): the bits of q4_linear_i8 with group 32 and the f32 pairs (d, m + 8 d) / (d, 0), made here per tile.
+at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_1_linear_i8");
+  check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
+  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
+  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, np, k, 32};
+  w.pairs = Q4Pairs::kQ41;
+  return linear_i8<kQ4>(x, w);
+}
+
+at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_0_linear_i8");
+  check_q4_0(x, qweight, scales, "q4_0_linear_i8");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, np, k, 32};
+  w.pairs = Q4Pairs::kQ40;
+  return linear_i8<kQ4>(x, w);
 }
 
 // GGUF Q4_K kept as stored (colibri.quant.kinds's q4k): the q4 tile codes, the (sc, m) codes (args.h), (d, dmin)
