@@ -22,8 +22,8 @@
 //     columns walk all of K over them, their f32 sums in L1. q4 passes of at most 4 rows take the quads straight
 //     from the stored tile in registers.
 //   dot (q8 up to kDotMaxRows rows, x groups a multiple of 64): see q8_dot16; the codes are read as stored.
-//   decode (q8k up to kDirectRows rows, its x groups of 16): generic/int8_decode.h's q8 form, shared with the
-//     generic tiers (AVX2 instructions, which every CPU of this tier has).
+//   decode (q8k up to kDirectRows rows, its x groups of 16; q4 passes of one row): generic/int8_decode.h's q8 and
+//     q4 forms, shared with the generic tiers (AVX2 instructions, which every CPU of this tier has).
 
 // GGUF K-quants in their stored form (q4k_linear_i8, q8k_linear_i8): the same kernels (Weight.sup set), with each
 // group's scale computed where the stored one is read, from the 8-bit codes and the f16 super-scales, in f32 with
@@ -441,6 +441,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const Tables tb;
   const Out out(y);
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
+  // q4_direct's offset term of A per (row, group): -8 * the sum of the x codes
+  std::vector<int32_t> qoff(K == kQ4 && t == 1 ? groups : 0);
+  for (size_t i = 0; i < qoff.size(); ++i) qoff[i] = -8 * a.qs[i];
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     static thread_local std::vector<__m512i> quads;  // a tile's quads for all of K (K * 64 bytes: in L2 while the
                                                      // row blocks pass), kept for the thread's next call
@@ -450,6 +453,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
       // q4 quads straight from the tile for passes of at most 4 rows (above, the unpacking repeated in every
       // register block costs more than laying the quads out once); the same codes either way
       const bool direct = K == kQ4 && cols == kCols && t <= 4;
+      // one row: int8_decode.h's q4 decode form (the generic tiers' own), which reads the tile's bytes as stored and
+      // ran faster from DRAM than the quads made from them in registers (docs/performance.md)
+      const bool q4_row = direct && t == 1;
       for (int64_t gi = 0; gi < groups; ++gi) {
         if constexpr (K == kQ4) {
           q4_params(w, gi, n0, &prm[gi * 8]);
@@ -479,7 +485,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
           asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, whose startup costs more than 16 stores
           _mm512_store_ps(tot + i, zero);
         }
-        for (int64_t gi = 0; gi < groups; ++gi) {
+        if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
+          q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), reinterpret_cast<const float*>(prm.data()), 2 * kCols, tot);
+        for (int64_t gi = 0; gi < (q4_row ? 0 : groups); ++gi) {
           const int64_t kg = gi * xg, off = r0 * groups + gi;
           const int8_t* xq = a.q + r0 * k + kg;
           if (direct) {
