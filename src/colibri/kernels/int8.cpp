@@ -301,9 +301,9 @@ inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
 
 // (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column): the exact kernels' own
 // (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
-void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8]) {
+void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8], Q4kSupers& ds) {
   if (w.sup)
-    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4);
+    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4, ds);
   if (w.pairs == Q4Pairs::kQ40) {  // f16 d [G, Np]: the exact q4_0_linear's
     const uint16_t* d = static_cast<const uint16_t*>(w.sc) + gi * w.cols + n0;
     const int64_t cols = std::min<int64_t>(kCols, w.cols - n0);
@@ -448,6 +448,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
     static thread_local std::vector<__m512i> quads;  // a tile's quads for all of K (K * 64 bytes: in L2 while the
                                                      // row blocks pass), kept for the thread's next call
     std::vector<__m512> prm(groups * 8);
+    Q4kSupers ds;  // q4k: a super-block's (d, dmin), for q4_params
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       // q4 quads straight from the tile for passes of at most 4 rows (above, the unpacking repeated in every
@@ -458,7 +459,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
       const bool q4_row = direct && t == 1;
       for (int64_t gi = 0; gi < groups; ++gi) {
         if constexpr (K == kQ4) {
-          q4_params(w, gi, n0, &prm[gi * 8]);
+          q4_params(w, gi, n0, &prm[gi * 8], ds);
         } else if constexpr (K == kQ8Grouped) {
           alignas(64) float s[kCols] = {};
           for (int64_t j = 0; j < cols; ++j) s[j] = q8_scale(w, n0 + j, gi, groups);

@@ -27,7 +27,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
   Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
        scales_zeros.scalar_type(), scales_zeros.element_size(), np, k, g};
-  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) { q4_group_params(w, gi, n0, s, z); };
+  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z, Q4kSupers&) { q4_group_params(w, gi, n0, s, z); };
   return q4_tiles_linear(x, w, params, params, -8);
 }
 
@@ -38,7 +38,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear: f16 (d, m)");
   const int64_t k = x.size(1), np = qweight.size(0);
   Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, 2, np, k, 32};
-  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z, Q4kSupers&) {
     q4_group_params(w, gi, n0, s, z);
     for (int c = 0; c < 4; ++c) z[c] = _mm512_add_ps(z[c], _mm512_mul_ps(_mm512_set1_ps(8.f), s[c]));
   };
@@ -52,7 +52,7 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, 2, np, k, 32};
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z) {
+  auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z, Q4kSupers&) {
     const uint16_t* p = d + gi * np + n0;
     const int64_t cols = std::min<int64_t>(kTile, np - n0);
     prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now

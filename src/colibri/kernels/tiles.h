@@ -86,12 +86,19 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __
   }
 }
 
+// q4k: the f32 (d, dmin) of a tile's 64 columns in one super-block (8 groups of 32): decoded by q4k_params for the
+// super-block's first group and read by all eight (the caller keeps one per thread and asks for a tile's groups in
+// order from 0, as every driver does).
+struct Q4kSupers {
+  __m512 d[4], dmin[4];
+};
+
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column), s = d * sc from the
 // (sc, m) codes (packed or a byte each: args.h, check_q4k_layout) and f16 (d, dmin) [G/8, Np, 2]. signed_codes: z for
 // w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = -dmin * m for w = q * s + z (the
 // f32 path, exact).
 inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
-                       bool signed_codes, __m512 s[4], __m512 z[4]) {
+                       bool signed_codes, __m512 s[4], __m512 z[4], Q4kSupers& ds) {
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
   const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
   const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
@@ -124,11 +131,13 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
       csc = _mm512_and_si512(codes, lo8);  // (sc | m << 8) per column
       cm = _mm512_srli_epi32(codes, 8);
     }
-    const __m512i halves = _mm512_maskz_loadu_epi32(m, pd + 16 * c);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(halves, lo16)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
-    s[c] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(csc));
-    const __m512 mm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(cm));
+    if (gi % 8 == 0) {  // the super-block's (d, dmin) of these 16 columns
+      const __m512i halves = _mm512_maskz_loadu_epi32(m, pd + 16 * c);
+      ds.d[c] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(halves, lo16)));
+      ds.dmin[c] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
+    }
+    s[c] = _mm512_mul_ps(ds.d[c], _mm512_cvtepi32_ps(csc));
+    const __m512 mm = _mm512_mul_ps(ds.dmin[c], _mm512_cvtepi32_ps(cm));
     z[c] = signed_codes ? _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s[c]), mm)
                         : _mm512_sub_ps(_mm512_setzero_ps(), mm);
   }
@@ -316,8 +325,9 @@ std::vector<float> group_sums(const uint16_t* x, int64_t t, int64_t k, int64_t g
 }
 
 // The outer-form driver over 64-column code tiles (q4 and the two-level q4k): bf16 x uses
-// params_bf16(group, n0, s, z) for w ~ (q - 8) * s + z (the exact codes in the dot product, s and z in
-// f32 after it); f32 x multiplies the exact weights of q4_weights_chunk(params_f32, off).
+// params_bf16(group, n0, s, z, ds) for w ~ (q - 8) * s + z (the exact codes in the dot product, s and z in
+// f32 after it); f32 x multiplies the exact weights of q4_weights_chunk(params_f32, off). ds: the thread's
+// Q4kSupers (a tile's groups are asked for in order from 0).
 template <class PB, class PF>
 at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, PF&& params_f32, int off) {
   const int64_t t = x.size(0), k = w.k, np = w.np, g = w.g;
@@ -331,6 +341,8 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     std::vector<float> acc(t * kTile + 16);
     alignas(64) static thread_local float buf[kChunk * kTile];  // 64 KiB: f32 weights or (2x) bf16 code pairs
     alignas(64) static thread_local __m512 params[kChunk / 32][8];
+    Q4kSupers ds;
+    auto pf = [&](int64_t gi, int64_t n0, __m512* sv, __m512* zv) { params_f32(gi, n0, sv, zv, ds); };
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
@@ -338,14 +350,14 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t kn = std::min<int64_t>(kChunk, k - k0), ng = kn / g;
         if (!bf) {
-          q4_weights_chunk(w, n0, k0, kn, buf, params_f32, off);
+          q4_weights_chunk(w, n0, k0, kn, buf, pf, off);
           for_rows(t, [&](int64_t r0, auto R) {
             outer_f32<decltype(R)::value>(buf, kn, x.data_ptr<float>() + r0 * k + k0, k, acc.data() + r0 * kTile,
                                           k0 == 0);
           });
           continue;
         }
-        for (int64_t i = 0; i < ng; ++i) params_bf16(k0 / g + i, n0, params[i], params[i] + 4);
+        for (int64_t i = 0; i < ng; ++i) params_bf16(k0 / g + i, n0, params[i], params[i] + 4, ds);
         if (full && t <= kRows) {  // decode: codes straight from the tile, no buffer (same values, same order)
           const uint8_t* tp = w.qw + n0 * (k / 2);
           for_rows(t, [&](int64_t r0, auto R) {
