@@ -85,7 +85,6 @@ inline s8x32 broadcast4(const int8_t* p) {
 //     (|pair| <= 2 * 128 * 127 = 32512), then vpmaddwd: int32 lane i sums k = 4i .. 4i + 3; eight rows' lanes
 //     summed per group by a fixed tree (int32: exact in any order).
 
-constexpr int64_t kAhead = 1024;  // bytes of each weight row fetched ahead of their use
 
 inline u8x32 load32(const void* p) { return vload<u8x32>(p); }
 
@@ -266,8 +265,8 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
     Halves a, b;
     step_sums(
         [&](int c, i32x8 v[2]) {
-          // this row kAhead on; past its end, the row 8 on (the next block's): each byte is fetched once
-          __builtin_prefetch(k0 + kAhead < k ? rows[c] + k0 + kAhead : rows[c] + 7 * k + k0 + kAhead);
+          // the same bytes of the row 8 on (the next call's) into L2, as ublocks_direct's
+          __builtin_prefetch(rows[c] + 8 * k + k0, 0, 2);
           v[0] = dot4(vload<s8x32>(rows[c] + k0), x0);
           v[1] = dot4(vload<s8x32>(rows[c] + k0 + 32), x1);
         },
