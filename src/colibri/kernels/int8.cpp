@@ -16,14 +16,15 @@
 // once to x's dtype.
 // Two loop forms; the int32 sums are exact whatever the order of their terms, and both run the same f32 steps per
 // (row, column) in group order, so a row's result is the same in either (tests/test_int8_kernels.py crosses them):
-//   quads (q4 at every T, q8 from kDotMaxRows + 1 rows and for x groups of 32): 64-column tiles (parallel); the
+//   quads (q4 at every T, q8 from kDotMaxRows + 1 rows, x groups of 16 or 32 above kDirectRows): 64-column tiles; the
 //     tile's weights for all of K are laid out once as "quads" (4 consecutive k of 16 columns in one 32-bit lane
 //     each, 4 vectors per 64 columns; about K * 64 bytes, in L2) and register blocks of up to kRowBlock rows x 64
 //     columns walk all of K over them, their f32 sums in L1. q4 passes of at most 4 rows take the quads straight
 //     from the stored tile in registers.
 //   dot (q8 up to kDotMaxRows rows, x groups a multiple of 64): see q8_dot16; the codes are read as stored.
-//   decode (q8k up to kDirectRows rows, its x groups of 16; q4 passes of one row): generic/int8_decode.h's q8 and
-//     q4 forms, shared with the generic tiers (AVX2 instructions, which every CPU of this tier has).
+//   decode (grouped q8 and q8k up to kDirectRows rows, x groups of 16 or 32; q4 passes of one row):
+//     generic/int8_decode.h's q8 and q4 forms, shared with the generic tiers (AVX2 instructions, which every CPU of
+//     this tier has).
 
 // GGUF K-quants in their stored form (q4k_linear_i8, q8k_linear_i8): the same kernels (Weight.sup set), with each
 // group's scale computed where the stored one is read, from the 8-bit codes and the f16 super-scales, in f32 with
@@ -562,26 +563,31 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   return y;
 }
 
-// q8k passes of at most kDirectRows rows: generic/int8_decode.h's q8 decode form (its x groups of 16 do not fit
-// the dot form), 64-column blocks (parallel). The same int32 sums and f32 steps per (row, column, group) as the
-// quads, so the same bits.
-at::Tensor q8k_decode(const at::Tensor& x, const Weight& w) {
-  const int64_t t = x.size(0), k = w.k, groups = k / 16;
+// Grouped q8 passes of at most kDirectRows rows whose x groups the dot form does not take (q8k's 16, and 32):
+// generic/int8_decode.h's q8 decode form, 64-column blocks (parallel). The same int32 sums and f32 steps per (row,
+// column, group) as the quads, so the same bits. q8k decodes its scales from the codes; q8 reads a table of the
+// block's [G][64] scales.
+at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
+  const int64_t t = x.size(0), k = w.k, xg = w.g, groups = k / xg;
   at::Tensor y = at::empty({t, w.cols}, x.options());
   if (t == 0) return y;
-  const Activations a = quantize_rows(x, 16);
+  const Activations a = quantize_rows(x, xg);
   const Out out(y);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
-  const int8_t* sc = static_cast<const int8_t*>(w.sc);
+  const int8_t* sc = w.sup ? static_cast<const int8_t*>(w.sc) : nullptr;
   at::parallel_for(0, (w.cols + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
     alignas(64) float acc[kDirectRows * kCols];
+    std::vector<float> prm(w.sup ? 0 : groups * kCols);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * kCols, cols = std::min(kCols, w.cols - n0);
+      for (int64_t j = 0; j < (w.sup ? 0 : kCols); ++j)
+        for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? q8_scale(w, n0 + j, gi, groups) : 0.f;
       std::fill(acc, acc + t * kCols, 0.f);
       for (int64_t r = 0; r < t; ++r)
         for (int64_t c = 0; c < cols; c += 8)
-          q8_direct<false>(qw + (n0 + c) * k, cols - c, k, 16, a.q + r * k, a.d + r * groups, nullptr, 0,
-                           sc + (n0 + c) * groups, w.sup + (n0 + c) * (k / 256), acc + r * kCols + c);
+          q8_direct<false>(qw + (n0 + c) * k, cols - c, k, xg, a.q + r * k, a.d + r * groups,
+                           w.sup ? nullptr : prm.data() + c, kCols, w.sup ? sc + (n0 + c) * groups : nullptr,
+                           w.sup ? w.sup + (n0 + c) * (k / 256) : nullptr, acc + r * kCols + c);
       store_columns(acc, kCols, t, cols, out, 0, n0);
     }
   });
@@ -605,6 +611,7 @@ at::Tensor q8_run(const at::Tensor& x, const Weight& w, int64_t group_size) {
   const int64_t xg = w.g;
   if (xg % 64 == 0 && x.size(0) <= kDotMaxRows)
     return group_size ? q8_linear_dot<kQ8Grouped>(x, w) : q8_linear_dot<kQ8Channel>(x, w);
+  if (group_size && x.size(0) <= kDirectRows) return q8_decode(x, w);
   return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
 }
 
@@ -665,11 +672,11 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
               "q8k_linear_i8: shapes do not match the stored layout");
   Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, 1, n, k, 16,
            reinterpret_cast<const uint16_t*>(supers.data_ptr())};
-  return x.size(0) <= kDirectRows ? q8k_decode(x, w) : q8_run(x, w, 16);
+  return q8_run(x, w, 16);
 }
 
 // GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs; gguf_blocks.h): int8_decode.h's blocks_i8
-// with this tier's activations, store and q8k_linear_i8 (decode passes: q8k_decode's q8_direct).
+// with this tier's activations, store and q8k_linear_i8 (decode passes: q8_decode's q8_direct).
 template <class B>
 at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const char* op) {
   check_blocks(x, blocks, op, 256, B::kBlockBytes);
