@@ -29,13 +29,14 @@ themselves; the native tiers give each other's bits (tests/test_tiers.py), the f
 theirs in the last bits. `colibri kernels` lists all this.
 
 LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`, `--lossy-int8-activations`, or
-`COLIBRI_LOSSY_INT8=1`): q4, q8, q4k and q8k weights (the K-quants' two-level scales decoded per group, as
-stored), and q6k, q3k and iq4_xs through q8k's kernels (their blocks decoded to q8k's codes and scales), multiply
-activations quantized per row and per group (q8k: per 16) to int8 with int8 dot products (AVX-512 VNNI in the
-avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one: the same bits in all), about
-twice the arithmetic rate of the exact kernels on long passes. Still batch-invariant; its quality cost is in docs/performance.md. Process-wide, like the kernel tier: once set, every
-model in the process uses it. Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need,
-a one-line notice says so and the exact kernels run.
+`COLIBRI_LOSSY_INT8=1`): q4 (and q4_1, q4_0: their f16 scales as stored), q8, q4k and q8k weights (the K-quants'
+two-level scales decoded per group, as stored), and q6k, q3k and iq4_xs through q8k's kernels (their blocks decoded
+to q8k's codes and scales), multiply activations quantized per row and per group (q8k: per 16) to int8 with int8 dot
+products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one:
+the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still batch-invariant;
+its quality cost is in docs/performance.md. Process-wide, like the kernel tier: once set, every model in the process
+uses it. Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need, a one-line notice says
+so and the exact kernels run.
 """
 
 from __future__ import annotations

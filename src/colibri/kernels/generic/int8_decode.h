@@ -382,8 +382,9 @@ void blocks_by_q8k_chunks(const at::Tensor& x, const uint8_t* blocks, int64_t n,
 
 // The int8 op of the GGUF blocks with q8k's values (q6k, q3k, iq4_xs) in each int8 source (its blocks_linear_i8
 // checks the arguments): q8k_linear_i8's bits over the codes, scale codes and d decoded from the blocks. Decode
-// passes decode 8 rows at a time into the thread's buffers just before q8_direct reads them (columns in tiles of
-// `unit`); longer passes decode chunks of rows whole and run the tier's q8k_linear_i8 (q8k) over each. quantize(x):
+// passes of a kind with unsigned codes (B::kUnsigned: q6k) multiply them in registers (ublocks_direct); the others
+// decode 8 rows at a time into the thread's buffers just before q8_direct reads them (columns in tiles of `unit`);
+// longer passes decode chunks of rows whole and run the tier's q8k_linear_i8 (q8k) over each. quantize(x):
 // the tier's int8 rows of x per 16 values (.q, .d); store(y, acc, t, cols, n0): acc [t][unit] -> y's columns
 // [n0, n0 + cols) in y's dtype.
 template <class B, class Quantize, class Store, class Q8k>
