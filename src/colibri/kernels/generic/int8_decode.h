@@ -298,7 +298,6 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
 // The same bytes of the row 8 on (the next call's) are fetched into L2 as these are read: with rows of a few
 // blocks (K = 1536: 1260 bytes) each stream is too short for the hardware prefetcher, and fetching into L1 ran
 // out of its miss buffers (docs/performance.md).
-constexpr int64_t kUnsignedRows = 4;  // passes up to this many rows decode the codes once per x row
 
 template <class B>
 __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* d,
@@ -399,7 +398,8 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
     return y;
   }
   const auto a = quantize(x);
-  const bool fused = B::kUnsigned && t <= kUnsignedRows;
+  // q6k: the codes decoded where they are multiplied, once per x row (at 2 and 4 rows still faster than the buffer)
+  constexpr bool fused = B::kUnsigned;
   std::vector<int32_t> xoff(fused ? t * groups : 0);  // 32 * the sum of each group's x codes (ublocks_direct)
   for (int64_t i = 0; i < static_cast<int64_t>(xoff.size()); ++i) {
     int32_t s = 0;
@@ -413,17 +413,14 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * unit, cols = std::min(unit, n - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
-      if constexpr (B::kUnsigned) {
-        if (fused) {
-          for (int64_t c = 0; c < cols; c += 8)
-            for (int64_t r = 0; r < t; ++r)
-              ublocks_direct<B>(bw + (n0 + c) * nb * B::kBlockBytes, cols - c, k, a.q + r * k, a.d + r * groups,
-                                xoff.data() + r * groups, acc.data() + r * unit + c);
-          store(y, acc.data(), t, cols, n0);
-          continue;
-        }
+      if constexpr (fused) {
+        for (int64_t c = 0; c < cols; c += 8)
+          for (int64_t r = 0; r < t; ++r)
+            ublocks_direct<B>(bw + (n0 + c) * nb * B::kBlockBytes, cols - c, k, a.q + r * k, a.d + r * groups,
+                              xoff.data() + r * groups, acc.data() + r * unit + c);
+      } else {
+        blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
       }
-      blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
       store(y, acc.data(), t, cols, n0);
     }
   });
