@@ -85,7 +85,6 @@ inline s8x32 broadcast4(const int8_t* p) {
 //     (|pair| <= 2 * 128 * 127 = 32512), then vpmaddwd: int32 lane i sums k = 4i .. 4i + 3; eight rows' lanes
 //     summed per group by a fixed tree (int32: exact in any order).
 
-
 inline u8x32 load32(const void* p) { return vload<u8x32>(p); }
 
 // Bytes of a and b interleaved, per 128-bit half: half h of each (bytes 8h .. 8h + 7 of both halves): the
@@ -298,7 +297,6 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
 // The same bytes of the row 8 on (the next call's) are fetched into L2 as these are read: with rows of a few
 // blocks (K = 1536: 1260 bytes) each stream is too short for the hardware prefetcher, and fetching into L1 ran
 // out of its miss buffers (docs/performance.md).
-
 template <class B>
 __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* d,
                                               const int32_t* xoff, float* tot) {
