@@ -305,19 +305,8 @@ inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8], Q4kSupers& ds) {
   if (w.sup)
     return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4, ds);
-  if (w.pairs == Q4Pairs::kQ40) {  // f16 d [G, Np]: the exact q4_0_linear's
-    const uint16_t* d = static_cast<const uint16_t*>(w.sc) + gi * w.cols + n0;
-    const int64_t cols = std::min<int64_t>(kCols, w.cols - n0);
-    for (int c = 0; c < 4; ++c) {
-      const int64_t left = cols - 16 * c;
-      prm[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), d + 16 * c));
-      prm[4 + c] = _mm512_setzero_ps();
-    }
-    return;
-  }
-  q4_group_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, gi, n0, prm, prm + 4);
-  if (w.pairs == Q4Pairs::kQ41)  // (d, m): zero m + 8 d
-    for (int c = 0; c < 4; ++c) prm[4 + c] = _mm512_add_ps(prm[4 + c], _mm512_mul_ps(_mm512_set1_ps(8.f), prm[c]));
+  q4_pairs_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, w.pairs, gi, n0, prm,
+                  prm + 4);
 }
 
 // ---- q8, small passes: the dot form ---------------------------------------------------------------------------

@@ -39,8 +39,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t k = x.size(1), np = qweight.size(0);
   Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, 2, np, k, 32};
   auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z, Q4kSupers&) {
-    q4_group_params(w, gi, n0, s, z);
-    for (int c = 0; c < 4; ++c) z[c] = _mm512_add_ps(z[c], _mm512_mul_ps(_mm512_set1_ps(8.f), s[c]));
+    q4_pairs_params(w, Q4Pairs::kQ41, gi, n0, s, z);
   };
   return q4_tiles_linear(x, w, params, params, -8);
 }
@@ -50,17 +49,9 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   check_q4_0(x, qweight, scales);
   const int64_t k = x.size(1), np = qweight.size(0);
-  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, 2, np, k, 32};
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), at::kHalf, 2, np, k, 32};
   auto params = [&](int64_t gi, int64_t n0, __m512* s, __m512* z, Q4kSupers&) {
-    const uint16_t* p = d + gi * np + n0;
-    const int64_t cols = std::min<int64_t>(kTile, np - n0);
-    prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now
-    for (int c = 0; c < 4; ++c) {
-      const int64_t left = cols - 16 * c;
-      s[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), p + 16 * c));
-      z[c] = _mm512_setzero_ps();
-    }
+    q4_pairs_params(w, Q4Pairs::kQ40, gi, n0, s, z);
   };
   return q4_tiles_linear(x, w, params, params, -8);
 }

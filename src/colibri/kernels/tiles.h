@@ -61,7 +61,7 @@ inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 struct Q4 {
   const uint8_t* qw;  // [Np, K/2] stored tiles
-  const uint8_t* sz;  // [G, Np, 2] (scale, zero)
+  const uint8_t* sz;  // [G, Np, 2] (scale, zero); Q4_1: f16 (d, m) the same way; Q4_0: f16 d [G, Np]
   at::ScalarType st;
   int64_t esz, np, k, g;
 };
@@ -83,6 +83,25 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __
     __m512 a = _mm512_load_ps(buf + 32 * c), b = _mm512_load_ps(buf + 32 * c + 16);
     s[c] = _mm512_permutex2var_ps(a, even, b);
     z[c] = _mm512_permutex2var_ps(a, odd, b);
+  }
+}
+
+// (scale, zero) of group gi for the tile at n0 by where the weight keeps them (args.h's Q4Pairs; sz points at
+// them): q4's stored pairs; Q4_1's f16 (d, m) pairs, zero m + 8 d; Q4_0's f16 d [G, Np], zero 0.
+inline void q4_pairs_params(const Q4& w, Q4Pairs pairs, int64_t gi, int64_t n0, __m512 s[4], __m512 z[4]) {
+  if (pairs != Q4Pairs::kQ40) {
+    q4_group_params(w, gi, n0, s, z);
+    if (pairs == Q4Pairs::kQ41)
+      for (int c = 0; c < 4; ++c) z[c] = _mm512_add_ps(z[c], _mm512_mul_ps(_mm512_set1_ps(8.f), s[c]));
+    return;
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(w.sz) + gi * w.np + n0;
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  prefetch_span(d + kTile, 2 * kTile);  // the next tile's, used a tile from now
+  for (int c = 0; c < 4; ++c) {
+    const int64_t left = cols - 16 * c;
+    s[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), d + 16 * c));
+    z[c] = _mm512_setzero_ps();
   }
 }
 

@@ -54,7 +54,7 @@ struct Rows {
 
 // q8 rows (--kv-quant q8): int8 codes [Hkv, B, Dh] and f32 scales [Hkv, B, Dh / kQ8Group] per block. A value is
 // its code times its group's scale in f32, rounded to bf16 (to nearest, ties to even: torch's conversion) where
-// the cache's dtype is bf16: kv/cache.py's dequantize, so attention over q8 rows is attention over those rows
+// the cache's dtype is bf16: ops.dequantize_q8, so attention over q8 rows is attention over those rows
 // dequantized, bit for bit, without a dequantized copy of the context per layer and step. The row type `Q8`:
 // scores and outputs dequantize each row (or a pass's columns of it) into a small buffer where they read it.
 constexpr int64_t kQ8Group = 32;

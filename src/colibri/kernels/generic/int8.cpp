@@ -353,17 +353,8 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
       if (w.sup) {
         q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, static_cast<const uint16_t*>(w.sup), w.cols, gi, n0,
                    true, o, o + kCols, ds);
-      } else if (w.pairs == Q4Pairs::kQ40) {  // f16 d [G, Np]
-        const uint16_t* d = static_cast<const uint16_t*>(w.sc) + gi * w.cols + n0;
-        for (int64_t j = 0; j < kCols; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-          simd::store(o + j, j < cols ? simd::f16x8(d + j) : simd::zero());
-          simd::store(o + kCols + j, simd::zero());
-        }
       } else {
-        q4_group_params(q4, gi, n0, o, o + kCols);
-        if (w.pairs == Q4Pairs::kQ41)  // (d, m): zero m + 8 d
-          for (int64_t j = 0; j < kCols; j += 8)
-            simd::store(o + kCols + j, simd::load(o + kCols + j) + simd::set1(8.f) * simd::load(o + j));
+        q4_pairs_params(q4, w.pairs, gi, n0, o, o + kCols);
       }
     }
   } else if constexpr (K == kQ8Grouped) {  // [N, G]

@@ -24,8 +24,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, np, k, 32};
   auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
-    q4_group_params(w, gi, n0, s, z);
-    for (int64_t j = 0; j < kTile; j += 8) simd::store(z + j, simd::load(z + j) + simd::set1(8.f) * simd::load(s + j));
+    q4_pairs_params(w, Q4Pairs::kQ41, gi, n0, s, z);
   };
   return q4_tiles_linear(x, w, params, params, -8);
 }
@@ -34,16 +33,9 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   check_q4_0(x, qweight, scales);
   const int64_t k = x.size(1), np = qweight.size(0);
-  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), at::kHalf, np, k, 32};
   auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
-    const uint16_t* p = d + gi * np + n0;
-    const int64_t cols = std::min<int64_t>(kTile, np - n0);
-    prefetch_span(p + kTile, 2 * kTile);  // the next tile's, used a tile from now
-    for (int64_t j = 0; j < kTile; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-      simd::store(s + j, j < cols ? simd::f16x8(p + j) : simd::zero());
-      simd::store(z + j, simd::zero());
-    }
+    q4_pairs_params(w, Q4Pairs::kQ40, gi, n0, s, z);
   };
   return q4_tiles_linear(x, w, params, params, -8);
 }

@@ -88,7 +88,7 @@ void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tens
 
 struct Q4 {
   const uint8_t* qw;  // [Np, K/2] stored tiles
-  const uint8_t* sz;  // [G, Np, 2] (scale, zero)
+  const uint8_t* sz;  // [G, Np, 2] (scale, zero); Q4_1: f16 (d, m) the same way; Q4_0: f16 d [G, Np]
   at::ScalarType st;
   int64_t np, k, g;
 };
@@ -128,6 +128,25 @@ inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float
     const bool bf = w.st == at::kBFloat16;
     simd::store(s + j, bf ? simd::as_f(h << 16) : simd::f16x8(h));
     simd::store(z + j, bf ? simd::as_f(h & 0xffff0000u) : simd::f16x8(h >> 16));
+  }
+}
+
+// (scale, zero) of group gi for the tile at n0 by where the weight keeps them (args.h's Q4Pairs; sz points at
+// them): q4's stored pairs; Q4_1's f16 (d, m) pairs, zero m + 8 d; Q4_0's f16 d [G, Np], zero 0.
+inline void q4_pairs_params(const Q4& w, Q4Pairs pairs, int64_t gi, int64_t n0, float* s, float* z) {
+  if (pairs != Q4Pairs::kQ40) {
+    q4_group_params(w, gi, n0, s, z);
+    if (pairs == Q4Pairs::kQ41)
+      for (int64_t j = 0; j < kTile; j += 8)
+        simd::store(z + j, simd::load(z + j) + simd::set1(8.f) * simd::load(s + j));
+    return;
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(w.sz) + gi * w.np + n0;
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  prefetch_span(d + kTile, 2 * kTile);  // the next tile's, used a tile from now
+  for (int64_t j = 0; j < kTile; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
+    simd::store(s + j, j < cols ? simd::f16x8(d + j) : simd::zero());
+    simd::store(z + j, simd::zero());
   }
 }
 
