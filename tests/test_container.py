@@ -23,7 +23,7 @@ import real_models
 from faults import PAUSE_AFTER_PAGES
 import tiny_models
 from colibri.convert import pipeline as conv
-from colibri.formats.container import ALIGN, ContainerCheckpoint
+from colibri.formats.container import ALIGN, FLOAT_KINDS, ContainerCheckpoint
 from colibri.core.errors import ColibriError, InputError, ModelLoadError
 
 IDS = tiny_models.token_ids(48, 384, seed=5)
@@ -69,6 +69,30 @@ def test_quantized_container_computes_its_dequantized_model(tiny_model_dir, tmp_
     fast = colibri.load(tmp_path / q).logits(IDS)  # default: bf16 activations through the kernels
     assert (fast - ref).abs().mean() / ref.abs().mean() < 0.05
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() > 0.85
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_resident_weights_are_read_into_one_arena(tiny_model_dir, tmp_path, dtype):
+    """A run without a memory limit reads a container's tensors that stay as stored (quantized ones, floats
+    already in the compute dtype) into one Arena (huge pages where the kernel gives them), the others converted as
+    before; every tensor holds the bytes the one-by-one load gives."""
+    from colibri.weights.store import RamStore
+
+    convert(tiny_model_dir("llama"), tmp_path / "q4", quant="q4", group_size=32)
+    c = ContainerCheckpoint(tmp_path / "q4")
+    names = c.tensor_names()
+    arena, single = RamStore.load_container(c, names, dtype), RamStore.load(names, c.load, dtype)
+    bases = set()
+    for n in names:
+        a, b = arena.get(n), single.get(n)
+        parts = {"data": a} if isinstance(a, torch.Tensor) else a._buffers
+        ref = {"data": b} if isinstance(b, torch.Tensor) else b._buffers
+        assert parts.keys() == ref.keys() and all(torch.equal(parts[k], ref[k]) for k in parts)
+        if FLOAT_KINDS.get(c.tensors[n].kind, dtype) == dtype:
+            bases |= {p.untyped_storage().data_ptr() for p in parts.values()}
+        else:  # f32 norms in a bf16 run: converted, their own storage
+            assert a.dtype == dtype and a.untyped_storage().nbytes() == a.numel() * a.element_size()
+    assert len(bases) == 1 and {t.kind for t in c.tensors.values()} >= {"q4", "f32"}
 
 
 def test_layout_rules(tiny_model_dir, tmp_path):

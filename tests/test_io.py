@@ -11,7 +11,7 @@ import torch
 
 from colibri.weights import io
 from colibri.core.errors import ColibriError, StorageError
-from colibri.weights.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Reader, huge_page_bytes,
+from colibri.weights.io import (ALIGN, DEMAND, HUGE_PAGE, PREFETCH, AlignedBuffer, Arena, Reader, huge_page_bytes,
                         probe_bandwidth)
 from faults import FailingReads
 
@@ -206,3 +206,19 @@ def test_large_buffers_start_on_a_huge_page_and_small_ones_stay_small():
     huge = huge_page_bytes([big, small])
     assert huge is None or 0 <= huge <= 5 * HUGE_PAGE  # only whole huge pages inside the buffer are advised
     assert int(big.tensor()[-1]) == 7 and bytes(big.memoryview(big.nbytes - 2)) == b"\x07\x07"
+
+
+def test_arena_hands_out_aligned_consecutive_ranges_of_one_buffer():
+    """An Arena gives each take the next range of its one buffer (64-byte aligned starts, exactly the bytes asked
+    for), writes through, and refuses a take past its end."""
+    sizes = [3 * MiB + 5, 100, 64, 1]
+    arena = Arena(sum(Arena.size(n) for n in sizes))
+    views = [arena.take(n) for n in sizes]
+    base = arena.buffer.address
+    assert [v.numel() for v in views] == sizes
+    assert [v.data_ptr() - base for v in views] == [0, 3 * MiB + 64, 3 * MiB + 192, 3 * MiB + 256]
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert [int(v[-1]) for v in views] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="outside"):
+        arena.take(arena.buffer.nbytes)

@@ -531,8 +531,10 @@ class ContainerCheckpoint:
             self._fds[file] = os.open(self.files[file], os.O_RDONLY)
         return self._fds[file]
 
-    def read_extent(self, file: int, offset: int, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+    def read_extent(self, file: int, offset: int, nbytes: int,
+                    into: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """`nbytes` of data file `file` from `offset`, read into `into(nbytes)` (a uint8 tensor; default a new one)."""
+        buf = into(nbytes) if into is not None else torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         got = os.preadv(self._fd(file), [view], offset)
         if got != nbytes:
@@ -540,14 +542,14 @@ class ContainerCheckpoint:
                                  " the file was truncated after loading, reconvert it")
         return buf
 
-    def load(self, name: str):
+    def load(self, name: str, into: Callable[[int], torch.Tensor] | None = None):
         """A float tensor (a view over the bytes read) or a quantized weight object, its checksum verified (crc32
         over the bytes just read, in memory: cheap beside the read; its rate is in docs/performance.md, "Figures
-        moved from source comments")."""
+        moved from source comments"). into(nbytes): where the bytes go (a uint8 tensor), else a new tensor."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the container")
-        data = self.read_extent(t.file, t.offset, t.nbytes)
+        data = self.read_extent(t.file, t.offset, t.nbytes, into)
         if checksum_str(crc32(data.numpy())) != t.checksum:
             raise ModelLoadError(f"{self.files[t.file]}: tensor {name!r} fails its checksum (at offset "
                                  f"{t.offset}, {t.nbytes} bytes); the file is corrupt — run `colibri "

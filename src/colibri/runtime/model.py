@@ -226,6 +226,8 @@ class Model:
             # the elastic budget: what each pass needs beside the weights, so the store pins what the KV pool
             # and that pass leave of the limit
             self.pass_bytes = functools.partial(budget.pass_bytes, self.args, self.dtype, quantized(ckpt))
+        elif isinstance(ckpt, ContainerCheckpoint):
+            self.store = RamStore.load_container(ckpt, shapes, self.dtype)
         else:
             self.store = RamStore.load(shapes, ckpt.load, self.dtype)
         self.sparse = None  # --sparse-ffn's hook (LOSSY), counting what it kept

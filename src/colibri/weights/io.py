@@ -10,6 +10,7 @@ in flight while the model computes. No mmap: page-fault driven reads are the slo
 * `Reader` — opens each data file once, splits a page read into `request_size` requests, and runs them on
   `io_threads` threads, demand reads (priority 0) ahead of prefetches (priority 1). `submit` returns a Future
   that resolves to the filled buffer, or raises `StorageError` naming the file, offset and failure.
+* `Arena` — one AlignedBuffer handed out in turn: the resident weights of a run without a memory limit.
 * `probe_bandwidth` — measured read bandwidth of one file through a `Reader`.
 """
 
@@ -100,6 +101,30 @@ class AlignedBuffer:
 
     def __repr__(self) -> str:
         return f"AlignedBuffer(nbytes={self.nbytes}, address={self.address:#x})"
+
+
+class Arena:
+    """Long-lived tensors' bytes carved in turn out of one AlignedBuffer of `nbytes` (each start 64-byte aligned):
+    the resident weights of an unlimited run, so that they sit in huge pages where the kernel gives them. A decode
+    step reads every resident weight once, in long runs; in 4 KiB pages that is a TLB miss every 4 KiB
+    (docs/performance.md, "Resident weights in huge pages"). Nothing is freed before the last view goes."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int):
+        self.buffer = AlignedBuffer(nbytes)
+        self.used = 0
+
+    @classmethod
+    def size(cls, nbytes: int) -> int:
+        """What a take of `nbytes` uses of the arena."""
+        return align_up(nbytes, cls.ALIGN)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the arena as a uint8 tensor; ValueError when it has no room left."""
+        t = self.buffer.tensor(self.used, nbytes)
+        self.used += self.size(nbytes)
+        return t
 
 
 def thp_mode() -> str | None:

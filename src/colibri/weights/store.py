@@ -16,6 +16,7 @@ import torch
 from colibri.core.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    from colibri.formats.container import ContainerCheckpoint
     from colibri.weights.placement import Placement
 
 
@@ -100,6 +101,20 @@ class RamStore:
             else:  # a quantized weight: stays packed, computes in the activations' dtype
                 tensors[name] = t
         return cls(tensors, dtype)
+
+    @classmethod
+    def load_container(cls, ckpt: "ContainerCheckpoint", names: Iterable[str], dtype: torch.dtype) -> "RamStore":
+        """load() from a container, the tensors kept as read (quantized ones, and floats already in `dtype`) read
+        into one Arena, in huge pages where the kernel gives them (a decode step streams them all from RAM); floats
+        of another dtype are converted, their read bytes dropped."""
+        from colibri.formats.container import FLOAT_KINDS
+        from colibri.weights.io import Arena
+
+        names = list(names)
+        kept = {n for n in names
+                if (t := ckpt.tensors.get(n)) is not None and FLOAT_KINDS.get(t.kind, dtype) == dtype}
+        arena = Arena(sum(Arena.size(ckpt.tensors[n].nbytes) for n in kept))
+        return cls.load(names, lambda n: ckpt.load(n, arena.take if n in kept else None), dtype)
 
     def get(self, name: str) -> torch.Tensor:
         try:
