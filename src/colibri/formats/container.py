@@ -542,10 +542,14 @@ class ContainerCheckpoint:
                                  " the file was truncated after loading, reconvert it")
         return buf
 
-    def load(self, name: str, into: Callable[[int], torch.Tensor] | None = None):
+    def load(self, name: str):
         """A float tensor (a view over the bytes read) or a quantized weight object, its checksum verified (crc32
         over the bytes just read, in memory: cheap beside the read; its rate is in docs/performance.md, "Figures
-        moved from source comments"). into(nbytes): where the bytes go (a uint8 tensor), else a new tensor."""
+        moved from source comments")."""
+        return self.load_into(name, None)
+
+    def load_into(self, name: str, into: Callable[[int], torch.Tensor] | None):
+        """load(), its bytes read into into(nbytes) (a uint8 tensor the result then views; None: a new one)."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the container")

@@ -114,7 +114,7 @@ class RamStore:
         kept = {n for n in names
                 if (t := ckpt.tensors.get(n)) is not None and FLOAT_KINDS.get(t.kind, dtype) == dtype}
         arena = Arena(sum(Arena.size(ckpt.tensors[n].nbytes) for n in kept))
-        return cls.load(names, lambda n: ckpt.load(n, arena.take if n in kept else None), dtype)
+        return cls.load(names, lambda n: ckpt.load_into(n, arena.take if n in kept else None), dtype)
 
     def get(self, name: str) -> torch.Tensor:
         try:
