@@ -226,10 +226,12 @@ def check_thp(host: Host) -> Check:
         return Check("huge pages", INFO, "transparent huge pages: mode unknown (no"
                      " /sys/kernel/mm/transparent_hugepage)", "", data)
     if mode == "never":
-        return Check("huge pages", WARN, "transparent huge pages are off ('never'): staging buffers get 4 KiB"
-                     " pages, and O_DIRECT reads into them are slower and vary by buffer",
+        return Check("huge pages", WARN, "transparent huge pages are off ('never'): staging buffers and resident"
+                     " weights get 4 KiB pages; O_DIRECT reads into them are slower and vary by buffer, and a"
+                     " decode step reads resident weights a few per cent slower",
                      "as root: echo madvise > /sys/kernel/mm/transparent_hugepage/enabled", data)
-    return Check("huge pages", OK, f"transparent huge pages '{mode}': staging buffers get 2 MiB pages", "", data)
+    return Check("huge pages", OK, f"transparent huge pages '{mode}': staging buffers and resident weights get 2 MiB"
+                 " pages", "", data)
 
 
 def check_memory(host: Host, model_bytes: int | None) -> Check:
