@@ -95,6 +95,23 @@ def test_resident_weights_are_read_into_one_arena(tiny_model_dir, tmp_path, dtyp
     assert len(bases) == 1 and {t.kind for t in c.tensors.values()} >= {"q4", "f32"}
 
 
+def test_resident_weights_that_cannot_be_mapped_are_a_clear_error(tiny_model_dir, tmp_path, monkeypatch):
+    """When the process cannot map the resident weights (an address-space limit, a kernel that will not commit
+    them), loading says how much they need and to stream them with --memory-limit."""
+    import errno
+
+    from colibri.weights import io
+
+    convert(tiny_model_dir("llama"), tmp_path / "q4", quant="q4", group_size=32)
+
+    def refuse(self, nbytes):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(io.AlignedBuffer, "__init__", refuse)
+    with pytest.raises(ModelLoadError, match=r"MiB of RAM .*Cannot allocate memory.*--memory-limit"):
+        colibri.load(tmp_path / "q4")
+
+
 def test_layout_rules(tiny_model_dir, tmp_path):
     convert(tiny_model_dir("qwen2_moe"), tmp_path / "c", quant="q4", group_size=32)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())

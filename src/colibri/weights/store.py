@@ -113,7 +113,13 @@ class RamStore:
         names = list(names)
         kept = {n for n in names
                 if (t := ckpt.tensors.get(n)) is not None and FLOAT_KINDS.get(t.kind, dtype) == dtype}
-        arena = Arena(sum(Arena.size(ckpt.tensors[n].nbytes) for n in kept))
+        total = sum(Arena.size(ckpt.tensors[n].nbytes) for n in kept)
+        try:
+            arena = Arena(total)
+        except OSError as e:  # ENOMEM: an address-space limit, or more than the kernel will commit
+            raise ModelLoadError(f"{ckpt.path}: the weights need {total / 2**20:,.0f} MiB of RAM and this process"
+                                 f" cannot have them ({e.strerror}); give --memory-limit to stream them from disk"
+                                 ) from None
         return cls.load(names, lambda n: ckpt.load_into(n, arena.take if n in kept else None), dtype)
 
     def get(self, name: str) -> torch.Tensor:
