@@ -638,3 +638,38 @@ def test_damage_to_any_byte_class_is_refused_or_changes_nothing(tok_container, t
     for what in classes:  # each class was exercised, and damage to what the run reads was refused
         assert any(k[0] == what for k in outcomes), what
     assert sum(v == "refused" for v in outcomes.values()) >= len(classes)
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried"
+                 " to allocate 7741440 bytes. Error code 12 (Cannot allocate memory)"),
+    MemoryError(), OSError(12, "Cannot allocate memory")])
+def test_running_out_of_memory_is_a_one_line_error_that_says_what_to_do(error, monkeypatch, capsys):
+    """A process that cannot get the memory a run needs (torch's allocator, Python's, a mapping refused) was an
+    "internal error ... report it"; it says out of memory and what to give instead."""
+    from colibri import cli
+
+    def refuse(args):
+        raise error
+
+    monkeypatch.setattr(cli, "load_model", refuse)
+    assert cli.main(["run", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory (") and "--memory-limit" in err and err.count("\n") == 1, err
+    assert "enforce fail" not in err and "internal error" not in err
+
+
+def test_a_gguf_read_out_of_memory_is_not_called_corrupt(tmp_path, monkeypatch):
+    from colibri.core.errors import out_of_memory
+    from colibri.formats import gguf
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+
+    def refuse(p):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(gguf, "_Reader", refuse)
+    with pytest.raises(OSError) as e:
+        gguf.open_reader(path)
+    assert out_of_memory(e.value) and not out_of_memory(RuntimeError("shape mismatch"))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from colibri.core import config, log
-from colibri.core.errors import ColibriError, InputError, Terminated
+from colibri.core.errors import ColibriError, InputError, Terminated, out_of_memory
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
 OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
@@ -879,11 +879,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a user sees one line; --debug shows where
         if args.debug:
             traceback.print_exc()
+        if out_of_memory(e):
+            print(f"error: out of memory ({oom_text(e)}); give --memory-limit (a converted container streams its"
+                  " weights from disk), or use a smaller model, context or batch", file=sys.stderr)
+            return 2
         print(f"error: internal error ({type(e).__name__}: {e}); rerun with --debug and report it", file=sys.stderr)
         return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def oom_text(e: BaseException) -> str:
+    """What an out-of-memory exception says, on one line (torch's without its "[enforce fail at ...]" prefix)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text.split("] ", 1)[1] if text.startswith("[enforce fail") and "] " in text else text
 
 
 if __name__ == "__main__":

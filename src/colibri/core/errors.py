@@ -1,5 +1,7 @@
 """User-facing errors: one line that says what is wrong and what to do."""
 
+import errno
+
 
 class ColibriError(Exception):
     """Base class; the CLI prints `error: <message>` without a traceback (unless --debug)."""
@@ -28,3 +30,11 @@ class StorageError(ColibriError):
 class Terminated(BaseException):
     """The process got SIGTERM. Raised by the CLI's signal handler so that cleanup runs as for Ctrl-C (temporary
     swap files deleted, a half-written session discarded); a BaseException, so `except Exception` lets it pass."""
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is the process running out of memory, not a fault of its input: Python's MemoryError, an
+    OSError ENOMEM (a mapping refused), or torch's CPU allocator refusing an allocation (a RuntimeError that says
+    so)."""
+    return (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))

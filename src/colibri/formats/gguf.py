@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from colibri.core.errors import ModelLoadError, UnsupportedModelError
+from colibri.core.errors import ModelLoadError, UnsupportedModelError, out_of_memory
 from colibri.formats.gguf_tokenizer import special_tokens, tokenizer_from_gguf
 
 # GGUF `general.architecture` -> HF `model_type` (mixtral is arch "llama" with experts).
@@ -451,6 +451,8 @@ def open_reader(path: Path) -> GGUFReader:
     try:
         return _Reader(path)
     except Exception as e:  # the reader fails in many obscure ways on a short or damaged file
+        if out_of_memory(e):  # not the file's fault: the CLI says so
+            raise
         raise ModelLoadError(
             f"{path}: the GGUF file is truncated or corrupt ({type(e).__name__}: {_first_line(e)}); download it again"
         ) from e
