@@ -23,6 +23,7 @@ if real_models.smollm2_gguf() is None:
 
 KEY = "test-key"
 FAULT = "INJECT-ENGINE-FAULT"
+OOM = "INJECT-OUT-OF-MEMORY"
 QUESTION = "What is the capital of France?"
 PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello.", "Name a color.", "What is the sun?",
            "Name a dog breed.", "What is water made of?", "Name a planet."]
@@ -40,7 +41,7 @@ def server():
     path = default_container()
     s = Server(["--model", str(path), "--model-name", "smollm2", "--memory-limit", str(streaming_limit(path)),
                 "--max-sequences", "8", "--max-queue", "2", "--threads", "1"],
-               hooks={"load_delay_s": 1.0, "fault_text": FAULT, "keepalive_s": 0.05}, api_key=KEY)
+               hooks={"load_delay_s": 1.0, "fault_text": FAULT, "oom_text": OOM, "keepalive_s": 0.05}, api_key=KEY)
     yield s
     err = s.close()
     assert "Traceback" not in err, err
@@ -303,6 +304,19 @@ def test_engine_fault_fails_one_request_and_the_next_succeeds(server):
                                               "messages": [{"role": "user", "content": f"{FAULT} again"}]})
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert chat(client, QUESTION, max_tokens=4).choices[0].message.content
+    wait_idle(server)
+
+
+def test_out_of_memory_in_a_request_is_a_503_that_says_so_and_the_next_succeeds(server):
+    """torch's allocator failing inside a request was a 500 "engine failed" with its raw text: it is a 503 that says
+    out of memory and what to do, and the server keeps serving."""
+    r = post(server, "/v1/chat/completions", {"model": "smollm2", "max_tokens": 4,
+                                              "messages": [{"role": "user", "content": f"{OOM} hello"}]})
+    err = r.json()["error"]
+    assert r.status_code == 503 and err["code"] == "out_of_memory", r.text
+    assert err["message"].startswith("out of memory serving this request (DefaultCPUAllocator: can't allocate")
+    assert "--memory-limit" in err["message"] and "enforce fail" not in err["message"]
+    assert chat(server.openai(), QUESTION, max_tokens=4).choices[0].message.content
     wait_idle(server)
 
 

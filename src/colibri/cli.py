@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from colibri.core import config, log
-from colibri.core.errors import ColibriError, InputError, Terminated, out_of_memory
+from colibri.core.errors import ColibriError, InputError, Terminated, oom_text, out_of_memory
 
 # name -> (argparse kwargs, environment variable or None). Subcommands pick options by name.
 OPTIONS: dict[str, tuple[dict[str, Any], str | None]] = {
@@ -888,12 +888,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def oom_text(e: BaseException) -> str:
-    """What an out-of-memory exception says, on one line (torch's without its "[enforce fail at ...]" prefix)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text.split("] ", 1)[1] if text.startswith("[enforce fail") and "] " in text else text
 
 
 if __name__ == "__main__":

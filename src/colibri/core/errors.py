@@ -1,6 +1,7 @@
 """User-facing errors: one line that says what is wrong and what to do."""
 
 import errno
+import re
 
 
 class ColibriError(Exception):
@@ -38,3 +39,10 @@ def out_of_memory(e: BaseException) -> bool:
     so)."""
     return (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
             or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
+def oom_text(e: BaseException) -> str:
+    """What an out-of-memory exception says, on one line (torch's without its "[enforce fail at ...] err == 0."
+    prefix)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return re.sub(r"^\[enforce fail[^\]]*\]\s*(err == 0\.\s*)?", "", text)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from colibri.core.config import EngineConfig
-from colibri.core.errors import ColibriError
+from colibri.core.errors import ColibriError, oom_text, out_of_memory
 from colibri.engine.sampling import SamplingParams
 from colibri.server.schema import APIError
 
@@ -68,6 +68,15 @@ def load_model(config: EngineConfig):
     """The model `config` names, loaded as `colibri run` loads it."""
     from colibri.runtime.model import load
     return load(config)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The answer to a request the engine failed on: running out of memory is 503 (the server keeps serving; a
+    shorter request, or the same under less load, may pass), anything else 500."""
+    if out_of_memory(e):
+        return APIError(503, f"out of memory serving this request ({oom_text(e)}); retry with a shorter prompt or"
+                        " fewer tokens, or start the server with --memory-limit", code="out_of_memory")
+    return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}", code="engine_error")
 
 
 class Worker:
@@ -199,7 +208,9 @@ class Worker:
         try:
             self._load()
         except BaseException as e:  # noqa: BLE001 - the server stays up and reports it on /health
-            self.error = str(e) if isinstance(e, ColibriError) else f"{type(e).__name__}: {e}"
+            self.error = (str(e) if isinstance(e, ColibriError) else
+                          f"out of memory ({oom_text(e)}); start the server with --memory-limit" if out_of_memory(e)
+                          else f"{type(e).__name__}: {e}")
             self.state = FAILED
             self._refuse_all(APIError(503, f"the model failed to load: {self.error}", code="model_unavailable"))
             if self.on_failed is not None:
@@ -279,9 +290,7 @@ class Worker:
                     continue  # already answered by _finish("abort")
                 err = None
                 if req.error is not None:
-                    e = req.error
-                    err = APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
-                                   code="engine_error")
+                    err = engine_error(req.error)
                 self._finish(job, req.finish_reason, err, req.metrics)
             else:
                 keep.append(job)
