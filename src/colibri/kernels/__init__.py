@@ -10,7 +10,7 @@ Tiers (TIERS), best first; a process uses one (`tier()`):
             any CPU
   torch     no library: torch's own kernels on fixed-size row blocks (`blocked`)
 Every native tier also compiles the sources written once for all of them: generic/attention.cpp (over the vector
-traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp and norm.cpp.
+traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp and rows.cpp.
 Each native tier is one shared library compiled with torch.utils.cpp_extension at first use, registering the same
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
 side in one process (tests compare them). They run on torch's own thread pool (at::parallel_for). Why a JIT build:
@@ -51,29 +51,31 @@ from colibri.core import log
 
 # the build's names this package's users reach through it (tests, cli, the conftest's build of every tier)
 from colibri.kernels.build import (Int8, KernelsUnavailable, NoCompiler, Tier, cache_root, compiler,  # noqa: F401
-                                   ensure_built, is_built, library_path, load, notice, one_line, unity_source)
+                                   ensure_built, is_built, library_path, load, notice, one_line, python_module,
+                                   unity_source)
 
 MODE_ENV = "COLIBRI_KERNELS"
 LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
 _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
-                    "pointwise.cpp", "norm.cpp", "registry.cpp")
+                    "pointwise.cpp", "norm.cpp", "rows.cpp", "registry.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/tiles.h", "generic/int8_decode.h",
                     "generic/gguf_blocks.h", "args.h", "library.h", "stream.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
-                                     "pointwise.cpp", "norm.cpp", "registry.cpp"),
+                                     "pointwise.cpp", "norm.cpp", "rows.cpp", "registry.cpp"),
          ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/lanes.h", "generic/int8_decode.h",
           "generic/gguf_blocks.h"),
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c"),
          ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"),
-         Int8(True, ("avx512_vnni",))),
+         Int8(True, ("avx512_vnni",)), module=True),
     Tier("avx2", "colibri_avx2", _GENERIC_SOURCES, _GENERIC_HEADERS, (*_GENERIC_FLAGS, "-mavx2", "-mfma", "-mf16c"),
-         ("avx2", "fma", "f16c"), Int8(True)),  # vpmaddubsw: AVX2 itself
+         ("avx2", "fma", "f16c"), Int8(True), module=True),  # vpmaddubsw: AVX2 itself
     # no -m flags: the compiler's baseline ISA, which every CPU it targets runs
-    Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), Int8(True)),
+    Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), Int8(True),
+         module=True),
 )}
 NATIVE = tuple(TIERS)  # best first: the order auto tries them in
 VALUES = ("auto", *NATIVE, "torch")  # what COLIBRI_KERNELS takes ("native": an alias of auto)
@@ -121,14 +123,14 @@ def tier_ops(name: str):
         if missing:  # not cached: tests change the CPU flags _cpu_flags reports
             raise KernelsUnavailable(f"the {name} kernels need {', '.join(missing)}, which this CPU lacks")
         try:
-            load(t)
+            lib = load(t)
+            _loaded[name] = python_module(t, lib) if t.module else getattr(torch.ops, t.ns)
         except KernelsUnavailable as e:
             _failed[name] = e
             raise
         except Exception as e:  # an unwritable log, a library that loads badly: the tier is out, the process not
             _failed[name] = KernelsUnavailable(f"the {name} kernels cannot be loaded ({one_line(e)})")
             raise _failed[name] from e
-        _loaded[name] = getattr(torch.ops, t.ns)
         return _loaded[name]
 
 

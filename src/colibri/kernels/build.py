@@ -16,6 +16,8 @@ import atexit
 import dataclasses
 import fcntl
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -62,6 +64,7 @@ class Tier:
     int8: Int8
     src_dir: Path = HERE
     ops: tuple[str, ...] = OPS
+    module: bool = False  # the library is also a Python module of its ops (registry.cpp), which callers use
 
 
 
@@ -156,6 +159,13 @@ cpp_extension.load(a["name"], a["sources"], extra_cflags=a["cflags"], extra_ldfl
 ns = getattr(torch.ops, a["ns"])
 for op in a["ops"]:
     getattr(ns, op)  # raises where the library does not register the op
+if a["module"]:
+    import importlib.machinery, importlib.util
+    loader = importlib.machinery.ExtensionFileLoader(a["ns"], a["lib"])
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(a["ns"], loader))
+    loader.exec_module(mod)
+    for op in a["ops"]:
+        getattr(mod, op)
 """
 
 
@@ -195,7 +205,7 @@ def _compile(t: Tier, d: Path, notice) -> Path:
     unity.write_text(unity_source(t))
     job = json.dumps(dict(name=name, sources=[str(unity)],
                           cflags=[*t.flags, f"-I{t.src_dir}", f"-DCOLIBRI_NS={t.ns}"], ldflags=list(_LDFLAGS),
-                          dir=str(tmp), ns=t.ns, ops=list(t.ops)))
+                          dir=str(tmp), ns=t.ns, ops=list(t.ops), module=t.module, lib=str(tmp / f"{name}.so")))
     # cpp_extension runs `ninja` from PATH: the environment's own bin first, where pip put it, even when the
     # environment is not activated
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
@@ -271,6 +281,15 @@ def load(t: Tier, root: Path | None = None, notice=notice) -> Path:
     lib = ensure_built(t, root, notice)
     torch.ops.load_library(str(lib))
     return lib
+
+
+def python_module(t: Tier, lib: Path):
+    """Tier t's ops as the Python module its library also is (t.module; registry.cpp), lib already loaded by
+    `load`: the same functions as torch.ops.<t.ns>, called without the dispatcher's argument parsing."""
+    loader = importlib.machinery.ExtensionFileLoader(t.ns, str(lib))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(t.ns, loader))
+    loader.exec_module(mod)  # (pybind11's modules initialize in two phases: this runs the ops' definitions)
+    return mod
 
 
 def ensure_built(t: Tier, root: Path | None = None, notice=notice) -> Path:

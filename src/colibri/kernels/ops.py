@@ -54,6 +54,16 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     return _pointwise_pieces(fn, x)
 
 
+def write_rows(dst: list[torch.Tensor], src: list[torch.Tensor], offset: int) -> None:
+    """dst[i][:, offset : offset + n] = src[i] for each i (dst [H, B, X], src [H, n, X]: a pass's K and V rows
+    into a KV block, rows contiguous); one native call (kernels/rows.cpp)."""
+    if kernels.native():  # (it checks the shapes, dtypes and strides)
+        kernels.library().write_rows(dst, src, offset)
+        return
+    for d, s in zip(dst, src):
+        d[:, offset:offset + s.shape[1]] = s
+
+
 def _pointwise_pieces(fn, x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     flat = x.reshape(-1)
@@ -146,7 +156,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
 
     f32 math: scores scaled, soft-capped (Gemma-2), softmaxed over exactly the visible keys, the weighted sum
     in key order. Query head h uses KV head h // (H / Hkv), without repeated copies."""
-    pos = positions.to(torch.int64)
+    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
     paged = isinstance(k, Paged)
     q8 = paged and k.scales is not None
     if kernels.native() and (not q8 or _native_q8(k)):
@@ -158,7 +168,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
             out = lib.attend_paged(q, k.blocks, v.blocks, k.length, pos, w, sc, cap)
         else:
             out = lib.attend(q, k, v, pos, w, sc, cap)
-        return out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)  # (the kernels return q's dtype)
     return _attend_torch(q, k, v, positions, window, scale, softcap)
 
 

@@ -25,6 +25,7 @@
   X(attend_paged_q8, "Tensor q, Tensor[] k, Tensor[] ks, Tensor[] v, Tensor[] vs, int length, Tensor positions, "   \
                      "int window, float scale, float softcap, bool bf16")                                         \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
+  X(write_rows, "Tensor[] dst, Tensor[] src, int offset")                                                         \
   X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \
   X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \
   X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \
@@ -42,3 +43,47 @@
 #define COLIBRI_DEF(name, args) m.def(#name "(" args ") -> Tensor", &name);
 COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
 #undef COLIBRI_DEF
+
+// The same ops as a Python module of the tier's name (colibri.kernels calls them here): a call through torch.ops
+// parses its arguments against the schema in the dispatcher, about 1.3 us a call, where a decode layer makes a
+// dozen of these calls; a pybind11 function takes 0.2 us (docs/performance.md, "The layer's other work"). The
+// functions are the ops themselves, with the GIL released while they run (I/O threads keep going); Python lists
+// of tensors and strings arrive as vectors and strings.
+#include <torch/extension.h>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <class T>
+struct PyArg {  // an argument as pybind11 takes it, and as the op takes it
+  using type = T;
+  static const T& get(const T& v) { return v; }
+};
+template <>
+struct PyArg<at::TensorList> {
+  using type = std::vector<at::Tensor>;
+  static at::TensorList get(const std::vector<at::Tensor>& v) { return v; }
+};
+template <>
+struct PyArg<c10::string_view> {
+  using type = std::string;
+  static c10::string_view get(const std::string& v) { return v; }
+};
+template <class T>
+using Bare = std::remove_cv_t<std::remove_reference_t<T>>;
+
+template <class... A>
+auto py_op(at::Tensor (*f)(A...)) {
+  return [f](const typename PyArg<Bare<A>>::type&... a) { return f(PyArg<Bare<A>>::get(a)...); };
+}
+
+}  // namespace
+
+#define COLIBRI_PY_NAME_IMPL(ns) PYBIND11_MODULE(ns, m)
+#define COLIBRI_PY_NAME(ns) COLIBRI_PY_NAME_IMPL(ns)
+#define COLIBRI_PY(name, args) m.def(#name, py_op(&name), pybind11::call_guard<pybind11::gil_scoped_release>());
+COLIBRI_PY_NAME(COLIBRI_NS) { COLIBRI_OPS(COLIBRI_PY) }
+#undef COLIBRI_PY

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from colibri.core.errors import InputError
-from colibri.kernels.ops import Paged
+from colibri.kernels.ops import Paged, write_rows
 from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
@@ -165,10 +165,12 @@ class KVCache:
 
     # -- writing -------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
         """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
         S = length + T positions ([Hkv, S, Dh], compute dtype: tensors, or the blocks as `Paged`) for attention."""
+        if not torch.is_inference_mode_enabled():  # (a forward pass is in it already: entering costs a decode step
+            with torch.inference_mode():           # about 1 us a layer)
+                return self.update(i, k, v)
         T = k.shape[1]
         end = self.length + T
         if not self._writable(end):
@@ -182,11 +184,10 @@ class KVCache:
             n = min(B - o, end - pos)
             bk, bv, bks, bvs = self.table[j].layers[i]
             s = pos - self.length
-            bk[:, o:o + n] = k[:, s:s + n]
-            bv[:, o:o + n] = v[:, s:s + n]
-            if lay.quant:
-                bks[:, o:o + n] = ks[:, s:s + n]
-                bvs[:, o:o + n] = vs[:, s:s + n]
+            src = (k, v, ks, vs) if lay.quant else (k, v)
+            if n != T:  # the pass spans blocks
+                src = tuple(t[:, s:s + n] for t in src)
+            write_rows([bk, bv, bks, bvs] if lay.quant else [bk, bv], list(src), o)
             pos += n
         if end <= B and not lay.quant:  # one block: read in place
             bk, bv = self.table[0].layers[i][:2]

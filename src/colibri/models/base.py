@@ -401,10 +401,15 @@ class DecoderModel:
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        o = torch.empty_like(q)  # [H, T, Dh]
-        for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
-            keys, values = kv.update(i, k[:, s:e], v[:, s:e])  # [Hkv, S, Dh]: its positions so far and these
-            o[:, s:e] = attend(q[:, s:e], keys, values, batch.positions[s:e], window, self.scale, a.attn_softcap)
+        if len(batch.kv) == 1:  # one sequence (a decode step, a prefill chunk): no slices, no copy into o
+            keys, values = batch.kv[0].update(i, k, v)
+            o = attend(q, keys, values, batch.positions, window, self.scale, a.attn_softcap)
+        else:
+            o = torch.empty_like(q)  # [H, T, Dh]
+            for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
+                keys, values = kv.update(i, k[:, s:e], v[:, s:e])  # [Hkv, S, Dh]: its positions so far and these
+                o[:, s:e] = attend(q[:, s:e], keys, values, batch.positions[s:e], window, self.scale,
+                                   a.attn_softcap)
         o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 

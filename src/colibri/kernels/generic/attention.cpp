@@ -5,7 +5,7 @@
 //
 // Per query: s_j = (q . k_j) * scale, soft-capped; m = max s_j; e_j = exp(s_j - m); l = sum e_j in key order;
 // out = (sum_j e_j v_j in key order) / l. Exact two-pass softmax in f32; inputs f32 or bf16 (widened exactly),
-// output f32. The order, step by step:
+// output in q's dtype (bf16: out rounded as torch's conversion rounds it, NaN to 0x7fc0). The order, step by step:
 //   - q . k_j: 16 lane partials over Dh (lane i sums elements i, i + 16, ...: a multiply for the first chunk of
 //     16, then one fma per chunk; lanes past Dh multiply zeros), then per key the fixed tree of
 //     _mm512_reduce_add_ps (lanes.h: fold, reduce_rows), L keys at a time.
@@ -73,6 +73,10 @@ inline void q8_values(const Rows& r, int64_t h, int64_t j, int64_t c0, int64_t n
     Lanes::store(out + (i - c0), bf ? Lanes::torch_bf16(v) : v);
   }
 }
+
+// Query-key products (H * T * S * Dh) below which a pass runs on the calling thread (attend_rows): measured on
+// decode steps of SmolLM2's and Qwen2.5-1.5B's shapes (docs/performance.md, "The layer's other work").
+constexpr int64_t kInlineWork = int64_t{1} << 18;
 
 struct Pass {  // what every task of one attend() call shares
   View qv;
@@ -259,21 +263,41 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   const int64_t G = H / Hkv;
   const at::Tensor pos = positions.contiguous();
   at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return out.to(q.scalar_type());
   const Pass a{qv, kr, vr, qb, kb, vb, kr.scales != nullptr, T, D, S, G, 16 * ((D + 15) / 16), window,
                pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
-  // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups where that leaves too
-  // few tasks for the threads (same results either way).
+  // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups only where that leaves
+  // fewer tasks than threads: every group re-reads its KV head's rows, and single heads (four tasks a thread, the
+  // rule before) made a 1000-token decode step of Qwen2.5-1.5B's shape 1.6x slower. A pass with little work (a
+  // decode step over a short context: below kInlineWork query-key products) runs on the calling thread, where the
+  // fork and join of a parallel region cost more than the second thread saves. Same results either way.
+  const bool inline_pass = H * T * S * D < kInlineWork || at::get_num_threads() == 1 || at::in_parallel_region();
+  const int64_t threads = inline_pass ? 1 : at::get_num_threads();
   int64_t gs = std::min<int64_t>(G, Lanes::kMaxGroup);
-  while (gs > 1 && Hkv * T * ((G + gs - 1) / gs) < 4 * at::get_num_threads()) --gs;
+  while (gs > 1 && Hkv * T * ((G + gs - 1) / gs) < threads) --gs;
   const int64_t ng = (G + gs - 1) / gs;
-  at::parallel_for(0, Hkv * T * ng, 1, [&](int64_t b, int64_t e) {
+  auto run = [&](int64_t b, int64_t e) {
     std::vector<float> buf;
     for (int64_t task = b; task < e; ++task) {
       const int64_t hk = task / (T * ng), t = task / ng % T, g0 = task % ng * gs, h0 = hk * G + g0;
       attend_task<Lanes::kMaxGroup>(a, hk, h0, t, buf, std::min(gs, G - g0));
     }
-  });
+  };
+  if (inline_pass)
+    run(0, Hkv * T * ng);
+  else
+    at::parallel_for(0, Hkv * T * ng, 1, run);
+  if (qb) {  // here rather than a torch conversion after the call: one op less per layer and decode step
+    at::Tensor o16 = at::empty({H, T, D}, q.options().dtype(at::kBFloat16));
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(out.data_ptr<float>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(o16.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < out.numel(); ++i) {
+      const uint32_t u = src[i];
+      dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0}
+                                               : static_cast<uint16_t>((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+    }
+    return o16;
+  }
   return out;
 }
 
