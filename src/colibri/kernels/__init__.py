@@ -13,10 +13,13 @@ Every native tier also compiles the sources written once for all of them: generi
 traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp and rows.cpp.
 Each native tier is one shared library compiled with torch.utils.cpp_extension at first use, registering the same
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
-side in one process (tests compare them). They run on torch's own thread pool (at::parallel_for). Why a JIT build:
-it needs only a C++ compiler and the `ninja` package at run time, takes 1-2 minutes once per machine and torch
-version (docs/performance.md has the figures; progress on stderr), and the install stays `pip install -e .` with no compile step or build isolation (a setup.py build would
-need torch in the build requirements and would rebuild on every editable install). A ctypes library was ruled
+side in one process (tests compare them). The library is also a Python module of the same functions (pybind11,
+named as the namespace; registry.cpp), which `library()` returns: a call there skips the dispatcher's parsing of
+its arguments (about 1 us of a decode step's every op). They run on torch's own thread pool (at::parallel_for).
+Why a JIT build: it needs only a C++ compiler and the `ninja` package at run time, takes 1-2 minutes once per
+machine and torch version (docs/performance.md has the figures; progress on stderr), and the install stays `pip
+install -e .` with no compile step or build isolation (a setup.py build would need torch in the build requirements
+and would rebuild on every editable install). A ctypes library was ruled
 out: its own OpenMP runtime beside torch's is a known trap (two pools oversubscribe the cores).
 
 The cache and the build: kernels/build.py.
@@ -104,12 +107,12 @@ def runnable_tiers() -> list[str]:
 
 
 _lock_state = threading.RLock()  # resolution and loading: once, whichever thread asks first
-_loaded: dict[str, object] = {}  # tier name -> its torch.ops namespace
+_loaded: dict[str, object] = {}  # tier name -> its ops (the library's Python module)
 _failed: dict[str, KernelsUnavailable] = {}  # tier name -> why it could not be loaded (not retried)
 
 
 def tier_ops(name: str):
-    """Tier `name`'s torch.ops namespace, built and loaded on first call (cached); RuntimeError
+    """Tier `name`'s ops (its library's Python module), built and loaded on first call (cached); RuntimeError
     (KernelsUnavailable) with the reason where that is impossible."""
     if name not in NATIVE:
         raise ValueError(f"{name!r} is not a native kernel tier; the tiers are {', '.join(NATIVE)}")
@@ -136,7 +139,7 @@ def tier_ops(name: str):
 
 _override: str | None = None  # use(); None: COLIBRI_KERNELS decides
 _tier: str | None = None  # the resolved tier of this process
-_ops = None  # its torch.ops namespace
+_ops = None  # its ops
 
 
 def _setting(value: str | None = None, source: str | None = None) -> str:
@@ -226,7 +229,7 @@ def native() -> bool:
 
 
 def library():
-    """The torch.ops namespace of the tier in use (callers check native() first)."""
+    """The ops of the tier in use, its library's Python module (callers check native() first)."""
     if not native():
         raise RuntimeError("the torch kernels are in use; they have no native ops")
     return _ops

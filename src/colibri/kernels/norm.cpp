@@ -94,9 +94,11 @@ void rms_rows(const T* xt, const T* wt, T* yt, int64_t rows, int64_t d, float ep
       const float mean = sum_squares<T>(xr, d) / static_cast<float>(d);
       const float inv = 1.0f / std::sqrt(mean + eps);
       if (gemma) {
-        for (int64_t i = 0; i < d; ++i) yr[i] = Elem<T>::out((Elem<T>::in(xr[i]) * inv) * (1.0f + Elem<T>::in(w[i])));
+        for (int64_t i = 0; i < d; ++i)
+          yr[i] = Elem<T>::out((Elem<T>::in(xr[i]) * inv) * (1.0f + Elem<T>::in(w[i])));
       } else {
-        for (int64_t i = 0; i < d; ++i) yr[i] = Elem<T>::out(Elem<T>::in(w[i]) * row_round<T>(Elem<T>::in(xr[i]) * inv));
+        for (int64_t i = 0; i < d; ++i)
+          yr[i] = Elem<T>::out(Elem<T>::in(w[i]) * row_round<T>(Elem<T>::in(xr[i]) * inv));
       }
     }
   });
