@@ -49,7 +49,9 @@ COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
 // dozen of these calls; a pybind11 function takes 0.2 us (docs/performance.md, "The layer's other work"). The
 // functions are the ops themselves, with the GIL released while they run (I/O threads keep going); Python lists
 // of tensors and strings arrive as vectors and strings.
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters; not torch/extension.h, which adds torch's whole C++ frontend to every tier's
+// first build (docs/performance.md, "The layer's other work")
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <type_traits>
