@@ -28,6 +28,10 @@ PING = """#include <torch/library.h>
 static int64_t ping(int64_t x) { return x + 1; }
 TORCH_LIBRARY(COLIBRI_NS, m) { m.def("ping(int x) -> int", &ping); }
 """
+# the same op, and a Python module of it as registry.cpp makes one
+PING_MODULE = PING + """#include <torch/csrc/utils/pybind.h>
+PYBIND11_MODULE(COLIBRI_NS, m) { m.def("ping", &ping); }
+"""
 BROKEN = "#error this source is broken on purpose\n"
 _names = itertools.count()
 NO_CXX = "/nonexistent/g++"
@@ -63,6 +67,18 @@ def built(tmp_path_factory):
     with redirect_stderr(err):
         lib = kernels.load(t, root)
     return t, root, lib, err.getvalue()
+
+
+def test_a_tier_library_is_its_python_module_where_the_build_made_one(tmp_path, capfd):
+    """The ops of a tier are called through the Python module its library also is (registry.cpp: no dispatcher
+    parsing per call); a library built without one (no Python headers: a system Python without its -dev package)
+    is used through its torch.ops namespace, the same ops."""
+    for source, made in ((PING_MODULE, True), (PING, False)):
+        t = dataclasses.replace(tiny_tier(tmp_path, f"module-{made}", source=source), module=True)
+        lib = kernels.load(t, tmp_path / "cache")
+        ops = kernels.python_module(t, lib)
+        assert ops.ping(41) == 42
+        assert (ops is getattr(torch.ops, t.ns)) is not made
 
 
 def test_a_build_is_cached_and_reused_without_the_compiler(built, monkeypatch, capfd):

@@ -13,6 +13,7 @@ one notice on stderr, and the next tier down.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -159,7 +160,13 @@ cpp_extension.load(a["name"], a["sources"], extra_cflags=a["cflags"], extra_ldfl
 ns = getattr(torch.ops, a["ns"])
 for op in a["ops"]:
     getattr(ns, op)  # raises where the library does not register the op
-if a["module"]:
+import ctypes
+try:
+    ctypes.CDLL(a["lib"])["PyInit_" + a["ns"]]  # a module only where the build had Python's headers
+    module = a["module"]
+except AttributeError:
+    module = False
+if module:
     import importlib.machinery, importlib.util
     loader = importlib.machinery.ExtensionFileLoader(a["ns"], a["lib"])
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(a["ns"], loader))
@@ -283,9 +290,23 @@ def load(t: Tier, root: Path | None = None, notice=notice) -> Path:
     return lib
 
 
+def _exports(lib: Path, symbol: str) -> bool:
+    """Whether the (loaded) library lib defines symbol."""
+    try:
+        ctypes.CDLL(str(lib))[symbol]
+    except AttributeError:
+        return False
+    return True
+
+
 def python_module(t: Tier, lib: Path):
     """Tier t's ops as the Python module its library also is (t.module; registry.cpp), lib already loaded by
-    `load`: the same functions as torch.ops.<t.ns>, called without the dispatcher's argument parsing."""
+    `load`: the same functions as torch.ops.<t.ns>, called without the dispatcher's argument parsing. A library
+    built without Python's headers (a system Python without its -dev package) is no module: its torch.ops
+    namespace then (the same ops, each call about 1 us slower)."""
+    if not _exports(lib, f"PyInit_{t.ns}"):
+        log.debug(f"colibri: the {t.name} kernels were built without Python's headers; calling them through torch.ops")
+        return getattr(torch.ops, t.ns)
     loader = importlib.machinery.ExtensionFileLoader(t.ns, str(lib))
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(t.ns, loader))
     loader.exec_module(mod)  # (pybind11's modules initialize in two phases: this runs the ops' definitions)

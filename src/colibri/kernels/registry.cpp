@@ -48,7 +48,11 @@ COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
 // parses its arguments against the schema in the dispatcher, about 1.3 us a call, where a decode layer makes a
 // dozen of these calls; a pybind11 function takes 0.2 us (docs/performance.md, "The layer's other work"). The
 // functions are the ops themselves, with the GIL released while they run (I/O threads keep going); Python lists
-// of tensors and strings arrive as vectors and strings.
+// of tensors and strings arrive as vectors and strings. Only where Python's headers are there (a system Python
+// without its -dev package has none: the library is then torch.ops alone, which colibri.kernels falls back to),
+// and not where COLIBRI_NO_PYTHON_MODULE is defined (tests/test_tiers.py's aarch64 cross compile: this machine
+// has no aarch64 Python headers).
+#if !defined(COLIBRI_NO_PYTHON_MODULE) && __has_include(<Python.h>)
 // pybind11 with torch's tensor casters; not torch/extension.h, which adds torch's whole C++ frontend to every tier's
 // first build (docs/performance.md, "The layer's other work")
 #include <torch/csrc/utils/pybind.h>
@@ -89,3 +93,4 @@ auto py_op(at::Tensor (*f)(A...)) {
 #define COLIBRI_PY(name, args) m.def(#name, py_op(&name), pybind11::call_guard<pybind11::gil_scoped_release>());
 COLIBRI_PY_NAME(COLIBRI_NS) { COLIBRI_OPS(COLIBRI_PY) }
 #undef COLIBRI_PY
+#endif  // the Python module
