@@ -45,8 +45,8 @@ COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
 #undef COLIBRI_DEF
 
 // The same ops as a Python module of the tier's name (colibri.kernels calls them here): a call through torch.ops
-// parses its arguments against the schema in the dispatcher, about 1.3 us a call, where a decode layer makes a
-// dozen of these calls; a pybind11 function takes 0.2 us (docs/performance.md, "The layer's other work"). The
+// parses its arguments against the schema in the dispatcher on every call, and a decode layer makes a dozen of
+// these calls; a pybind11 function skips that (docs/performance.md, "The layer's other work"). The
 // functions are the ops themselves, with the GIL released while they run (I/O threads keep going); Python lists
 // of tensors and strings arrive as vectors and strings. Only where Python's headers are there (a system Python
 // without its -dev package has none: the library is then torch.ops alone, which colibri.kernels falls back to),

@@ -1,5 +1,5 @@
 // A pass's K and V rows into the KV cache's blocks: one call for all of a layer's tensors (keys, values and, for
-// q8, their scales), where two or four slice assignments from Python cost a decode step about 4 us a layer.
+// q8, their scales), where Python made two or four slice assignments a layer and decode step.
 // A plain copy: the bits are the rows'.
 
 #include <ATen/ATen.h>

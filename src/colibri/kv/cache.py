@@ -168,8 +168,8 @@ class KVCache:
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | Paged, torch.Tensor | Paged]:
         """Write this pass's k, v ([Hkv, T, Dh]) after the committed positions; return K and V of all
         S = length + T positions ([Hkv, S, Dh], compute dtype: tensors, or the blocks as `Paged`) for attention."""
-        if not torch.is_inference_mode_enabled():  # (a forward pass is in it already: entering costs a decode step
-            with torch.inference_mode():           # about 1 us a layer)
+        if not torch.is_inference_mode_enabled():  # (a forward pass is in it already: entering it again cost
+            with torch.inference_mode():           # every layer of a decode step)
                 return self.update(i, k, v)
         T = k.shape[1]
         end = self.length + T

@@ -136,7 +136,7 @@ class RamStore:
         return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids).to(self.dtype)
 
     def layer(self, i: int) -> contextlib.AbstractContextManager:
-        return _NOTHING  # (a generator context manager cost a decode step about 2 us a layer)
+        return _NOTHING  # (a generator context manager cost every layer of a decode step)
 
     def expert(self, i: int, e: int) -> contextlib.AbstractContextManager:
         return _NOTHING

@@ -268,9 +268,9 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
                pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
   // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups only where that leaves
   // fewer tasks than threads: every group re-reads its KV head's rows, and single heads (four tasks a thread, the
-  // rule before) made a 1000-token decode step of Qwen2.5-1.5B's shape 1.6x slower. A pass with little work (a
-  // decode step over a short context: below kInlineWork query-key products) runs on the calling thread, where the
-  // fork and join of a parallel region cost more than the second thread saves. Same results either way.
+  // rule before) made long decode steps slower (docs/performance.md). A pass with little work (a decode step over
+  // a short context: below kInlineWork query-key products) runs on the calling thread, where the fork and join of
+  // a parallel region cost more than the second thread saves. Same results either way.
   const bool inline_pass = H * T * S * D < kInlineWork || at::get_num_threads() == 1 || at::in_parallel_region();
   const int64_t threads = inline_pass ? 1 : at::get_num_threads();
   int64_t gs = std::min<int64_t>(G, Lanes::kMaxGroup);
