@@ -20,27 +20,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "generic/simd.h"
 #include "library.h"
 
 namespace {
 
-// Elements as f32 and back, in plain integer and f32 operations the compiler vectorizes at every tier's width
-// (c10's BFloat16 conversions went element by element; docs/performance.md, "The layer's other work").
-// bf16 -> f32 is exact; f32 -> bf16 is c10's round_to_nearest_even (NaN -> 0x7fc0), branch-free.
-inline float bf16_f32(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t r = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
-  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(r);
-}
-
-// The element types as stored: f32, or bf16 bits (at::BFloat16 read as its uint16_t bits).
+// Elements as f32 and back through simd.h's bf16 conversions (torch's rounding), plain integer and f32 operations
+// the compiler vectorizes at every tier's width (c10's BFloat16 conversions went element by element;
+// docs/performance.md, "The layer's other work"). The element types as stored: f32, or bf16 bits (at::BFloat16
+// read as its uint16_t bits).
 template <typename T>
 struct Elem;
 template <>
@@ -52,8 +40,8 @@ struct Elem<float> {
 template <>
 struct Elem<at::BFloat16> {
   using S = uint16_t;
-  static float in(uint16_t v) { return bf16_f32(v); }
-  static uint16_t out(float v) { return f32_bf16(v); }
+  static float in(uint16_t v) { return simd::bf16_to_f32(v); }
+  static uint16_t out(float v) { return simd::f32_to_bf16(v); }
 };
 
 // v rounded to T's precision and back (f32: unchanged)

@@ -289,13 +289,9 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
     at::parallel_for(0, Hkv * T * ng, 1, run);
   if (qb) {  // here rather than a torch conversion after the call: one op less per layer and decode step
     at::Tensor o16 = at::empty({H, T, D}, q.options().dtype(at::kBFloat16));
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(out.data_ptr<float>());
+    const float* src = out.data_ptr<float>();
     uint16_t* dst = reinterpret_cast<uint16_t*>(o16.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < out.numel(); ++i) {
-      const uint32_t u = src[i];
-      dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0}
-                                               : static_cast<uint16_t>((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
-    }
+    for (int64_t i = 0; i < out.numel(); ++i) dst[i] = simd::f32_to_bf16(src[i]);
     return o16;
   }
   return out;

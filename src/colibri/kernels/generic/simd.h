@@ -83,6 +83,15 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// f32 -> bf16 bits as torch converts: c10's round_to_nearest_even (NaN -> 0x7fc0), branch-free, so loops of it
+// vectorize (norm.cpp's rows, attention's output).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t r = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(r);
+}
+
 // 8 bf16 -> f32 (exact)
 inline f8 bf16x8(const uint16_t* p) {
 #if defined(__AVX2__)
