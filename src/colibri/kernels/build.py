@@ -160,18 +160,10 @@ cpp_extension.load(a["name"], a["sources"], extra_cflags=a["cflags"], extra_ldfl
 ns = getattr(torch.ops, a["ns"])
 for op in a["ops"]:
     getattr(ns, op)  # raises where the library does not register the op
-import ctypes
-try:
-    ctypes.CDLL(a["lib"])["PyInit_" + a["ns"]]  # a module only where the build had Python's headers
-    module = a["module"]
-except AttributeError:
-    module = False
-if module:
-    import importlib.machinery, importlib.util
-    loader = importlib.machinery.ExtensionFileLoader(a["ns"], a["lib"])
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(a["ns"], loader))
-    loader.exec_module(mod)
-    for op in a["ops"]:
+if a["module"]:
+    from colibri.kernels.build import module_of
+    mod = module_of(a["ns"], a["lib"])  # None where the build had no Python headers
+    for op in a["ops"] if mod is not None else ():
         getattr(mod, op)
 """
 
@@ -290,13 +282,17 @@ def load(t: Tier, root: Path | None = None, notice=notice) -> Path:
     return lib
 
 
-def _exports(lib: Path, symbol: str) -> bool:
-    """Whether the (loaded) library lib defines symbol."""
+def module_of(ns: str, lib: str | Path):
+    """The Python module the (loaded) library lib also is, named ns (registry.cpp); None where it is none (built
+    without Python's headers: no PyInit_<ns>)."""
     try:
-        ctypes.CDLL(str(lib))[symbol]
+        ctypes.CDLL(str(lib))[f"PyInit_{ns}"]
     except AttributeError:
-        return False
-    return True
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(ns, str(lib))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(ns, loader))
+    loader.exec_module(mod)  # (pybind11's modules initialize in two phases: this runs the ops' definitions)
+    return mod
 
 
 def python_module(t: Tier, lib: Path):
@@ -304,12 +300,10 @@ def python_module(t: Tier, lib: Path):
     `load`: the same functions as torch.ops.<t.ns>, called without the dispatcher's argument parsing. A library
     built without Python's headers (a system Python without its -dev package) is no module: its torch.ops
     namespace then (the same ops, each call about 1 us slower)."""
-    if not _exports(lib, f"PyInit_{t.ns}"):
+    mod = module_of(t.ns, lib)
+    if mod is None:
         log.debug(f"colibri: the {t.name} kernels were built without Python's headers; calling them through torch.ops")
         return getattr(torch.ops, t.ns)
-    loader = importlib.machinery.ExtensionFileLoader(t.ns, str(lib))
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(t.ns, loader))
-    loader.exec_module(mod)  # (pybind11's modules initialize in two phases: this runs the ops' definitions)
     return mod
 
 
