@@ -7,7 +7,9 @@ OLD.so / NEW.so: a tier's library from the kernel cache (`colibri kernels` print
 commit with PYTHONPATH=<worktree>/src builds its own). Both register the same op namespace, so each runs in a
 process of its own; the processes alternate --rounds times and the best time per case is kept (a shared host's
 rates move between runs). Shapes are Qwen2.5-1.5B's: attention (12 heads, 2 KV heads, Dh 128) at decode and
-prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x.
+prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x;
+--ops also takes the other q4-tiled kinds and more LOSSY int8 ops (MORE: q4k with f32 x and in the int8 mode, q4 with
+bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel and Q6_K blocks in the int8 mode).
 Output: one line per case, ms old / new and their ratio, then whether every output matched bit for bit.
 """
 
@@ -22,6 +24,9 @@ import sys
 import time
 
 OPS = ("attend", "dense", "q8k", "q4k")
+# the other kinds of q4 code tiles (their group parameters: generic/tile_params.h) and more of the LOSSY int8 ops
+# (their activations: generic/int8_decode.h), not run unless asked
+MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q6k_i8")
 
 
 def cases(ops):
@@ -65,6 +70,62 @@ def cases(ops):
                             torch.randint(0, 256, (k // 32, n // 16, 24), generator=g, dtype=torch.uint8),
                             (torch.rand(k // 256, n, 2, generator=g) * 1e-3).half())
                 out.append((f"q4k {n}x{k} T={t}", t, make, lambda o, a: o.q4k_linear(*a)))
+            out += _q4_tiles(ops, n, k, t, gen)
+    return out
+
+
+def _q4_tiles(ops, n, k, t, gen):
+    """The cases of the other q4-tiled kinds (MORE) at one shape and pass size; x bf16 unless named f32."""
+    import torch
+
+    def q4k(seed, dtype):
+        g = gen(seed)
+        return (torch.randn(t, k, generator=g).to(dtype),
+                torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+                torch.randint(0, 256, (k // 32, n // 16, 24), generator=g, dtype=torch.uint8),
+                (torch.rand(k // 256, n, 2, generator=g) * 1e-3).half())
+
+    def tiles(seed, scales):  # x bf16, q4 tiles, and the scales tensor scales(g) makes
+        g = gen(seed)
+        return (torch.randn(t, k, generator=g).bfloat16(),
+                torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8), scales(g))
+
+    out = []
+    if "q4k_f32" in ops:
+        out.append((f"q4k f32 {n}x{k} T={t}", t, lambda: q4k(n + k + t + 3, torch.float32),
+                    lambda o, a: o.q4k_linear(*a)))
+    if "q4k_i8" in ops:
+        out.append((f"q4k i8 {n}x{k} T={t}", t, lambda: q4k(n + k + t + 4, torch.bfloat16),
+                    lambda o, a: o.q4k_linear_i8(*a)))
+    if "q4" in ops:
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            out.append((f"q4 {str(dt)[6:]} {n}x{k} T={t}", t,
+                        lambda dt=dt: tiles(n + k + t + 5,
+                                            lambda g: (torch.randn(k // 64, n, 2, generator=g) * 1e-2).to(dt)),
+                        lambda o, a: o.q4_linear(*a, 64)))
+    if "q4_1" in ops:
+        out.append((f"q4_1 {n}x{k} T={t}", t,
+                    lambda: tiles(n + k + t + 6, lambda g: (torch.randn(k // 32, n, 2, generator=g) * 1e-2).half()),
+                    lambda o, a: o.q4_1_linear(*a)))
+    if "q8_i8" in ops:  # q8 with one scale per channel (x groups of 64)
+        def q8(seed=n + k + t + 8):
+            g = gen(seed)
+            return (torch.randn(t, k, generator=g).bfloat16(),
+                    torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                    (torch.rand(n, generator=g) * 1e-2).bfloat16())
+        out.append((f"q8 i8 {n}x{k} T={t}", t, q8, lambda o, a: o.q8_linear_i8(*a, 0)))
+    if "q6k_i8" in ops:  # Q6_K blocks as stored (x groups of 16)
+        def q6k(seed=n + k + t + 9):
+            g = gen(seed)
+            b = torch.randint(0, 256, (n, k // 256, 210), generator=g, dtype=torch.uint8)
+            b[:, :, 208] = 0
+            b[:, :, 209] = 0x1c  # d: a small f16
+            return torch.randn(t, k, generator=g).bfloat16(), b.view(n, -1).contiguous()
+        out.append((f"q6k i8 {n}x{k} T={t}", t, q6k, lambda o, a: o.q6k_linear_i8(*a)))
+    if "q4_0" in ops:
+        out.append((f"q4_0 {n}x{k} T={t}", t,
+                    lambda: tiles(n + k + t + 7, lambda g: (torch.randn(k // 32, n, generator=g) * 1e-2).half()),
+                    lambda o, a: o.q4_0_linear(*a)))
     return out
 
 
@@ -95,7 +156,7 @@ def main() -> None:
     ap.add_argument("--tier", required=True, choices=["avx512", "avx2", "portable"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=[*OPS, *MORE])
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:

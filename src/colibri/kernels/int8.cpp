@@ -62,74 +62,6 @@ constexpr int64_t kQuad = 256;  // bytes of one quad step for 64 columns
 
 enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
 
-inline __m512 x16(const void* x, bool bf, int64_t i) {
-  if (!bf) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
-  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i)));
-}
-
-// Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse (fresh ones
-// would fault in their pages on every call, a measurable share of a prefill pass); above kKeepBytes they are
-// given back when the call ends.
-constexpr size_t kKeepBytes = 16 << 20;
-
-struct ActBuffers {
-  std::vector<int8_t> q;
-  std::vector<float> d, xs;
-  std::vector<int32_t> qs;
-};
-thread_local ActBuffers act_buffers;
-
-struct Activations {
-  const int8_t* q;   // [T][K]
-  const float* d;    // [T][G] scale
-  const int32_t* qs; // [T][G] sum of q
-  const float* xs;   // [T][G] sum of x
-  int64_t groups;
-  ~Activations() {
-    if (act_buffers.q.capacity() > kKeepBytes) act_buffers = ActBuffers();
-  }
-};
-
-Activations quantize_rows(const at::Tensor& x, int64_t xg) {
-  const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
-  ActBuffers& b = act_buffers;
-  b.q.resize(t * k);
-  b.d.resize(t * groups);
-  b.qs.resize(t * groups);
-  b.xs.resize(t * groups);
-  int8_t* q = b.q.data();
-  float *d = b.d.data(), *xs = b.xs.data();
-  int32_t* qs = b.qs.data();
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  const void* p = x.data_ptr();
-  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t base = r * k + gi * xg;
-        __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < xg; j += 16) {
-          const __m512 v = x16(p, bf, base + j);
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-          sum = _mm512_add_ps(sum, v);
-        }
-        const float m = _mm512_reduce_max_ps(amax);
-        const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
-        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-        __m512i qsum = _mm512_setzero_si512();
-        for (int64_t j = 0; j < xg; j += 16) {
-          __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x16(p, bf, base + j), inv));  // round to nearest even
-          qi = _mm512_min_epi32(_mm512_max_epi32(qi, lo), hi);
-          qsum = _mm512_add_epi32(qsum, qi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + base + j), _mm512_cvtepi32_epi8(qi));
-        }
-        d[r * groups + gi] = m / 127.f;
-        qs[r * groups + gi] = _mm512_reduce_add_epi32(qsum);
-        xs[r * groups + gi] = _mm512_reduce_add_ps(sum);
-      }
-  });
-  return Activations{q, d, qs, xs, groups};
-}
-
 // ---- weights as quads --------------------------------------------------------------------------------------------
 
 struct Tables {
@@ -285,7 +217,7 @@ struct Weight {
   const uint8_t* qw;      // q4 tiles [Np, K/2] or q8 codes [N, K]
   const void* sc;         // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
   at::ScalarType st;
-  int64_t esz, cols, k, g;  // cols: output columns (q4: Np); g: the weight's group (q8 per channel: the x group)
+  int64_t cols, k, g;  // cols: output columns (q4: Np); g: the weight's group (q8 per channel: the x group)
   // K-quants: f16 super-scales; sc then holds 8-bit codes. q4k: (d, dmin) [G/8, Np, 2] with sc (sc, m) u8 [G, Np, 2];
   // q8k: d [N, G/16] with sc s8 [N, G]. Null: sc holds the scales themselves.
   const uint16_t* sup = nullptr;
@@ -304,9 +236,10 @@ inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
 // (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8], Q4kSupers& ds) {
   if (w.sup)
-    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, prm, prm + 4, ds);
-  q4_pairs_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.esz, w.cols, w.k, w.g}, w.pairs, gi, n0, prm,
-                  prm + 4);
+    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, lanes_of(prm),
+                      lanes_of(prm + 4), ds);
+  q4_pairs_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.cols, w.k, w.g}, w.pairs, gi, n0, lanes_of(prm),
+                  lanes_of(prm + 4));
 }
 
 // ---- q8, small passes: the dot form ---------------------------------------------------------------------------
@@ -590,8 +523,7 @@ at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
               np % 16 == 0 && g % 16 == 0 && kSpan % g == 0 && k % g == 0,
               "q4_linear_i8: shapes do not match the stored layout");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(),
-           static_cast<int64_t>(scales_zeros.element_size()), np, k, g};
+  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(), np, k, g};
   return linear_i8<kQ4>(x, w, g);
 }
 
@@ -610,8 +542,8 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t xg = group_size ? group_size : 64;
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && kSpan % xg == 0 && k % xg == 0,
               "q8_linear_i8: group size must divide 256 and K");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
-           static_cast<int64_t>(scales.element_size()), n, k, xg};
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(), n, k,
+           xg};
   return q8_run(x, w, group_size);
 }
 
@@ -622,7 +554,7 @@ at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const 
   check_x(x, k, "q4_1_linear_i8");
   check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
   TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, 2, np, k, 32};
+  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, np, k, 32};
   w.pairs = Q4Pairs::kQ41;
   return linear_i8<kQ4>(x, w, 32);
 }
@@ -631,7 +563,7 @@ at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const 
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
   check_x(x, k, "q4_0_linear_i8");
   check_q4_0(x, qweight, scales, "q4_0_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, 2, np, k, 32};
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, np, k, 32};
   w.pairs = Q4Pairs::kQ40;
   return linear_i8<kQ4>(x, w, 32);
 }
@@ -643,7 +575,7 @@ at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
   check_x(x, k, "q4k_linear_i8");
   const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, 1, np, k, 32,
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, np, k, 32,
            reinterpret_cast<const uint16_t*>(supers.data_ptr()), packed};
   return linear_i8<kQ4>(x, w, 32);
 }
@@ -659,7 +591,7 @@ at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const a
               supers.scalar_type() == at::kHalf && k % 256 == 0 && scales.dim() == 2 && scales.size(0) == n &&
               scales.size(1) == k / 16 && supers.dim() == 2 && supers.size(0) == n && supers.size(1) == k / 256,
               "q8k_linear_i8: shapes do not match the stored layout");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, 1, n, k, 16,
+  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, n, k, 16,
            reinterpret_cast<const uint16_t*>(supers.data_ptr())};
   return q8_run(x, w, 16);
 }

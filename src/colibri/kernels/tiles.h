@@ -7,6 +7,7 @@
 #include "args.h"
 #include "library.h"
 #include "stream.h"
+#include "generic/tile_params.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,169 +17,30 @@
 
 namespace {  // internal linkage: each tier's library (one translation unit) gets its own copy
 
-constexpr int kTile = 64;   // q4 tile columns (the stored layout)
 constexpr int kRows = 6;    // x rows per register block
 constexpr int kChunk = 256; // k per dequantized q4 chunk: 32 KiB of bf16 pairs / 64 KiB of f32
 constexpr int kDotCols = 4; // weight rows per dot-form register block
 
 inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-inline uint16_t f32_to_bf16(float f) {  // RNE, as vcvtneps2bf16 for normal numbers
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// 16 scales of any stored dtype -> f32.
-inline __m512 load16(const void* p, at::ScalarType t) {
-  if (t == at::kFloat) return _mm512_loadu_ps(p);
-  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-  return t == at::kBFloat16 ? bf16x16_to_f32(h) : _mm512_cvtph_ps(h);
-}
-
-inline float load1(const void* p, int64_t i, at::ScalarType t) {
-  if (t == at::kFloat) return static_cast<const float*>(p)[i];
-  if (t == at::kBFloat16) return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  return static_cast<float>(static_cast<const at::Half*>(p)[i]);
-}
-
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// The floats of parameter registers, where tile_params.h's decoders store a tile's (scale, zero): 16 columns a
+// register, written through _mm512_storeu_ps (a may-alias store) and read back as the registers.
+inline float* lanes_of(__m512* v) { return reinterpret_cast<float*>(v); }
+
 // ---- outer form: q4 -------------------------------------------------------------------------------------------
 // bf16 x: per group, A = x . (q - 8) by vdpbf16ps over exact bf16 codes, then y += scale * A + zero * sum(x),
 // the group sum of x computed once per row. f32 x: w = (q - 8) * scale + zero in f32, then fma.
-
-struct Q4 {
-  const uint8_t* qw;  // [Np, K/2] stored tiles
-  const uint8_t* sz;  // [G, Np, 2] (scale, zero); Q4_1: f16 (d, m) the same way; Q4_0: f16 d [G, Np]
-  at::ScalarType st;
-  int64_t esz, np, k, g;
-};
-
-// (scale, zero) of group gi for the columns [n0, n0 + 64) of a tile as 4 + 4 vectors (0 past the last column).
-inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, __m512 s[4], __m512 z[4]) {
-  alignas(64) float buf[2 * kTile];
-  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
-  const uint8_t* p = w.sz + (gi * w.np + n0) * 2 * w.esz;
-  prefetch_span(p + 2 * kTile * w.esz, 2 * kTile * w.esz);  // the next tile's, used a tile from now
-  if (cols == kTile) {
-    for (int c = 0; c < 8; ++c) _mm512_store_ps(buf + 16 * c, load16(p + 16 * c * w.esz, w.st));
-  } else {
-    for (int64_t i = 0; i < 2 * kTile; ++i) buf[i] = i < 2 * cols ? load1(p, i, w.st) : 0.f;
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int c = 0; c < 4; ++c) {
-    __m512 a = _mm512_load_ps(buf + 32 * c), b = _mm512_load_ps(buf + 32 * c + 16);
-    s[c] = _mm512_permutex2var_ps(a, even, b);
-    z[c] = _mm512_permutex2var_ps(a, odd, b);
-  }
-}
-
-// (scale, zero) of group gi for the tile at n0 by where the weight keeps them (args.h's Q4Pairs; sz points at
-// them): q4's stored pairs; Q4_1's f16 (d, m) pairs, zero m + 8 d; Q4_0's f16 d [G, Np], zero 0.
-inline void q4_pairs_params(const Q4& w, Q4Pairs pairs, int64_t gi, int64_t n0, __m512 s[4], __m512 z[4]) {
-  if (pairs != Q4Pairs::kQ40) {
-    q4_group_params(w, gi, n0, s, z);
-    if (pairs == Q4Pairs::kQ41)
-      for (int c = 0; c < 4; ++c) z[c] = _mm512_add_ps(z[c], _mm512_mul_ps(_mm512_set1_ps(8.f), s[c]));
-    return;
-  }
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w.sz) + gi * w.np + n0;
-  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
-  prefetch_span(d + kTile, 2 * kTile);  // the next tile's, used a tile from now
-  for (int c = 0; c < 4; ++c) {
-    const int64_t left = cols - 16 * c;
-    s[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left <= 0 ? 0 : tail_mask16(left), d + 16 * c));
-    z[c] = _mm512_setzero_ps();
-  }
-}
-
-// q4k: the f32 (d, dmin) of a tile's 64 columns in one super-block (8 groups of 32): decoded by q4k_params for the
-// super-block's first group and read by all eight (the caller keeps one per thread and asks for a tile's groups in
-// order from 0, as every driver does).
-struct Q4kSupers {
-  __m512 d[4], dmin[4];
-};
-
-// q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column), s = d * sc from the
-// (sc, m) codes (packed or a byte each: args.h, check_q4k_layout) and f16 (d, dmin) [G/8, Np, 2]. signed_codes: z for
-// w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = -dmin * m for w = q * s + z (the
-// f32 path, exact).
-inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
-                       bool signed_codes, __m512 s[4], __m512 z[4], Q4kSupers& ds) {
-  const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) per column
-  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
-  prefetch_span(pc + tile_bytes, tile_bytes);  // the next tile's codes of this group, used a tile from now
-  if (gi % 8 == 0) prefetch_span(pd + kTile, 4 * kTile);
-  const __m512i lo8 = _mm512_set1_epi32(0xff), lo16 = _mm512_set1_epi32(0xffff);
-  for (int c = 0; c < 4; ++c) {
-    const int64_t left = cols - 16 * c;
-    const __mmask16 m = left <= 0 ? 0 : tail_mask16(left);  // tiles are whole 16-column vectors: all or none
-    __m512i csc, cm;
-    if (packed) {  // 16 columns a unit of 24 bytes (args.h): their low bytes, then 8 bytes of high nibbles
-      if (!m) {  // past the tail tile's last column: whole vectors
-        s[c] = z[c] = _mm512_setzero_ps();
-        continue;
-      }
-      const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc + 24 * c)));
-      int64_t nb;
-      std::memcpy(&nb, pc + 24 * c + 16, 8);
-      const __m512i nib = _mm512_cvtepu8_epi32(_mm_set1_epi64x(nb));  // rows 0-7 low nibbles, 8-15 high
-      const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(nib, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4,
-                                                                                    4, 4, 4, 4)),
-                                          _mm512_set1_epi32(15));
-      csc = _mm512_and_si512(lo, _mm512_set1_epi32(63));
-      cm = _mm512_or_si512(_mm512_srli_epi32(lo, 6), _mm512_slli_epi32(hi, 2));
-    } else {
-      const __m512i codes =
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(pc) + 16 * c));
-      csc = _mm512_and_si512(codes, lo8);  // (sc | m << 8) per column
-      cm = _mm512_srli_epi32(codes, 8);
-    }
-    if (gi % 8 == 0) {  // the super-block's (d, dmin) of these 16 columns
-      const __m512i halves = _mm512_maskz_loadu_epi32(m, pd + 16 * c);
-      ds.d[c] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(halves, lo16)));
-      ds.dmin[c] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
-    }
-    s[c] = _mm512_mul_ps(ds.d[c], _mm512_cvtepi32_ps(csc));
-    const __m512 mm = _mm512_mul_ps(ds.dmin[c], _mm512_cvtepi32_ps(cm));
-    z[c] = signed_codes ? _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(8.f), s[c]), mm)
-                        : _mm512_sub_ps(_mm512_setzero_ps(), mm);
-  }
-}
-
-// The code q of column j, row k, of the tile at column n0 (full tiles and the row-pair tail tile).
-inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {
-  const uint8_t* base = w.qw + n0 * (w.k / 2);
-  if (cols == kTile) {
-    uint8_t byte = base[k * 32 + (j & 31)];
-    return j < 32 ? byte & 15 : byte >> 4;
-  }
-  uint8_t byte = base[k * (cols / 2) + j / 2];
-  return (j & 1) ? byte >> 4 : byte & 15;
-}
 
 struct QPairTables {  // constants of q4_qpair
   __m512i lut, order;
   QPairTables() {
     alignas(64) uint16_t l[32];
     alignas(64) uint8_t o[64];
-    for (int i = 0; i < 32; ++i) l[i] = f32_to_bf16(static_cast<float>((i & 15) - 8));
+    for (int i = 0; i < 32; ++i) l[i] = simd::f32_to_bf16(static_cast<float>((i & 15) - 8));
     for (int j = 0; j < 32; ++j) o[2 * j] = static_cast<uint8_t>(j), o[2 * j + 1] = static_cast<uint8_t>(32 + j);
     lut = _mm512_load_si512(l);
     order = _mm512_load_si512(o);
@@ -212,7 +74,7 @@ void q4_codes_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, const QPair
   for (int64_t k = 0; k < kn; ++k)
     for (int64_t j = 0; j < kTile; ++j)
       buf[((k / 2) * kTile + j) * 2 + (k & 1)] =
-          j < cols ? f32_to_bf16(static_cast<float>(q4_code(w, n0, cols, j, k0 + k) - 8)) : 0;
+          j < cols ? simd::f32_to_bf16(static_cast<float>(q4_code(w, n0, cols, j, k0 + k) - 8)) : 0;
 }
 
 // tot[R][64] += s * A + z * xsum for one group, A = x[R rows] . (q - 8) over `npairs` code pairs from `src`.
@@ -242,7 +104,7 @@ inline void q4_group(Src&& src, int64_t npairs, const uint16_t* x, int64_t ldx, 
 }
 
 // Weights w = (q + off) * scale + zero (exact f32, as dequantize()) of k in [k0, k0 + kn): f32 [kn][64], with
-// params(group, n0, scale[4], zero[4]) giving a group's parameters (q4: off = -8, its stored scale and zero).
+// params(group, n0, scale, zero) writing a group's parameters (64 floats each) (q4: off = -8, its stored scale and zero).
 template <class Params>
 void q4_weights_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float* buf, Params&& params, int off) {
   const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
@@ -251,7 +113,7 @@ void q4_weights_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float* bu
   const uint8_t* tile = w.qw + n0 * (w.k / 2);
   __m512 s[4], z[4];
   for (int64_t g0 = k0; g0 < k0 + kn; g0 += w.g) {  // chunks start on group boundaries (kChunk % g == 0)
-    params(g0 / w.g, n0, s, z);
+    params(g0 / w.g, n0, lanes_of(s), lanes_of(z));
     for (int64_t k = g0; k < g0 + w.g; ++k) {
       __m512 f[4];
       if (cols == kTile) {
@@ -361,7 +223,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     alignas(64) static thread_local float buf[kChunk * kTile];  // 64 KiB: f32 weights or (2x) bf16 code pairs
     alignas(64) static thread_local __m512 params[kChunk / 32][8];
     Q4kSupers ds;
-    auto pf = [&](int64_t gi, int64_t n0, __m512* sv, __m512* zv) { params_f32(gi, n0, sv, zv, ds); };
+    auto pf = [&](int64_t gi, int64_t n0, float* sv, float* zv) { params_f32(gi, n0, sv, zv, ds); };
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
@@ -376,7 +238,8 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
           });
           continue;
         }
-        for (int64_t i = 0; i < ng; ++i) params_bf16(k0 / g + i, n0, params[i], params[i] + 4, ds);
+        for (int64_t i = 0; i < ng; ++i)
+          params_bf16(k0 / g + i, n0, lanes_of(params[i]), lanes_of(params[i] + 4), ds);
         if (full && t <= kRows) {  // decode: codes straight from the tile, no buffer (same values, same order)
           const uint8_t* tp = w.qw + n0 * (k / 2);
           for_rows(t, [&](int64_t r0, auto R) {

@@ -52,79 +52,6 @@ constexpr int64_t kChunk = 1024;   // k per laid-out chunk: 64 KiB of q4 quads, 
 
 enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
 
-// ---- activations ---------------------------------------------------------------------------------------------
-
-// Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse; above
-// kKeepBytes they are given back when the call ends (as ../int8.cpp).
-constexpr size_t kKeepBytes = 16 << 20;
-
-struct ActBuffers {
-  std::vector<int8_t> q;
-  std::vector<float> d, xs;
-  std::vector<int32_t> qs;
-};
-thread_local ActBuffers act_buffers;
-
-struct Activations {
-  const int8_t* q;    // [T][K]
-  const float* d;     // [T][G] scale
-  const int32_t* qs;  // [T][G] -off * (sum of q): the offset term of A
-  const float* xs;    // [T][G] sum of x
-  int64_t groups;
-  ~Activations() {
-    if (act_buffers.q.capacity() > kKeepBytes) act_buffers = ActBuffers();
-  }
-};
-
-inline f8 x8(const void* x, bool bf, int64_t i) {
-  return bf ? simd::bf16x8(static_cast<const uint16_t*>(x) + i) : simd::load(static_cast<const float*>(x) + i);
-}
-inline f8 abs8(f8 v) { return simd::as_f(simd::as_u(v) & 0x7fffffffu); }
-
-Activations quantize_rows(const at::Tensor& x, int64_t xg, int32_t off) {
-  const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
-  ActBuffers& b = act_buffers;
-  b.q.resize(t * k);
-  b.d.resize(t * groups);
-  b.qs.resize(t * groups);
-  b.xs.resize(t * groups);
-  int8_t* q = b.q.data();
-  float *d = b.d.data(), *xs = b.xs.data();
-  int32_t* qs = b.qs.data();
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  const void* p = x.data_ptr();
-  at::parallel_for(0, t, 1, [&](int64_t rb, int64_t re) {
-    for (int64_t r = rb; r < re; ++r)
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t base = r * k + gi * xg;
-        simd::f16 amax{}, sum{};  // lanes j % 16, as one AVX-512 register
-        for (int64_t j = 0; j < xg; j += 16) {
-          const f8 lo = x8(p, bf, base + j), hi = x8(p, bf, base + j + 8);
-          amax.lo = simd::max(amax.lo, abs8(lo));
-          amax.hi = simd::max(amax.hi, abs8(hi));
-          sum.lo = sum.lo + lo;
-          sum.hi = sum.hi + hi;
-        }
-        const float m = simd::reduce_max16(amax);
-        const f8 inv = simd::set1(m > 0.f ? 127.f / m : 0.f);
-        i32x8 qsum{};
-        for (int64_t j = 0; j < xg; j += 8) {
-          i32x8 qi = simd::cvt_rne(x8(p, bf, base + j) * inv);
-          qi = qi < -127 ? -127 : qi;
-          qi = qi > 127 ? 127 : qi;
-          qsum += qi;
-          for (int i = 0; i < 8; ++i) q[base + j + i] = static_cast<int8_t>(qi[i]);
-        }
-        int32_t s = 0;
-        for (int i = 0; i < 8; ++i) s += qsum[i];
-        d[r * groups + gi] = m / 127.f;
-        qs[r * groups + gi] = -off * s;
-        xs[r * groups + gi] = simd::reduce16(sum);
-      }
-  });
-  return Activations{q, d, qs, xs, groups};
-}
-
 // ---- weights as quads ----------------------------------------------------------------------------------------
 // A chunk of kn k of a tile is laid out pair by pair: pair p holds, for each quad step s (k = 4 s .. 4 s + 3),
 // two 32-byte vectors at buf + (p * kn / 4 + s) * 64 (+ 32): the pair's codes for the whole chunk are one
@@ -381,8 +308,11 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   const int64_t t = x.size(0), k = w.k, xg = w.g;
   at::Tensor y = at::empty({t, w.cols}, x.options());
   if (t == 0) return y;
-  const Activations a = quantize_rows(x, xg, K == kQ4 ? 8 : 128);
+  const Activations a = quantize_rows(x, xg);
   const int64_t groups = a.groups;
+  // each group's offset term of A, -off * sum(q) (off: 8 for the q4 codes, 128 for the q8 ones made unsigned)
+  std::vector<int32_t> qoff(t * groups);
+  for (size_t i = 0; i < qoff.size(); ++i) qoff[i] = (K == kQ4 ? -8 : -128) * a.qs[i];
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     // a K chunk of the tile's quads (64-byte aligned: each step of a pair is one cache line), kept for the
@@ -407,7 +337,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           float* tr = tot.data() + r * kCols;
           if constexpr (K == kQ4) {
             const uint8_t* tp = w.qw + n0 * (k / 2);
-            q4_direct(tp, groups, xg, xq, dr, a.qs + r * groups, prm.data(), 2 * kCols, tr);
+            q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, prm.data(), 2 * kCols, tr);
           } else {
             const bool kq = q8k_direct;  // q8k: scales decoded from the codes, no table
             for (int64_t c = 0; c < cols; c += 8)
@@ -433,7 +363,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             constexpr int rr = decltype(R)::value;
             auto run = [&](auto W, auto NW) {
               block_groups<rr, K, decltype(W)::value, decltype(NW)::value>(
-                  wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups, a.qs + r0 * groups, groups, pp, lds,
+                  wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups, qoff.data() + r0 * groups, groups, pp, lds,
                   tot.data() + r0 * kCols + pr * pair_cols);
             };
             using I4 = std::integral_constant<int, 4>;
@@ -543,7 +473,7 @@ at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const
   check_blocks(x, blocks, op, 256, B::kBlockBytes);
   check_x(x, x.size(1), op);
   return blocks_i8<B>(
-      x, blocks, kCols, [](const at::Tensor& x) { return quantize_rows(x, 16, 128); },
+      x, blocks, kCols, [](const at::Tensor& x) { return quantize_rows(x, 16); },
       [](at::Tensor& y, const float* acc, int64_t t, int64_t cols, int64_t n0) {
         store_rows(acc, kCols, t, cols, y, n0);  // tiles.h
       },

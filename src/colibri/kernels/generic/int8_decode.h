@@ -15,6 +15,7 @@
 
 #include "../stream.h"
 #include "gguf_blocks.h"
+#include "lanes.h"
 #include "simd.h"
 
 namespace {
@@ -38,6 +39,76 @@ inline void check_x(const at::Tensor& x, int64_t k, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, name, ": x must be contiguous [T, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": x must be f32 or bf16");
   TORCH_CHECK(k % 64 == 0, name, ": K must be a multiple of 64");
+}
+
+// ---- activations: every tier's int8 rows of x (over lanes.h: 16 lanes a register in avx512, 8 in the others) -----
+
+// Per-row, per-group int8 activations, in buffers of the calling thread that its next calls reuse (fresh ones
+// would fault in their pages on every call, a measurable share of a prefill pass); above kKeepBytes they are
+// given back when the call ends.
+constexpr size_t kKeepBytes = 16 << 20;
+
+struct ActBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, xs;
+  std::vector<int32_t> qs;
+};
+thread_local ActBuffers act_buffers;
+
+struct Activations {
+  const int8_t* q;    // [T][K]
+  const float* d;     // [T][G] scale
+  const int32_t* qs;  // [T][G] sum of q
+  const float* xs;    // [T][G] sum of x
+  int64_t groups;
+  ~Activations() {
+    if (act_buffers.q.capacity() > kKeepBytes) act_buffers = ActBuffers();
+  }
+};
+
+// x [T, K] (f32 or bf16) per group of xg (a multiple of 16): d = max|x| / 127, q = x * (127 / max|x|) rounded to
+// nearest even and clamped to [-127, 127], the sum of q, and the f32 sum of x (16 lane partials in k order, then
+// _mm512_reduce_add_ps's tree): the same values in every tier.
+inline Activations quantize_rows(const at::Tensor& x, int64_t xg) {
+  using S = lanes::Lanes;
+  const int64_t t = x.size(0), k = x.size(1), groups = k / xg;
+  ActBuffers& b = act_buffers;
+  b.q.resize(t * k);
+  b.d.resize(t * groups);
+  b.qs.resize(t * groups);
+  b.xs.resize(t * groups);
+  int8_t* q = b.q.data();
+  float *d = b.d.data(), *xs = b.xs.data();
+  int32_t* qs = b.qs.data();
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  const float* xf = bf ? nullptr : x.data_ptr<float>();
+  at::parallel_for(0, t, 1, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t base = r * k + gi * xg;
+        S::P amax = S::pzero(), sum = S::pzero();  // lanes j % 16, as one AVX-512 register
+        for (int64_t j = 0; j < xg; j += 16) {
+          const S::P v = bf ? S::load16(xb + base + j) : S::load16(xf + base + j);
+          amax = S::pmax_abs(amax, v);
+          sum = S::padd(sum, v);
+        }
+        const float m = S::pmax(amax);
+        const S::V inv = S::set1(m > 0.f ? 127.f / m : 0.f);
+        S::I qsum{};
+        for (int64_t j = 0; j < xg; j += S::L) {
+          S::I qi = S::cvt_rne((bf ? S::load(xb + base + j) : S::load(xf + base + j)) * inv);
+          qi = qi < -127 ? -127 : qi;
+          qi = qi > 127 ? 127 : qi;
+          qsum += qi;
+          S::store_i8(q + base + j, qi);
+        }
+        d[r * groups + gi] = m / 127.f;
+        qs[r * groups + gi] = S::isum(qsum);
+        xs[r * groups + gi] = S::psum(sum);
+      }
+  });
+  return Activations{q, d, qs, xs, groups};
 }
 
 // ---- integer primitives: the only code with an ISA form ------------------------------------------------------

@@ -16,11 +16,20 @@
 //   load_i8, torch_bf16  L int8 values as f32 (exact), and each lane rounded to the nearest bf16, ties to even,
 //           subnormals kept (integer arithmetic: torch's rounding of finite values; simd::round_bf16, the
 //           vcvtneps2bf16 form, flushes subnormals).
+//   U       L u32 lanes (a GCC vector: &, |, <<, >> per lane), for the stored layouts' integer fields
+//           (tile_params.h): load_u32 / load_u16 / load_u8 (L values zero-extended), load_u8_twice (lane i = p[i %
+//           8]), lane_index; to_f (as int32, exact below 2^24), as_f (the bits), f16_lo (each lane's low 16 bits
+//           as f16, exact), load_f16 (L f16 values); f32_pairs (2L floats -> their even and odd elements).
+//   P ops   pzero, padd, pmax_abs (max(m, |v|) per lane, vmaxps's a > b ? a : b), psum (simd::reduce16's tree: the
+//           sum of _mm512_reduce_add_ps), pmax (_mm512_reduce_max_ps's tree; max is exact in any order).
+//   I       L int32 lanes (a GCC vector): cvt_rne (f32 -> int32, nearest, ties to even), store_i8 (each lane's low
+//           byte), isum (the lanes' sum, exact).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include "simd.h"
@@ -61,6 +70,43 @@ struct Lanes8 {
   static void store_n(float* p, V v, int64_t n) { simd::store_n(p, v, n); }
   static V fma(V a, V b, V c) { return simd::fma(a, b, c); }
   static V load_i8(const int8_t* p) { return simd::to_f(simd::s8x8(p)); }  // L int8 values, exact
+  using U = simd::u8;
+  static U load_u32(const uint32_t* p) { return simd::loadu(p); }
+  static U load_u16(const uint16_t* p) {
+    simd::h8 h;
+    std::memcpy(&h, p, 16);
+    return __builtin_convertvector(h, U);
+  }
+  static U load_u8(const uint8_t* p) { return reinterpret_cast<U>(simd::u8x8(p)); }
+  static U load_u8_twice(const uint8_t* p) { return load_u8(p); }
+  static U lane_index() { return U{0, 1, 2, 3, 4, 5, 6, 7}; }
+  static V to_f(U u) { return simd::to_f(reinterpret_cast<simd::i8>(u)); }
+  static V as_f(U u) { return simd::as_f(u); }
+  static V f16_lo(U u) { return simd::f16x8(u); }
+  static V load_f16(const uint16_t* p) { return simd::f16x8(p); }
+  static void f32_pairs(const float* p, V& even, V& odd) {
+    const simd::Pair q = simd::f32_pairs(p);
+    even = q.even;
+    odd = q.odd;
+  }
+  static P pzero() { return P{zero(), zero()}; }
+  static P padd(const P& a, const P& b) { return P{a.lo + b.lo, a.hi + b.hi}; }
+  static P pmax_abs(const P& m, const P& v) {
+    auto abs = [](V x) { return simd::as_f(simd::as_u(x) & 0x7fffffffu); };
+    return P{simd::max(m.lo, abs(v.lo)), simd::max(m.hi, abs(v.hi))};
+  }
+  static float psum(const P& p) { return simd::reduce16(p); }
+  static float pmax(const P& p) { return simd::reduce_max16(p); }
+  using I = simd::i8;
+  static I cvt_rne(V v) { return simd::cvt_rne(v); }
+  static void store_i8(int8_t* p, I v) {
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<int8_t>(v[i]);
+  }
+  static int32_t isum(I v) {
+    int32_t s = 0;
+    for (int i = 0; i < 8; ++i) s += v[i];
+    return s;
+  }
   // the nearest bf16 as f32, ties to even, subnormals kept (torch's rounding of finite values)
   static V torch_bf16(V v) {
     const simd::u8 u = simd::as_u(v);
@@ -166,6 +212,44 @@ struct Lanes16 {
   static V load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  typedef uint32_t U __attribute__((vector_size(64)));
+  static __m512i bits(U u) { return reinterpret_cast<__m512i>(u); }
+  static U load_u32(const uint32_t* p) { return reinterpret_cast<U>(_mm512_loadu_si512(p)); }
+  static U load_u16(const uint16_t* p) {
+    return reinterpret_cast<U>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static U load_u8(const uint8_t* p) {
+    return reinterpret_cast<U>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static U load_u8_twice(const uint8_t* p) {
+    int64_t b;
+    std::memcpy(&b, p, 8);
+    return reinterpret_cast<U>(_mm512_cvtepu8_epi32(_mm_set1_epi64x(b)));
+  }
+  static U lane_index() { return U{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+  static V to_f(U u) { return _mm512_cvtepi32_ps(bits(u)); }
+  static V as_f(U u) { return _mm512_castsi512_ps(bits(u)); }
+  static V f16_lo(U u) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits(u))); }  // (vpmovdw keeps the low 16)
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void f32_pairs(const float* p, V& even, V& odd) {
+    const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const V a = load(p), b = load(p + 16);
+    even = _mm512_permutex2var_ps(a, e, b);
+    odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
+  }
+  static P pzero() { return zero(); }
+  static P padd(P a, P b) { return _mm512_add_ps(a, b); }
+  static P pmax_abs(P m, P v) { return _mm512_max_ps(m, _mm512_abs_ps(v)); }
+  static float psum(P p) { return _mm512_reduce_add_ps(p); }
+  static float pmax(P p) { return _mm512_reduce_max_ps(p); }
+  typedef int32_t I __attribute__((vector_size(64)));
+  static I cvt_rne(V v) { return reinterpret_cast<I>(_mm512_cvtps_epi32(v)); }  // (MXCSR: nearest, ties to even)
+  static void store_i8(int8_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(v)));
+  }
+  static int32_t isum(I v) { return _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(v)); }
   static V torch_bf16(V v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),

@@ -24,6 +24,7 @@
 #include "../library.h"
 #include "../stream.h"
 #include "simd.h"
+#include "tile_params.h"
 
 namespace {
 
@@ -31,16 +32,9 @@ using simd::f8;
 using simd::f16;
 using simd::Pair;
 
-constexpr int kTile = 64;    // q4 tile columns (the stored layout)
 constexpr int kVecs = kTile / 8;
 constexpr int kRows = 4;     // x rows per register block (4 x 2 vectors of accumulators, 16 registers on AVX2)
 constexpr int kMaxGroup = 256;
-
-inline float load1(const void* p, int64_t i, at::ScalarType t) {
-  if (t == at::kFloat) return static_cast<const float*>(p)[i];
-  if (t == at::kBFloat16) return simd::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  return simd::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-}
 
 // k bf16 values -> f32 (exact).
 inline void widen_bf16(const uint16_t* x, int64_t k, float* out) {
@@ -86,13 +80,6 @@ void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tens
 
 // ---- outer form: q4 tiles ------------------------------------------------------------------------------------
 
-struct Q4 {
-  const uint8_t* qw;  // [Np, K/2] stored tiles
-  const uint8_t* sz;  // [G, Np, 2] (scale, zero); Q4_1: f16 (d, m) the same way; Q4_0: f16 d [G, Np]
-  at::ScalarType st;
-  int64_t np, k, g;
-};
-
 // Group sums of bf16 x row: 16-lane partials in k order (the group's tail zero-padded), then the fixed tree.
 inline float group_sum(const uint16_t* x, int64_t g) {
   f16 a{simd::zero(), simd::zero()};
@@ -103,125 +90,6 @@ inline float group_sum(const uint16_t* x, int64_t g) {
     a.hi = a.hi + simd::load(v + 8);
   }
   return simd::reduce16(a);
-}
-
-// (scale, zero) of group gi for the 64 columns of the tile at n0, from the stored pairs of w's dtype (0 past the
-// last column).
-inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float* z) {
-  const int64_t cols = std::min<int64_t>(kTile, w.np - n0), base = (gi * w.np + n0) * 2;
-  const int64_t esz = w.st == at::kFloat ? 4 : 2;
-  prefetch_span(w.sz + (base + 2 * kTile) * esz, 2 * kTile * esz);  // the next tile's, used a tile from now
-  for (int64_t j = 0; j < kTile; j += 8) {
-    if (j >= cols) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-      simd::store(s + j, simd::zero());
-      simd::store(z + j, simd::zero());
-      continue;
-    }
-    if (w.st == at::kFloat) {
-      const simd::Pair p = simd::f32_pairs(reinterpret_cast<const float*>(w.sz) + base + 2 * j);
-      simd::store(s + j, p.even);
-      simd::store(z + j, p.odd);
-      continue;
-    }
-    // 16-bit dtypes: one 32-bit lane per column holds (scale, zero), widened in place
-    const simd::u8 h = simd::loadu(reinterpret_cast<const uint32_t*>(w.sz) + (base + 2 * j) / 2);
-    const bool bf = w.st == at::kBFloat16;
-    simd::store(s + j, bf ? simd::as_f(h << 16) : simd::f16x8(h));
-    simd::store(z + j, bf ? simd::as_f(h & 0xffff0000u) : simd::f16x8(h >> 16));
-  }
-}
-
-// (scale, zero) of group gi for the tile at n0 by where the weight keeps them (args.h's Q4Pairs; sz points at
-// them): q4's stored pairs; Q4_1's f16 (d, m) pairs, zero m + 8 d; Q4_0's f16 d [G, Np], zero 0.
-inline void q4_pairs_params(const Q4& w, Q4Pairs pairs, int64_t gi, int64_t n0, float* s, float* z) {
-  if (pairs != Q4Pairs::kQ40) {
-    q4_group_params(w, gi, n0, s, z);
-    if (pairs == Q4Pairs::kQ41)
-      for (int64_t j = 0; j < kTile; j += 8)
-        simd::store(z + j, simd::load(z + j) + simd::set1(8.f) * simd::load(s + j));
-    return;
-  }
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w.sz) + gi * w.np + n0;
-  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
-  prefetch_span(d + kTile, 2 * kTile);  // the next tile's, used a tile from now
-  for (int64_t j = 0; j < kTile; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-    simd::store(s + j, j < cols ? simd::f16x8(d + j) : simd::zero());
-    simd::store(z + j, simd::zero());
-  }
-}
-
-// q4k: the (sc, m) codes of columns [c, c + 8) (c % 8 == 0) of a group's packed row p (args.h: 24 bytes per 16
-// columns, their v's low bytes then the nibbles of v >> 8), as u32 lanes.
-inline void q4k_codes8(const uint8_t* p, int64_t c, simd::u8& sc, simd::u8& m) {
-  const uint8_t* unit = p + c / 16 * 24;
-  const simd::u8 lo = reinterpret_cast<simd::u8>(simd::u8x8(unit + c % 16));
-  const simd::u8 nib = reinterpret_cast<simd::u8>(simd::u8x8(unit + 16));
-  const simd::u8 hi = c % 16 ? nib >> 4 : nib & 15u;
-  sc = lo & 63u;
-  m = (lo >> 6) | (hi << 2);
-}
-
-// q4k: the f32 (d, dmin) of a tile's 64 columns in one super-block (8 groups of 32): decoded by q4k_params for the
-// super-block's first group and read by all eight (the caller keeps one per thread and asks for a tile's groups in
-// order from 0, as both drivers do).
-struct Q4kSupers {
-  alignas(32) float d[kTile], dmin[kTile];
-};
-
-// q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
-// z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
-// w = q * s + z (the f32 path). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout); sup: the
-// f16 (d, dmin), decoded into ds when gi % 8 == 0.
-inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
-                       bool signed_codes, float* s, float* z, Q4kSupers& ds) {
-  const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
-  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
-  prefetch_span(pc + tile_bytes, tile_bytes);
-  if (gi % 8 == 0) {
-    const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
-    prefetch_span(pd + kTile, 4 * kTile);
-    for (int64_t j = 0; j < cols; j += 8) {  // tiles are 16, 32, 48 or 64 columns: whole vectors
-      const simd::u8 halves = simd::loadu(pd + j);
-      simd::store(ds.d + j, simd::f16x8(halves));
-      simd::store(ds.dmin + j, simd::f16x8(halves >> 16));
-    }
-  }
-  for (int64_t j = 0; j < kTile; j += 8) {
-    if (j >= cols) {
-      simd::store(s + j, simd::zero());
-      simd::store(z + j, simd::zero());
-      continue;
-    }
-    simd::u8 c, mc;
-    if (packed) {
-      q4k_codes8(pc, j, c, mc);
-    } else {
-      simd::h8 m16;
-      std::memcpy(&m16, pc + 2 * j, 16);
-      const simd::u8 codes = __builtin_convertvector(m16, simd::u8);  // (sc | m << 8) per column
-      c = codes & 0xffu;
-      mc = codes >> 8;
-    }
-    const f8 sv = simd::load(ds.d + j) * simd::to_f(reinterpret_cast<simd::i8>(c));
-    const f8 mm = simd::load(ds.dmin + j) * simd::to_f(reinterpret_cast<simd::i8>(mc));
-    simd::store(s + j, sv);
-    simd::store(z + j, signed_codes ? simd::set1(8.f) * sv - mm : simd::zero() - mm);
-  }
-}
-
-// The code q (0..15) of column j, row k, of the tile at n0 (full tiles: 32 bytes a row, byte j holding columns j
-// and j + 32; the tail tile: cols / 2 bytes a row, column pairs in a byte).
-inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {
-  const uint8_t* base = w.qw + n0 * (w.k / 2);
-  if (cols == kTile) {
-    const uint8_t byte = base[k * 32 + (j & 31)];
-    return j < 32 ? byte & 15 : byte >> 4;
-  }
-  const uint8_t byte = base[k * (cols / 2) + j / 2];
-  return (j & 1) ? byte >> 4 : byte & 15;
 }
 
 // Columns [8c, 8c + 8) and [32 + 8c, 40 + 8c) of row k of a full tile as f32 codes plus off.
@@ -323,8 +191,9 @@ void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float*
 }
 
 // The outer-form driver over 64-column code tiles (q4 and the two-level q4k). params(gi, n0, s[64], z[64], ds)
-// gives a group's parameters (ds: the thread's Q4kSupers, a tile's groups asked for in order from 0): bf16 x uses w ~ (q - 8) * s + z (the exact codes in the dot products, s and z in
-// f32 after them); f32 x multiplies the exact weights (q + off) * s + z.
+// gives a group's parameters (tile_params.h; ds: the thread's Q4kSupers, a tile's groups asked for in order from
+// 0): bf16 x uses w ~ (q - 8) * s + z (the exact codes in the dot products, s and z in f32 after them); f32 x
+// multiplies the exact weights (q + off) * s + z.
 template <class PB, class PF>
 at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, PF&& params_f32, int off) {
   const int64_t t = x.size(0), k = w.k, np = w.np, g = w.g;

@@ -1,0 +1,156 @@
+// The q4 code tiles' group parameters, decoded by one source in every tier: (scale, zero) per column of a
+// 64-column tile for one group of K, from the stored layouts (args.h: q4's pairs, Q4_1's and Q4_0's f16, q4k's
+// 6-bit codes under f16 super-scales), and a tile's code at (column, k). Written over lanes.h's traits, so the
+// avx512 tier decodes 16 columns a register and the avx2 and portable tiers 8; every value is the same IEEE f32
+// operation on the same inputs in each (tests/test_tiers.py crosses the tiers' outputs).
+//
+// The outputs are float arrays of kTile (one per column, 0 past the tile's last column; the avx512 drivers hand
+// their 4 registers' storage); every tier's q4 drivers (tiles.h, int8.cpp, generic/) read them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../args.h"
+#include "../stream.h"
+#include "lanes.h"
+
+namespace {
+
+constexpr int kTile = 64;  // q4 tile columns (the stored layout; Np is a multiple of 16, so tiles are 16, 32, 48
+                           // or 64 columns: whole vectors of either lane width)
+
+struct Q4 {
+  const uint8_t* qw;  // [Np, K/2] stored tiles
+  const uint8_t* sz;  // [G, Np, 2] (scale, zero); Q4_1: f16 (d, m) the same way; Q4_0: f16 d [G, Np]
+  at::ScalarType st;
+  int64_t np, k, g;
+  int64_t esz() const { return st == at::kFloat ? 4 : 2; }  // bytes of one stored scale or zero
+};
+
+inline float load1(const void* p, int64_t i, at::ScalarType t) {
+  if (t == at::kFloat) return static_cast<const float*>(p)[i];
+  if (t == at::kBFloat16) return simd::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return simd::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+}
+
+// (scale, zero) of group gi for the 64 columns of the tile at n0, from the stored pairs of w's dtype: f32 pairs
+// split into their even and odd elements; a 16-bit pair is one u32 lane per column, (scale | zero << 16), widened
+// exactly (bf16: the bits moved up; f16: converted).
+inline void q4_group_params(const Q4& w, int64_t gi, int64_t n0, float* s, float* z) {
+  using S = lanes::Lanes;
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0), base = (gi * w.np + n0) * 2;
+  prefetch_span(w.sz + (base + 2 * kTile) * w.esz(), 2 * kTile * w.esz());  // the next tile's, used a tile from now
+  for (int64_t j = 0; j < kTile; j += S::L) {
+    S::V sv = S::zero(), zv = S::zero();
+    if (j < cols) {
+      if (w.st == at::kFloat) {
+        S::f32_pairs(reinterpret_cast<const float*>(w.sz) + base + 2 * j, sv, zv);
+      } else {
+        const S::U h = S::load_u32(reinterpret_cast<const uint32_t*>(w.sz) + (base + 2 * j) / 2);
+        const bool bf = w.st == at::kBFloat16;
+        sv = bf ? S::as_f(h << 16) : S::f16_lo(h);
+        zv = bf ? S::as_f(h & 0xffff0000u) : S::f16_lo(h >> 16);
+      }
+    }
+    S::store(s + j, sv);
+    S::store(z + j, zv);
+  }
+}
+
+// (scale, zero) of group gi for the tile at n0 by where the weight keeps them (args.h's Q4Pairs; sz points at
+// them): q4's stored pairs; Q4_1's f16 (d, m) pairs, zero m + 8 d; Q4_0's f16 d [G, Np], zero 0.
+inline void q4_pairs_params(const Q4& w, Q4Pairs pairs, int64_t gi, int64_t n0, float* s, float* z) {
+  using S = lanes::Lanes;
+  if (pairs != Q4Pairs::kQ40) {
+    q4_group_params(w, gi, n0, s, z);
+    if (pairs == Q4Pairs::kQ41)
+      for (int64_t j = 0; j < kTile; j += S::L) S::store(z + j, S::load(z + j) + S::set1(8.f) * S::load(s + j));
+    return;
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(w.sz) + gi * w.np + n0;
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  prefetch_span(d + kTile, 2 * kTile);  // the next tile's, used a tile from now
+  for (int64_t j = 0; j < kTile; j += S::L) {
+    S::store(s + j, j < cols ? S::load_f16(d + j) : S::zero());
+    S::store(z + j, S::zero());
+  }
+}
+
+// q4k: the f32 (d, dmin) of a tile's 64 columns in one super-block (8 groups of 32): decoded by q4k_params for the
+// super-block's first group and read by all eight (the caller keeps one per thread and asks for a tile's groups in
+// order from 0, as every driver does).
+struct Q4kSupers {
+  alignas(64) float d[kTile], dmin[kTile];
+};
+
+// q4k: the (sc, m) codes of columns [c, c + L) (c % L == 0) of a group's packed row p (args.h: 24 bytes per 16
+// columns, their v's low bytes, then 8 bytes whose low nibbles are columns 0-7's v >> 8 and high nibbles 8-15's).
+inline void q4k_codes(const uint8_t* p, int64_t c, lanes::Lanes::U& sc, lanes::Lanes::U& m) {
+  using S = lanes::Lanes;
+  const uint8_t* unit = p + c / 16 * 24;
+  const S::U lo = S::load_u8(unit + c % 16);
+  const S::U nib = S::load_u8_twice(unit + 16);  // lane i: byte i % 8, its nibble (c % 16 + i) / 8
+  const S::U hi = (nib >> (((S::lane_index() + static_cast<uint32_t>(c % 16)) >> 3) << 2)) & 15u;
+  sc = lo & 63u;
+  m = (lo >> 6) | (hi << 2);
+}
+
+// q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
+// z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
+// w = q * s + z (the f32 path, exact). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout); sup:
+// the f16 (d, dmin) [G/8, Np, 2], decoded into ds when gi % 8 == 0.
+inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
+                       bool signed_codes, float* s, float* z, Q4kSupers& ds) {
+  using S = lanes::Lanes;
+  const int64_t cols = std::min<int64_t>(kTile, np - n0);
+  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
+  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
+  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
+  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
+  prefetch_span(pc + tile_bytes, tile_bytes);
+  if (gi % 8 == 0) {
+    const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
+    prefetch_span(pd + kTile, 4 * kTile);
+    for (int64_t j = 0; j < cols; j += S::L) {
+      const S::U halves = S::load_u32(pd + j);
+      S::store(ds.d + j, S::f16_lo(halves));
+      S::store(ds.dmin + j, S::f16_lo(halves >> 16));
+    }
+  }
+  for (int64_t j = 0; j < kTile; j += S::L) {
+    if (j >= cols) {
+      S::store(s + j, S::zero());
+      S::store(z + j, S::zero());
+      continue;
+    }
+    S::U c, mc;
+    if (packed) {
+      q4k_codes(pc, j, c, mc);
+    } else {
+      const S::U codes = S::load_u16(reinterpret_cast<const uint16_t*>(pc) + j);  // (sc | m << 8) per column
+      c = codes & 0xffu;
+      mc = codes >> 8;
+    }
+    const S::V sv = S::load(ds.d + j) * S::to_f(c);
+    const S::V mm = S::load(ds.dmin + j) * S::to_f(mc);
+    S::store(s + j, sv);
+    S::store(z + j, signed_codes ? S::set1(8.f) * sv - mm : S::zero() - mm);
+  }
+}
+
+// The code q (0..15) of column j, row k, of the tile at n0 (full tiles: 32 bytes a row, byte j holding columns j
+// and j + 32; the tail tile: cols / 2 bytes a row, column pairs in a byte).
+inline int q4_code(const Q4& w, int64_t n0, int64_t cols, int64_t j, int64_t k) {
+  const uint8_t* base = w.qw + n0 * (w.k / 2);
+  if (cols == kTile) {
+    const uint8_t byte = base[k * 32 + (j & 31)];
+    return j < 32 ? byte & 15 : byte >> 4;
+  }
+  const uint8_t byte = base[k * (cols / 2) + j / 2];
+  return (j & 1) ? byte >> 4 : byte & 15;
+}
+
+}  // namespace
