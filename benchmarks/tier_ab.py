@@ -24,7 +24,7 @@ import sys
 import time
 
 OPS = ("attend", "dense", "q8k", "q4k")
-# the other kinds of q4 code tiles (their group parameters: generic/tile_params.h) and more of the LOSSY int8 ops
+# the other kinds of q4 code tiles (their group parameters: generic/linear_steps.h) and more of the LOSSY int8 ops
 # (their activations: generic/int8_decode.h), not run unless asked
 MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q6k_i8")
 

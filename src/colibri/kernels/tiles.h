@@ -7,7 +7,7 @@
 #include "args.h"
 #include "library.h"
 #include "stream.h"
-#include "generic/tile_params.h"
+#include "generic/linear_steps.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,7 +27,7 @@ inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? 0xffff : static_cast<
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// The floats of parameter registers, where tile_params.h's decoders store a tile's (scale, zero): 16 columns a
+// The floats of parameter registers, where linear_steps.h's decoders store a tile's (scale, zero): 16 columns a
 // register, written through _mm512_storeu_ps (a may-alias store) and read back as the registers.
 inline float* lanes_of(__m512* v) { return reinterpret_cast<float*>(v); }
 
@@ -175,36 +175,6 @@ void for_rows(int64_t t, F&& f) {
   }
 }
 
-// acc [T][lda] f32 -> y[:, n0 : n0 + cols] in y's dtype (bf16: rounded once, RNE)
-void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
-  int64_t ldy = y.size(1);
-  if (y.scalar_type() == at::kFloat) {
-    float* out = y.data_ptr<float>();
-    for (int64_t r = 0; r < t; ++r) std::memcpy(out + r * ldy + n0, acc + r * lda, cols * 4);
-    return;
-  }
-  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t j = 0; j < cols; j += 16) {
-      const __mmask16 m = tail_mask16(cols - j);
-      __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, acc + r * lda + j)));
-      _mm256_mask_storeu_epi16(out + r * ldy + n0 + j, m, h);
-    }
-}
-
-// Group sums of bf16 x: [T][K/g] f32, 16-lane partials in k order then the fixed reduction.
-std::vector<float> group_sums(const uint16_t* x, int64_t t, int64_t k, int64_t g) {
-  std::vector<float> out(t * (k / g));
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t gi = 0; gi < k / g; ++gi) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += 16)
-        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_maskz_loadu_epi16(tail_mask16((gi + 1) * g - k0), x + r * k + k0)));
-      out[r * (k / g) + gi] = hsum(a);
-    }
-  return out;
-}
-
 // The outer-form driver over 64-column code tiles (q4 and the two-level q4k): bf16 x uses
 // params_bf16(group, n0, s, z, ds) for w ~ (q - 8) * s + z (the exact codes in the dot product, s and z in
 // f32 after it); f32 x multiplies the exact weights of q4_weights_chunk(params_f32, off). ds: the thread's
@@ -216,7 +186,9 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
   at::Tensor y = at::empty({t, np}, x.options());
   const int64_t tiles = (np + kTile - 1) / kTile, groups = k / g;
   const uint16_t* xb = bf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  const std::vector<float> xs = bf ? group_sums(xb, t, k, g) : std::vector<float>();
+  std::vector<float> xs(bf ? t * groups : 0);  // the group sums of bf16 x [T][G]
+  for (int64_t r = 0; bf && r < t; ++r)
+    for (int64_t gi = 0; gi < groups; ++gi) xs[r * groups + gi] = group_sum(xb + r * k + gi * g, g);
   const QPairTables tb;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * kTile + 16);

@@ -17,13 +17,15 @@
 //           subnormals kept (integer arithmetic: torch's rounding of finite values; simd::round_bf16, the
 //           vcvtneps2bf16 form, flushes subnormals).
 //   U       L u32 lanes (a GCC vector: &, |, <<, >> per lane), for the stored layouts' integer fields
-//           (tile_params.h): load_u32 / load_u16 / load_u8 (L values zero-extended), load_u8_twice (lane i = p[i %
+//           (linear_steps.h): load_u32 / load_u16 / load_u8 (L values zero-extended), load_u8_twice (lane i = p[i %
 //           8]), lane_index; to_f (as int32, exact below 2^24), as_f (the bits), f16_lo (each lane's low 16 bits
 //           as f16, exact), load_f16 (L f16 values); f32_pairs (2L floats -> their even and odd elements).
 //   P ops   pzero, padd, pmax_abs (max(m, |v|) per lane, vmaxps's a > b ? a : b), psum (simd::reduce16's tree: the
 //           sum of _mm512_reduce_add_ps), pmax (_mm512_reduce_max_ps's tree; max is exact in any order).
 //   I       L int32 lanes (a GCC vector): cvt_rne (f32 -> int32, nearest, ties to even), store_i8 (each lane's low
 //           byte), isum (the lanes' sum, exact).
+//   store_bf16  the first n lanes rounded to bf16 as vcvtneps2bf16 (nearest even, subnormals to signed zero, NaN
+//           quieted) and stored (a pass's output rows).
 #pragma once
 
 #include <algorithm>
@@ -107,6 +109,7 @@ struct Lanes8 {
     for (int i = 0; i < 8; ++i) s += v[i];
     return s;
   }
+  static void store_bf16(uint16_t* p, V v, int64_t n) { simd::store_bf16(p, v, n); }
   // the nearest bf16 as f32, ties to even, subnormals kept (torch's rounding of finite values)
   static V torch_bf16(V v) {
     const simd::u8 u = simd::as_u(v);
@@ -250,6 +253,9 @@ struct Lanes16 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(v)));
   }
   static int32_t isum(I v) { return _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(v)); }
+  static void store_bf16(uint16_t* p, V v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, first(n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
   static V torch_bf16(V v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),

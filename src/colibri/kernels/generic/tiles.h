@@ -24,7 +24,7 @@
 #include "../library.h"
 #include "../stream.h"
 #include "simd.h"
-#include "tile_params.h"
+#include "linear_steps.h"
 
 namespace {
 
@@ -61,36 +61,7 @@ void for_rows(int64_t t, F&& f) {
   }
 }
 
-// acc [T][lda] f32 -> y[:, n0 : n0 + cols] in y's dtype (bf16: rounded once as vcvtneps2bf16)
-void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
-  const int64_t ldy = y.size(1);
-  if (y.scalar_type() == at::kFloat) {
-    float* out = y.data_ptr<float>();
-    for (int64_t r = 0; r < t; ++r) std::memcpy(out + r * ldy + n0, acc + r * lda, cols * 4);
-    return;
-  }
-  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t j = 0; j < cols; j += 8) {
-      const int64_t n = std::min<int64_t>(8, cols - j);
-      const f8 v = n == 8 ? simd::load(acc + r * lda + j) : simd::load_n(acc + r * lda + j, n);
-      simd::store_bf16(out + r * ldy + n0 + j, v, n);
-    }
-}
-
 // ---- outer form: q4 tiles ------------------------------------------------------------------------------------
-
-// Group sums of bf16 x row: 16-lane partials in k order (the group's tail zero-padded), then the fixed tree.
-inline float group_sum(const uint16_t* x, int64_t g) {
-  f16 a{simd::zero(), simd::zero()};
-  for (int64_t k0 = 0; k0 < g; k0 += 16) {
-    alignas(32) float v[16] = {};
-    for (int64_t i = 0; i < 16 && k0 + i < g; ++i) v[i] = simd::bf16_to_f32(x[k0 + i]);
-    a.lo = a.lo + simd::load(v);
-    a.hi = a.hi + simd::load(v + 8);
-  }
-  return simd::reduce16(a);
-}
 
 // Columns [8c, 8c + 8) and [32 + 8c, 40 + 8c) of row k of a full tile as f32 codes plus off.
 inline void q4_row8(const uint8_t* tile, int64_t k, int c, int off, f8& lo, f8& hi) {
@@ -191,7 +162,7 @@ void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float*
 }
 
 // The outer-form driver over 64-column code tiles (q4 and the two-level q4k). params(gi, n0, s[64], z[64], ds)
-// gives a group's parameters (tile_params.h; ds: the thread's Q4kSupers, a tile's groups asked for in order from
+// gives a group's parameters (linear_steps.h; ds: the thread's Q4kSupers, a tile's groups asked for in order from
 // 0): bf16 x uses w ~ (q - 8) * s + z (the exact codes in the dot products, s and z in f32 after them); f32 x
 // multiplies the exact weights (q + off) * s + z.
 template <class PB, class PF>

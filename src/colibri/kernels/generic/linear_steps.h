@@ -1,17 +1,19 @@
-// The q4 code tiles' group parameters, decoded by one source in every tier: (scale, zero) per column of a
-// 64-column tile for one group of K, from the stored layouts (args.h: q4's pairs, Q4_1's and Q4_0's f16, q4k's
-// 6-bit codes under f16 super-scales), and a tile's code at (column, k). Written over lanes.h's traits, so the
-// avx512 tier decodes 16 columns a register and the avx2 and portable tiers 8; every value is the same IEEE f32
-// operation on the same inputs in each (tests/test_tiers.py crosses the tiers' outputs).
-//
-// The outputs are float arrays of kTile (one per column, 0 past the tile's last column; the avx512 drivers hand
-// their 4 registers' storage); every tier's q4 drivers (tiles.h, int8.cpp, generic/) read them.
+// Steps of the linear kernels written once for every tier, over lanes.h's traits (16 lanes a register in the avx512
+// tier, 8 in avx2 and portable; every value the same IEEE f32 operation on the same inputs in each, so the tiers
+// agree bit for bit: tests/test_tiers.py crosses them):
+//   - the q4 code tiles' group parameters: (scale, zero) per column of a 64-column tile for one group of K, from the
+//     stored layouts (args.h: q4's pairs, Q4_1's and Q4_0's f16, q4k's 6-bit codes under f16 super-scales), into
+//     float arrays of kTile (0 past the tile's last column; the avx512 drivers hand their 4 registers' storage),
+//     and a tile's code at (column, k);
+//   - the sum of a group of bf16 x (the zero term's factor in the exact q4 path);
+//   - the store of a pass's f32 results into y's dtype.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "../args.h"
 #include "../stream.h"
@@ -139,6 +141,32 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
     S::store(s + j, sv);
     S::store(z + j, signed_codes ? S::set1(8.f) * sv - mm : S::zero() - mm);
   }
+}
+
+// The sum of g bf16 x values: 16 lane partials in k order (the tail zero-padded), then _mm512_reduce_add_ps's tree.
+inline float group_sum(const uint16_t* x, int64_t g) {
+  using S = lanes::Lanes;
+  S::P a = S::pzero();
+  for (int64_t k0 = 0; k0 < g; k0 += 16) a = S::padd(a, S::row16(x, k0, g));
+  return S::psum(a);
+}
+
+// acc [T][lda] f32 -> y[:, n0 : n0 + cols] in y's dtype (bf16: rounded once, as vcvtneps2bf16).
+inline void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
+  using S = lanes::Lanes;
+  const int64_t ldy = y.size(1);
+  if (y.scalar_type() == at::kFloat) {
+    float* out = y.data_ptr<float>();
+    for (int64_t r = 0; r < t; ++r) std::memcpy(out + r * ldy + n0, acc + r * lda, cols * 4);
+    return;
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < cols; j += S::L) {
+      const int64_t n = std::min<int64_t>(S::L, cols - j);
+      const float* a = acc + r * lda + j;
+      S::store_bf16(out + r * ldy + n0 + j, n == S::L ? S::load(a) : S::load_n(a, n), n);
+    }
 }
 
 // The code q (0..15) of column j, row k, of the tile at n0 (full tiles: 32 bytes a row, byte j holding columns j
