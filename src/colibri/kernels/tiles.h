@@ -104,7 +104,8 @@ inline void q4_group(Src&& src, int64_t npairs, const uint16_t* x, int64_t ldx, 
 }
 
 // Weights w = (q + off) * scale + zero (exact f32, as dequantize()) of k in [k0, k0 + kn): f32 [kn][64], with
-// params(group, n0, scale, zero) writing a group's parameters (64 floats each) (q4: off = -8, its stored scale and zero).
+// params(group, n0, scale, zero) writing a group's parameters, 64 floats each (q4: off = -8, its stored scale and
+// zero).
 template <class Params>
 void q4_weights_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float* buf, Params&& params, int off) {
   const int64_t cols = std::min<int64_t>(kTile, w.np - n0);

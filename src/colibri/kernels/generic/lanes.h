@@ -1,4 +1,5 @@
-// The vector-traits layer the kernels written once for every tier are templated over (attention.cpp so far):
+// The vector-traits layer the kernels written once for every tier are templated over (attention.cpp, the linear
+// kernels' shared steps in linear_steps.h, the int8 activations in int8_decode.h):
 // `Lanes` is Lanes16 (one AVX-512 register) in the avx512 tier and Lanes8 (simd.h's 8-lane vectors) in the avx2
 // and portable tiers, chosen by the tier's own compiler flags. Both give the same bits for every operation listed
 // (tests/test_tiers.py crosses the tiers), so a kernel's arithmetic is one text and its order one definition:
