@@ -21,8 +21,6 @@ constexpr int kRows = 6;    // x rows per register block
 constexpr int kChunk = 256; // k per dequantized q4 chunk: 32 KiB of bf16 pairs / 64 KiB of f32
 constexpr int kDotCols = 4; // weight rows per dot-form register block
 
-inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
