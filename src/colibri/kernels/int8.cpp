@@ -410,7 +410,8 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
           _mm512_store_ps(tot + i, zero);
         }
         if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
-          q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), reinterpret_cast<const float*>(prm.data()), 2 * kCols, tot);
+          q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, reinterpret_cast<const float*>(prm.data()), 2 * kCols,
+                    tot);
         for (int64_t gi = 0; gi < (q4_row ? 0 : groups); ++gi) {
           const int64_t kg = gi * xg, off = r0 * groups + gi;
           const int8_t* xq = a.q + r0 * k + kg;
@@ -430,7 +431,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
                 xg / 4, xq, k, a.d + off, a.qs + off, groups, &prm[gi * 8], tot);
           }
         }
-        if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, added last
+        if (K == kQ4 && !q4_row)  // zero * sum(x) per group, in group order, added last (q4_direct adds its own)
           for (int r = 0; r < rr; ++r) {
             __m512 zv[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int64_t gi = 0; gi < groups; ++gi) {

@@ -337,7 +337,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           float* tr = tot.data() + r * kCols;
           if constexpr (K == kQ4) {
             const uint8_t* tp = w.qw + n0 * (k / 2);
-            q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, prm.data(), 2 * kCols, tr);
+            q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups, prm.data(), 2 * kCols, tr);
           } else {
             const bool kq = q8k_direct;  // q8k: scales decoded from the codes, no table
             for (int64_t c = 0; c < cols; c += 8)
@@ -378,7 +378,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           });
         }
       }
-      if constexpr (K == kQ4)  // zero * sum(x) per group, in group order, added last
+      if (K == kQ4 && !direct)  // zero * sum(x) per group, in group order, added last (q4_direct adds its own)
         for (int64_t pr = 0; pr < pairs; ++pr)
           row_blocks(t, [&](int64_t r0, auto R) {
             zero_terms<decltype(R)::value>(prm.data() + kCols + 16 * pr, 2 * kCols, a.xs + r0 * groups, groups,

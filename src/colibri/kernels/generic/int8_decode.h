@@ -228,33 +228,86 @@ inline Halves column_sums(const i32x8* p) {
 #endif
 }
 
-// A step of 64 k over 8 weight rows: dot(c, v) gives row c's int32 lanes of the step's first 32 k (v[0]) and
-// second 32 (v[1]); a (from v[0]) and b (from v[1]) their column sums, each pair of rows reduced as it is done.
-template <class Dot>
+// Adjacent int16 lanes of a and b summed (wrapping), in vphaddw's order: per 128-bit half, a's four pairs then b's.
+inline i16x16 hadd16(i16x16 a, i16x16 b) {
+#if defined(__AVX2__)
+  return reinterpret_cast<i16x16>(_mm256_hadd_epi16(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+#else
+  i16x16 r;
+  for (int l = 0; l < 2; ++l)
+    for (int i = 0; i < 4; ++i) {
+      r[8 * l + i] = static_cast<int16_t>(a[8 * l + 2 * i] + a[8 * l + 2 * i + 1]);
+      r[8 * l + 4 + i] = static_cast<int16_t>(b[8 * l + 2 * i] + b[8 * l + 2 * i + 1]);
+    }
+  return r;
+#endif
+}
+
+// Two rows' lanes summed pairwise into int32 lanes in hadd's order: int32 lanes by vphaddd; int16 lanes whose sums
+// of four fit in int16 (vpmaddubsw of codes <= 63: |pair| <= 16002) pairwise in int16 first, then widened, which
+// gives the same int32 lanes (hadd(pair_sums(a), pair_sums(b)) == pair_sums(hadd16(a, b))) with one vpmaddwd a pair
+// of rows instead of two.
+inline i32x8 rows_hadd(i32x8 a, i32x8 b) { return hadd(a, b); }
+inline i32x8 rows_hadd(i16x16 a, i16x16 b) { return pair_sums(hadd16(a, b)); }
+
+// A step of 64 k over 8 weight rows: dot(c, v) gives row c's lanes (V: int32, or int16 as rows_hadd takes them) of
+// the step's first 32 k (v[0]) and second 32 (v[1]); a (from v[0]) and b (from v[1]) their column sums, each pair
+// of rows reduced as it is done.
+template <class V, class Dot>
 inline void step_sums(Dot&& dot, Halves& a, Halves& b) {
   i32x8 p0[4], p1[4];
 #pragma GCC unroll 4
   for (int c = 0; c < 8; c += 2) {
-    i32x8 v[2][2];
+    V v[2][2];
     dot(c, v[0]);
     dot(c + 1, v[1]);
-    p0[c / 2] = hadd(v[0][0], v[1][0]);
-    p1[c / 2] = hadd(v[0][1], v[1][1]);
+    p0[c / 2] = rows_hadd(v[0][0], v[1][0]);
+    p1[c / 2] = rows_hadd(v[0][1], v[1][1]);
   }
   a = column_sums(p0);
   b = column_sums(p1);
+}
+
+// The scale codes of a block in 8 weight rows (rows[c] + off: row c's block; B::scales16's 16 int8 codes), as
+// int32 lanes per step of 64 values: out[s] lane c = row c's codes of groups 4 s .. 4 s + 3 (byte g: group 4 s + g).
+template <class B>
+inline void scale_codes(const uint8_t* const* rows, int64_t off, i32x8 out[4]) {
+  alignas(16) int8_t sc[8][16];
+  for (int c = 0; c < 8; ++c) B::scales16(rows[c] + off, sc[c]);
+#if defined(__AVX2__)
+  __m128i q[2][4];  // rows 4 h .. 4 h + 3, their 32-bit elements s in lane c % 4 of q[h][s]
+  for (int h = 0; h < 2; ++h) {
+    const __m128i* r = reinterpret_cast<const __m128i*>(sc[4 * h]);
+    const __m128i r0 = _mm_load_si128(r), r1 = _mm_load_si128(r + 1), r2 = _mm_load_si128(r + 2),
+                  r3 = _mm_load_si128(r + 3);
+    const __m128i t0 = _mm_unpacklo_epi32(r0, r1), t1 = _mm_unpackhi_epi32(r0, r1);
+    const __m128i t2 = _mm_unpacklo_epi32(r2, r3), t3 = _mm_unpackhi_epi32(r2, r3);
+    q[h][0] = _mm_unpacklo_epi64(t0, t2);
+    q[h][1] = _mm_unpackhi_epi64(t0, t2);
+    q[h][2] = _mm_unpacklo_epi64(t1, t3);
+    q[h][3] = _mm_unpackhi_epi64(t1, t3);
+  }
+  for (int s = 0; s < 4; ++s) out[s] = reinterpret_cast<i32x8>(_mm256_set_m128i(q[1][s], q[0][s]));
+#else
+  for (int s = 0; s < 4; ++s)
+    for (int c = 0; c < 8; ++c) std::memcpy(reinterpret_cast<char*>(&out[s]) + 4 * c, sc[c] + 4 * s, 4);
+#endif
 }
 
 // How far ahead q4_direct fetches its tile's bytes: into L2 (prefetcht1), three times kStreamAhead; both measured
 // faster from DRAM than kStreamAhead into L1 (docs/performance.md).
 constexpr int64_t kTileAhead = 3 * kStreamAhead;
 
-// One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols]) gets each group's f32
-// steps. xq: the row's codes; d, qs: its per-group scale and offset term; prm: group 0's scales (group stride lds).
+// One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
+// steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
+// zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
+// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; prm: group 0's 64 scales, then
+// its 64 zeros (group stride lds).
 __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
-                                         const float* d, const int32_t* qs, const float* prm, int64_t lds,
-                                         float* tot) {
+                                         const float* d, const int32_t* qs, const float* xs, const float* prm,
+                                         int64_t lds, float* tot) {
   const u8x32 nib = u8x32{} + 15;
+  alignas(32) float zt[64] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
     i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
@@ -282,15 +335,17 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
         acc[4 * h + 3] += widen<1>(c[2 * h + 1]);
       }
     }
-    const f8 dv = simd::set1(d[gi]);
+    const f8 dv = simd::set1(d[gi]), xv = simd::set1(xs[gi]);
     const i32x8 base = i32x8{} + qs[gi];
     for (int h = 0; h < 2; ++h)
       for (int v = 0; v < 4; ++v) {
         const int64_t col = 16 * v + 8 * h;
         const f8 f = simd::to_f(acc[4 * h + v] + base) * dv;
         simd::store(tot + col, simd::fma(f, simd::load(prm + gi * lds + col), simd::load(tot + col)));
+        simd::store(zt + col, simd::fma(simd::load(prm + gi * lds + 64 + col), xv, simd::load(zt + col)));
       }
   }
+  for (int64_t col = 0; col < 64; col += 8) simd::store(tot + col, simd::load(tot + col) + simd::load(zt + col));
 }
 
 // One row of x against up to 8 q8 weight rows (w: the first, row stride k; rows >= n read row n - 1, their sums
@@ -333,7 +388,7 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
     }
     const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
     Halves a, b;
-    step_sums(
+    step_sums<i32x8>(
         [&](int c, i32x8 v[2]) {
           // the same bytes of the row 8 on (the next call's) into L2, as ublocks_direct's
           __builtin_prefetch(rows[c] + 8 * k + k0, 0, 2);
@@ -364,7 +419,9 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
 // w: the first row's blocks, rows >= n read row n - 1): q8_direct's q8k steps with the codes decoded in registers
 // where they are multiplied, straight from the stored blocks (no buffer: decoding 8 rows into one and reading it
 // back cost about twice the products). A = sum(u x) - 32 sum(x) per group of 16, exact int32 as q8_direct's
-// sum(q x): u x by vpmaddubsw (|pair| <= 2 * 63 * 127, no saturation), xoff[g] = 32 * sum of the group's x codes.
+// sum(q x): u x by vpmaddubsw (|pair| <= 2 * 63 * 127, no saturation; two rows' pairs summed in int16,
+// step_sums<i16x16>), xoff[g] = 32 * sum of the group's x codes; the scale codes of a block moved into the rows'
+// lanes once (scale_codes), not a step at a time.
 // The same bytes of the row 8 on (the next call's) are fetched into L2 as these are read: with rows of a few
 // blocks (K = 1536: 1260 bytes) each stream is too short for the hardware prefetcher, and fetching into L1 ran
 // out of its miss buffers (docs/performance.md).
@@ -379,23 +436,22 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
   for (int64_t b = 0; b < nb; ++b) {
     f8 sd;  // the rows' d of this block
     for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(B::d_bits(rows[c] + b * bb));
+    i32x8 codes4[4];  // per step s, the rows' four scale codes (byte g: group 4 s + g)
+    scale_codes<B>(rows, b * bb, codes4);
     auto step = [&](auto S) {
       constexpr int s = decltype(S)::value;
       const int64_t k0 = 256 * b + 64 * s;
-      i32x8 codes;  // the rows' four scale codes of the step (byte g: group 4 s + g)
+      const i32x8 codes = codes4[s];
       const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
       Halves lo, hi;
-      step_sums(
-          [&](int c, i32x8 v[2]) {
+      step_sums<i16x16>(
+          [&](int c, i16x16 v[2]) {
             const uint8_t* bp = rows[c] + b * bb;
             __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
-            int8_t sc[16];
-            B::scales16(bp, sc);
-            std::memcpy(&codes[c], sc + 4 * s, 4);
             u8x32 u[2];
             B::template ucodes64<s>(bp, u);
-            v[0] = pair_sums(maddubs(u[0], x0));
-            v[1] = pair_sums(maddubs(u[1], x1));
+            v[0] = maddubs(u[0], x0);
+            v[1] = maddubs(u[1], x1);
           },
           lo, hi);
       const i32x8 a[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
