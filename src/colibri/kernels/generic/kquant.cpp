@@ -105,20 +105,26 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
     }
   }, no_post, [&, ahead](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // k0 % 32 == 0: two scale groups of 16
     // (`ahead` by value: read through the closure, q5k's four-row passes ran 30 % slower)
-    // the row's scratch: its scales (ls floats), then the codes of the half block k0 is in, decoded at its start
-    // and put in the pair-split order
+    // the row's scratch: its scales (ls floats), then the codes of two half blocks, each decoded and put in the
+    // pair-split order a half block before its first use (read right after the stores that wrote them, a step's
+    // 8-byte loads waited on those 32-byte stores)
     int8_t* c = reinterpret_cast<int8_t*>(s + ls);
-    if (k0 == 0) row_scales(j, s);
-    if (k0 % 128 == 0) {
-      const uint8_t* bp = block(j, k0 / 256);
+    auto decode = [&](int64_t h0) {  // the half block from k = h0, into its buffer
+      const uint8_t* bp = block(j, h0 / 256);
       // every line of the half block's share of the row (B::kBlockBytes / 2 <= 128 bytes: two), `ahead` bytes on
-      const uint8_t* half = bp + ahead + k0 % 256 / 128 * (B::kBlockBytes / 2);
+      const uint8_t* half = bp + ahead + h0 % 256 / 128 * (B::kBlockBytes / 2);
       __builtin_prefetch(half);
       __builtin_prefetch(half + 64);
-      B::codes128(bp, k0 % 256 / 128, c);
-      simd::split_codes(c, 128);
+      int8_t* o = c + (h0 / 128 % 2) * 128;
+      B::codes128(bp, h0 % 256 / 128, o);
+      simd::split_codes(o, 128);
+    };
+    if (k0 == 0) {
+      row_scales(j, s);
+      decode(0);
     }
-    const int8_t* q = c + k0 % 128;
+    if (k0 % 128 == 0 && k0 + 128 < k) decode(k0 + 128);
+    const int8_t* q = c + (k0 / 128 % 2) * 128 + k0 % 128;
     for (int h = 0; h < 2; ++h)
       (h ? hi : lo) = scaled_pairs<B::kMins>(simd::split_code_pairs(q + 16 * h), s[k0 / 16 + h],
                                              B::kMins ? s[k / 16 + k0 / 16 + h] : 0.f);
