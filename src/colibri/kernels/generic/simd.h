@@ -241,19 +241,16 @@ inline void nibbles(const NibbleTables&, const uint8_t* row, int half, f8 out[4]
 }
 #endif
 
-// 64 values in column order -> the nibble order (inverse: back), in place, four 8-lane vectors per half. Going
-// there, A = (columns 0-3, 16-19) takes the low halves of n0 and n2, B their high halves, C and D those of n1
-// and n3; coming back, n0 = the low halves of A and B, n1 of C and D, n2 and n3 their high halves.
-inline void nibble_order(float* p, bool inverse) {
+// One half's four vectors in the nibble order (A, B, C, D) -> column order (n0 .. n3), in registers: A = (columns
+// 0-3, 16-19) holds the low halves of n0 and n2, B their high halves, C and D those of n1 and n3; so n0 = the low
+// halves of A and B, n1 of C and D, n2 and n3 their high halves.
+inline void nibble_columns(f8 v[4]) {
   const i8 lo{0, 1, 2, 3, 8, 9, 10, 11}, hi{4, 5, 6, 7, 12, 13, 14, 15};
-  for (int h = 0; h < 64; h += 32) {
-    const f8 v0 = load(p + h), v1 = load(p + h + 8), v2 = load(p + h + 16), v3 = load(p + h + 24);
-    const f8 b = inverse ? v1 : v2, c = inverse ? v2 : v1;
-    store(p + h, __builtin_shuffle(v0, b, lo));
-    store(p + h + 8 * (inverse ? 2 : 1), __builtin_shuffle(v0, b, hi));
-    store(p + h + 8 * (inverse ? 1 : 2), __builtin_shuffle(c, v3, lo));
-    store(p + h + 24, __builtin_shuffle(c, v3, hi));
-  }
+  const f8 a = v[0], b = v[1], c = v[2], d = v[3];
+  v[0] = __builtin_shuffle(a, b, lo);
+  v[1] = __builtin_shuffle(c, d, lo);
+  v[2] = __builtin_shuffle(a, b, hi);
+  v[3] = __builtin_shuffle(c, d, hi);
 }
 
 // ---- pairs: the operands of dpbf16 ---------------------------------------------------------------------------

@@ -118,8 +118,9 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, int64_t ldx, con
 
 // Decode (one row, full tiles): one group of the tile's rows (32 bytes each, from its first), nibble half h, read
 // straight in the nibble order (simd.h): per column the same dpbf16 steps (odd element first) and update of tot
-// as q4_group, with s, z and tot in the nibble order too. A step's odd row is widened and multiplied before its
-// even one: four accumulators, four weight vectors and the two x values stay in AVX2's sixteen registers.
+// as q4_group, the accumulators put back in column order first (s, z and tot stay in it). A step's odd row is
+// widened and multiplied before its even one: four accumulators, four weight vectors and the two x values stay in
+// AVX2's sixteen registers.
 template <int H>
 inline void q4_group_nibbles(const simd::NibbleTables& nt, const uint8_t* rows, int64_t g, const float* xf,
                              float xs, const float* s, const float* z, float* tot) {
@@ -133,6 +134,7 @@ inline void q4_group_nibbles(const simd::NibbleTables& nt, const uint8_t* rows, 
     const f8 xe = simd::set1(xf[k]);
     for (int i = 0; i < 4; ++i) a[i] = simd::madd_exact(v[i], xe, a[i]);
   }
+  simd::nibble_columns(a);
   const f8 xv = simd::set1(xs);
   for (int i = 0; i < 4; ++i) {
     float* o = tot + 8 * (4 * H + i);
@@ -217,7 +219,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const bool direct = full && t <= kRows;  // decode: codes straight from the tile (same values, same order)
-      const bool nib = full && t == 1;         // ... in the nibble order (s, z and the sums permuted to match)
+      const bool nib = full && t == 1;         // ... in the nibble order (the sums put back in column order)
       const uint8_t* tp = w.qw + n0 * (k / 2);
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t kg = gi * g;
@@ -225,10 +227,6 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
-        if (nib) {
-          simd::nibble_order(s, false);
-          simd::nibble_order(z, false);
-        }
         for_rows(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
           for (int r = 0; r < rr; ++r) xsum[r] = xs[(r0 + r) * groups + gi];
@@ -265,8 +263,6 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
           }
         });
       }
-      if (nib)
-        for (int64_t r = 0; r < t; ++r) simd::nibble_order(acc.data() + r * kTile, true);
       store_rows(acc.data(), kTile, t, std::min<int64_t>(kTile, np - n0), y, n0);
     }
   });
