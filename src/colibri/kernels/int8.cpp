@@ -39,6 +39,7 @@
 #include "library.h"
 #include "tiles.h"
 #include "generic/int8_decode.h"
+#include "generic/int8_weights.h"
 #include "stream.h"
 #include <immintrin.h>
 
@@ -157,8 +158,8 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
 // group scale d and code sum qs (stride ldg), and the group's column scales prm[0..3].
 // Never inlined: inlined into the tile loop, GCC 12 spilled the accumulators on every step.
 template <int R, int K, class Src>
-__attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d, const int32_t* qs,
-                      int64_t ldg, const __m512* prm, float* tot) {
+__attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t* xq, int64_t ldx, const float* d,
+                                         const int32_t* qs, int64_t ldg, const __m512* prm, float* tot) {
   constexpr int32_t off = K == kQ4 ? 8 : 128;
   __m512i c[R][4];  // start at -off * sum(xq): the offset of the unsigned codes, exact in int32
 #pragma GCC unroll 8
@@ -197,33 +198,6 @@ __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t*
     }
   }
 }
-
-// f(first row, row count as a constant) over blocks of kRowBlock rows and one remainder block.
-template <typename F>
-void row_blocks(int64_t t, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + kRowBlock <= t; r0 += kRowBlock) f(r0, std::integral_constant<int, kRowBlock>{});
-  switch (t - r0) {
-    case 1: f(r0, std::integral_constant<int, 1>{}); break;
-    case 2: f(r0, std::integral_constant<int, 2>{}); break;
-    case 3: f(r0, std::integral_constant<int, 3>{}); break;
-    case 4: f(r0, std::integral_constant<int, 4>{}); break;
-    case 5: f(r0, std::integral_constant<int, 5>{}); break;
-    default: break;
-  }
-}
-
-struct Weight {
-  const uint8_t* qw;      // q4 tiles [Np, K/2] or q8 codes [N, K]
-  const void* sc;         // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
-  at::ScalarType st;
-  int64_t cols, k, g;  // cols: output columns (q4: Np); g: the weight's group (q8 per channel: the x group)
-  // K-quants: f16 super-scales; sc then holds 8-bit codes. q4k: (d, dmin) [G/8, Np, 2] with sc (sc, m) u8 [G, Np, 2];
-  // q8k: d [N, G/16] with sc s8 [N, G]. Null: sc holds the scales themselves.
-  const uint16_t* sup = nullptr;
-  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
-  Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
-};
 
 // q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
 inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
@@ -334,26 +308,6 @@ void scale_columns(const Weight& w, int64_t n0, int64_t cols, int64_t t, float* 
   }
 }
 
-// The output: y [T, ldy] f32 or bf16 (bf16: rounded once, RNE).
-struct Out {
-  void* p;
-  bool f32;
-  int64_t ldy;
-  explicit Out(at::Tensor& y) : p(y.data_ptr()), f32(y.scalar_type() == at::kFloat), ldy(y.size(1)) {}
-};
-
-// acc [t][lda] -> y[r0 : r0 + t, n0 : n0 + cols].
-void store_columns(const float* acc, int64_t lda, int64_t t, int64_t cols, const Out& y, int64_t r0, int64_t n0) {
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t j = 0; j < cols; j += 16) {
-      const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(m, acc + r * lda + j);
-      const int64_t at = (r0 + r) * y.ldy + n0 + j;
-      if (y.f32) _mm512_mask_storeu_ps(static_cast<float*>(y.p) + at, m, v);
-      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y.p) + at, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-    }
-}
-
 template <int K>
 at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const int64_t t = x.size(0), k = w.k;
@@ -362,7 +316,6 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
   const Activations a = quantize_rows(x, xg);
   const int64_t groups = a.groups;
   const Tables tb;
-  const Out out(y);
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
   // q4_direct's offset term of A per (row, group): -8 * the sum of the x codes
   std::vector<int32_t> qoff(K == kQ4 && t == 1 ? groups : 0);
@@ -401,7 +354,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
         }
       }
       const uint8_t* tp = w.qw + n0 * (k / 2);
-      row_blocks(t, [&](int64_t r0, auto R) {  // each block over all of K: its sums stay in L1
+      row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) {  // each block over all of K: its sums stay in L1
         constexpr int rr = decltype(R)::value;
         alignas(64) float tot[rr * kCols];
         __m512 zero = _mm512_setzero_ps();
@@ -442,7 +395,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
             for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_add_ps(_mm512_loadu_ps(o + 16 * j), zv[j]));
           }
         if constexpr (K == kQ8Channel) scale_columns(w, n0, cols, rr, tot, kCols);
-        store_columns(tot, kCols, rr, cols, out, r0, n0);
+        store_rows(tot, kCols, rr, cols, y, n0, r0);  // linear_steps.h
       });
     }
   });
@@ -458,7 +411,6 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   if (t == 0) return y;
   const Activations a = quantize_rows(x, w.g);
   const std::vector<int8_t> zrow(k);
-  const Out out(y);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
   at::parallel_for(0, (w.cols + 15) / 16, 1, [&](int64_t b, int64_t e) {
     std::vector<float> acc(t * 16);
@@ -480,7 +432,7 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
         }
       }
       if constexpr (K == kQ8Channel) scale_columns(w, n0, cols, t, acc.data(), 16);
-      store_columns(acc.data(), 16, t, cols, out, 0, n0);
+      store_rows(acc.data(), 16, t, cols, y, n0);
     }
   });
   return y;
@@ -495,7 +447,6 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
   at::Tensor y = at::empty({t, w.cols}, x.options());
   if (t == 0) return y;
   const Activations a = quantize_rows(x, xg);
-  const Out out(y);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
   const int8_t* sc = w.sup ? static_cast<const int8_t*>(w.sc) : nullptr;
   at::parallel_for(0, (w.cols + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
@@ -511,7 +462,7 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
           q8_direct<false>(qw + (n0 + c) * k, cols - c, k, xg, a.q + r * k, a.d + r * groups,
                            w.sup ? nullptr : prm.data() + c, kCols, w.sup ? sc + (n0 + c) * groups : nullptr,
                            w.sup ? w.sup + (n0 + c) * (k / 256) : nullptr, acc + r * kCols + c);
-      store_columns(acc, kCols, t, cols, out, 0, n0);
+      store_rows(acc, kCols, t, cols, y, n0);
     }
   });
   return y;
@@ -519,13 +470,7 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
 
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                         int64_t group_size) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2, g = group_size;
-  check_x(x, k, "q4_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
-              np % 16 == 0 && g % 16 == 0 && kSpan % g == 0 && k % g == 0,
-              "q4_linear_i8: shapes do not match the stored layout");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(), np, k, g};
-  return linear_i8<kQ4>(x, w, g);
+  return linear_i8<kQ4>(x, q4_weight(x, qweight, scales_zeros, group_size), group_size);
 }
 
 // q8 (w.g: the x group; group_size 0: per channel): the dot form for small passes where the x group allows it.
@@ -538,63 +483,25 @@ at::Tensor q8_run(const at::Tensor& x, const Weight& w, int64_t group_size) {
 }
 
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  check_x(x, k, "q8_linear_i8");
-  const int64_t xg = group_size ? group_size : 64;
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && kSpan % xg == 0 && k % xg == 0,
-              "q8_linear_i8: group size must divide 256 and K");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(), n, k,
-           xg};
-  return q8_run(x, w, group_size);
+  return q8_run(x, q8_weight(x, qweight, scales, group_size), group_size);
 }
 
-// GGUF Q4_1 / Q4_0 as stored (colibri.quant.kinds q4_1, q4_0: the q4 tiles with f16 (d, m) / d per group of 32).
-// Bit for bit q4_linear_i8 with group 32 and the f32 pairs (d, m + 8 d) / (d, 0).
 at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4_1_linear_i8");
-  check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
-  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, np, k, 32};
-  w.pairs = Q4Pairs::kQ41;
-  return linear_i8<kQ4>(x, w, 32);
+  return linear_i8<kQ4>(x, q4_1_weight(x, qweight, scales_mins), 32);
 }
 
 at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4_0_linear_i8");
-  check_q4_0(x, qweight, scales, "q4_0_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, np, k, 32};
-  w.pairs = Q4Pairs::kQ40;
-  return linear_i8<kQ4>(x, w, 32);
+  return linear_i8<kQ4>(x, q4_0_weight(x, qweight, scales), 32);
 }
 
-// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tiles (group 32), the (sc, m) codes (args.h), (d, dmin)
-// f16 [K/256, Np, 2]. Bit for bit q4_linear_i8 with the f32 (s, z) of q4k_params, group 32.
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4k_linear_i8");
-  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, np, k, 32,
-           reinterpret_cast<const uint16_t*>(supers.data_ptr()), packed};
-  return linear_i8<kQ4>(x, w, 32);
+  return linear_i8<kQ4>(x, q4k_weight(x, qweight, scales, supers), 32);
 }
 
-// GGUF Q6_K as stored (colibri.quant.kinds q8k): codes s8 [N, K], scale codes s8 [N, K/16], d f16 [N, K/256]. Bit for bit
-// q8_linear_i8 with the f32 scales d * sc, group 16.
 at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  check_x(x, k, "q8k_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous() &&
-              qweight.scalar_type() == at::kChar && scales.scalar_type() == at::kChar &&
-              supers.scalar_type() == at::kHalf && k % 256 == 0 && scales.dim() == 2 && scales.size(0) == n &&
-              scales.size(1) == k / 16 && supers.dim() == 2 && supers.size(0) == n && supers.size(1) == k / 256,
-              "q8k_linear_i8: shapes do not match the stored layout");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, n, k, 16,
-           reinterpret_cast<const uint16_t*>(supers.data_ptr())};
-  return q8_run(x, w, 16);
+  return q8_run(x, q8k_weight(x, qweight, scales, supers), 16);
 }
 
 // GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs; gguf_blocks.h): int8_decode.h's blocks_i8
@@ -606,7 +513,7 @@ at::Tensor blocks_linear_i8(const at::Tensor& x, const at::Tensor& blocks, const
   return blocks_i8<B>(
       x, blocks, kCols, [](const at::Tensor& x) { return quantize_rows(x, 16); },
       [](at::Tensor& y, const float* acc, int64_t t, int64_t cols, int64_t n0) {
-        store_columns(acc, kCols, t, cols, Out(y), 0, n0);
+        store_rows(acc, kCols, t, cols, y, n0);
       },
       q8k_linear_i8);
 }

@@ -125,10 +125,12 @@ void q4_weights_chunk(const Q4& w, int64_t n0, int64_t k0, int64_t kn, float* bu
         f[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), lut);
       } else {
         alignas(64) float q[kTile];
-        for (int64_t j = 0; j < kTile; ++j) q[j] = j < cols ? static_cast<float>(q4_code(w, n0, cols, j, k) + off) : 0.f;
+        for (int64_t j = 0; j < kTile; ++j)
+          q[j] = j < cols ? static_cast<float>(q4_code(w, n0, cols, j, k) + off) : 0.f;
         for (int c = 0; c < 4; ++c) f[c] = _mm512_load_ps(q + 16 * c);
       }
-      for (int c = 0; c < 4; ++c) _mm512_store_ps(buf + (k - k0) * kTile + 16 * c, _mm512_add_ps(_mm512_mul_ps(f[c], s[c]), z[c]));
+      for (int c = 0; c < 4; ++c)
+        _mm512_store_ps(buf + (k - k0) * kTile + 16 * c, _mm512_add_ps(_mm512_mul_ps(f[c], s[c]), z[c]));
     }
   }
 }
@@ -152,26 +154,6 @@ void outer_f32(const float* buf, int64_t kn, const float* x, int64_t ldx, float*
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kTile + 16 * j, c[r][j]);
-}
-
-// Rows in ceil(t / kRows) blocks of balanced sizes (t = 8: 4 + 4, not 6 + 2): a block's row count only sets
-// how many accumulators share each weight load, never the arithmetic of a row.
-template <typename F>
-void for_rows(int64_t t, F&& f) {
-  const int64_t blocks = (t + kRows - 1) / kRows;
-  int64_t r0 = 0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t n = t / blocks + (i < t % blocks ? 1 : 0);
-    switch (n) {
-      case 1: f(r0, std::integral_constant<int, 1>{}); break;
-      case 2: f(r0, std::integral_constant<int, 2>{}); break;
-      case 3: f(r0, std::integral_constant<int, 3>{}); break;
-      case 4: f(r0, std::integral_constant<int, 4>{}); break;
-      case 5: f(r0, std::integral_constant<int, 5>{}); break;
-      default: f(r0, std::integral_constant<int, kRows>{}); break;
-    }
-    r0 += n;
-  }
 }
 
 // The outer-form driver over 64-column code tiles (q4 and the two-level q4k): bf16 x uses
@@ -203,7 +185,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         const int64_t kn = std::min<int64_t>(kChunk, k - k0), ng = kn / g;
         if (!bf) {
           q4_weights_chunk(w, n0, k0, kn, buf, pf, off);
-          for_rows(t, [&](int64_t r0, auto R) {
+          for_rows<kRows>(t, [&](int64_t r0, auto R) {
             outer_f32<decltype(R)::value>(buf, kn, x.data_ptr<float>() + r0 * k + k0, k, acc.data() + r0 * kTile,
                                           k0 == 0);
           });
@@ -213,7 +195,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
           params_bf16(k0 / g + i, n0, lanes_of(params[i]), lanes_of(params[i] + 4), ds);
         if (full && t <= kRows) {  // decode: codes straight from the tile, no buffer (same values, same order)
           const uint8_t* tp = w.qw + n0 * (k / 2);
-          for_rows(t, [&](int64_t r0, auto R) {
+          for_rows<kRows>(t, [&](int64_t r0, auto R) {
             for (int64_t i = 0; i < ng; ++i) {
               const int64_t kg = k0 + i * g;
               q4_group<decltype(R)::value>([&](int64_t p, __m512i* v) {
@@ -228,7 +210,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         }
         uint16_t* cb = reinterpret_cast<uint16_t*>(buf);
         q4_codes_chunk(w, n0, k0, kn, tb, cb);
-        for_rows(t, [&](int64_t r0, auto R) {
+        for_rows<kRows>(t, [&](int64_t r0, auto R) {
           for (int64_t i = 0; i < ng; ++i) {
             const int64_t kg = k0 + i * g;
             const uint16_t* gb = cb + i * g * kTile;
@@ -363,7 +345,7 @@ constexpr int64_t kDotChunk = 1024;  // k per pass over a block: x rows stay in 
 template <bool Stream, typename E, class Src>
 void dot_block_pass(const E* x, int64_t t, const Src& w, int64_t k, int64_t cols, float* y, int64_t ldy) {
   alignas(64) __m512 acc[16][kRows * kDotCols];
-  for_rows(t, [&](int64_t r0, auto R) {
+  for_rows<kRows>(t, [&](int64_t r0, auto R) {
     constexpr int rr = decltype(R)::value;
     for (int64_t k0 = 0; k0 < k; k0 += kDotChunk) {
       const int64_t kn = std::min(kDotChunk, k - k0);

@@ -41,6 +41,7 @@
 
 #include "../library.h"
 #include "int8_decode.h"
+#include "int8_weights.h"
 #include "tiles.h"
 
 namespace {
@@ -153,20 +154,6 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
 
 // ---- the register block --------------------------------------------------------------------------------------
 
-struct Weight {
-  const uint8_t* qw;        // q4 tiles [Np, K/2] or q8 codes [N, K]
-  const void* sc;           // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
-  at::ScalarType st;
-  int64_t cols, k, g;       // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
-  // GGUF K-quant mode (q4k_linear_i8 / q8k_linear_i8): sc holds the stored scale codes (q4k: (sc, m) packed or a
-  // byte each, see `packed` and args.h; q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin)
-  // [K/256, Np, 2]; q8k: [N, K/256]); tile_params decodes them per tile into the f32 (scale, zero) / scale values
-  // a stored-f32 call would read: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32 rounding).
-  const void* sup = nullptr;
-  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
-  Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
-};
-
 // One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
 // each group's f32 steps in order. A group is NW windows of W quad steps (W = 8; x groups of 16: one of 4), summed
 // in int16 over each window.
@@ -241,19 +228,6 @@ __attribute__((noinline)) void zero_terms(const float* z, int64_t lds, const flo
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2; ++j) simd::store(tot + r * kCols + 8 * j, simd::load(tot + r * kCols + 8 * j) + zv[r][j]);
-}
-
-// f(first row, row count as a constant) over blocks of kRowBlock rows and one remainder block.
-template <typename F>
-void row_blocks(int64_t t, F&& f) {
-  int64_t r0 = 0;
-  for (; r0 + kRowBlock <= t; r0 += kRowBlock) f(r0, std::integral_constant<int, kRowBlock>{});
-  switch (t - r0) {
-    case 1: f(r0, std::integral_constant<int, 1>{}); break;
-    case 2: f(r0, std::integral_constant<int, 2>{}); break;
-    case 3: f(r0, std::integral_constant<int, 3>{}); break;
-    default: break;
-  }
 }
 
 // out[0 .. n) = p[i .. i + n) as f32 (exact: f32, bf16 or f16 values).
@@ -359,7 +333,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           const uint8_t* wb = slot(bp, kn / 4, pr, 0);
           const float* pp = prm.data() + pr * pair_cols;
           const int64_t lds = K == kQ4 ? 2 * kCols : kCols;
-          row_blocks(t, [&](int64_t r0, auto R) {
+          row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) {
             constexpr int rr = decltype(R)::value;
             auto run = [&](auto W, auto NW) {
               block_groups<rr, K, decltype(W)::value, decltype(NW)::value>(
@@ -380,7 +354,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       }
       if (K == kQ4 && !direct)  // zero * sum(x) per group, in group order, added last (q4_direct adds its own)
         for (int64_t pr = 0; pr < pairs; ++pr)
-          row_blocks(t, [&](int64_t r0, auto R) {
+          row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) {
             zero_terms<decltype(R)::value>(prm.data() + kCols + 16 * pr, 2 * kCols, a.xs + r0 * groups, groups,
                                            tot.data() + r0 * kCols + 16 * pr);
           });
@@ -395,75 +369,30 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
 
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                         int64_t group_size) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2, g = group_size;
-  check_x(x, k, "q4_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
-              np % 16 == 0 && g % 16 == 0 && 256 % g == 0 && k % g == 0,
-              "q4_linear_i8: shapes do not match the stored layout");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(), np, k, g};
-  return linear_i8<kQ4>(x, w);
+  return linear_i8<kQ4>(x, q4_weight(x, qweight, scales_zeros, group_size));
 }
 
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  check_x(x, k, "q8_linear_i8");
-  const int64_t xg = group_size ? group_size : 64;
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && 256 % xg == 0 && k % xg == 0,
-              "q8_linear_i8: group size must divide 256 and K");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
-           n, k, xg};
+  const Weight w = q8_weight(x, qweight, scales, group_size);
   return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
 }
 
-// GGUF Q4_1 / Q4_0 kept as stored (colibri.quant.kinds's q4_1, q4_0: the q4 tiles with f16 (d, m) / d per group of
-// 32): the bits of q4_linear_i8 with group 32 and the f32 pairs (d, m + 8 d) / (d, 0), made here per tile.
 at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4_1_linear_i8");
-  check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
-  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
-  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, np, k, 32};
-  w.pairs = Q4Pairs::kQ41;
-  return linear_i8<kQ4>(x, w);
+  return linear_i8<kQ4>(x, q4_1_weight(x, qweight, scales_mins));
 }
 
 at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4_0_linear_i8");
-  check_q4_0(x, qweight, scales, "q4_0_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, np, k, 32};
-  w.pairs = Q4Pairs::kQ40;
-  return linear_i8<kQ4>(x, w);
+  return linear_i8<kQ4>(x, q4_0_weight(x, qweight, scales));
 }
 
-// GGUF Q4_K kept as stored (colibri.quant.kinds's q4k): the q4 tile codes, the (sc, m) codes (args.h), (d, dmin)
-// f16 [K/256, Np, 2]; the bits of q4_linear_i8 with group 32 and the f32 (d * sc, 8 * d * sc - dmin * m).
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
-  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
-  check_x(x, k, "q4k_linear_i8");
-  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
-  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type(), np, k, 32, supers.data_ptr(), packed};
-  return linear_i8<kQ4>(x, w);
+  return linear_i8<kQ4>(x, q4k_weight(x, qweight, scales, supers));
 }
 
-// GGUF Q6_K kept as stored (colibri.quant.kinds's q8k): int8 codes [N, K], int8 scales [N, K/16], f16 supers
-// [N, K/256]; the bits of q8_linear_i8 with group 16 and the f32 scales d * sc.
 at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  check_x(x, k, "q8k_linear_i8");
-  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar && k % 256 == 0,
-              "q8k_linear_i8: qweight must be contiguous int8 [N, K], K a multiple of 256");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kChar && scales.dim() == 2 &&
-              scales.size(0) == n && scales.size(1) == k / 16,
-              "q8k_linear_i8: scales must be contiguous int8 [N, K/16]");
-  TORCH_CHECK(supers.is_contiguous() && supers.scalar_type() == at::kHalf && supers.dim() == 2 &&
-              supers.size(0) == n && supers.size(1) == k / 256,
-              "q8k_linear_i8: supers must be contiguous f16 [N, K/256]");
-  Weight w{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
-           n, k, 16, supers.data_ptr()};
-  return linear_i8<kQ8Grouped>(x, w);
+  return linear_i8<kQ8Grouped>(x, q8k_weight(x, qweight, scales, supers));
 }
 
 // GGUF blocks kept as stored whose values are q8k's (q6k, q3k, iq4_xs): int8_decode.h's blocks_i8 with this tier's

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../args.h"
 #include "../stream.h"
@@ -151,16 +152,52 @@ inline float group_sum(const uint16_t* x, int64_t g) {
   return S::psum(a);
 }
 
-// acc [T][lda] f32 -> y[:, n0 : n0 + cols] in y's dtype (bf16: rounded once, as vcvtneps2bf16).
-inline void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0) {
+// ---- row blocks: f(first row, row count as a constant), every tier's kernels over a pass's rows ------------------
+// A block's row count only sets how many accumulators share each weight load, never the arithmetic of a row.
+
+// f(r0, n as a constant), n in [1, B].
+template <int B, int R = 1, class F>
+inline void with_rows(int64_t n, int64_t r0, F& f) {
+  if constexpr (R == B) {
+    f(r0, std::integral_constant<int, B>{});
+  } else if (n == R) {
+    f(r0, std::integral_constant<int, R>{});
+  } else {
+    with_rows<B, R + 1>(n, r0, f);
+  }
+}
+
+// t rows in ceil(t / B) blocks of balanced sizes (t = 8, B = 6: 4 + 4, not 6 + 2).
+template <int B, class F>
+void for_rows(int64_t t, F&& f) {
+  const int64_t blocks = (t + B - 1) / B;
+  int64_t r0 = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t n = t / blocks + (i < t % blocks ? 1 : 0);
+    with_rows<B>(n, r0, f);
+    r0 += n;
+  }
+}
+
+// t rows in blocks of B and one remainder block.
+template <int B, class F>
+void row_blocks(int64_t t, F&& f) {
+  int64_t r0 = 0;
+  for (; r0 + B <= t; r0 += B) f(r0, std::integral_constant<int, B>{});
+  if (t > r0) with_rows<B>(t - r0, r0, f);
+}
+
+// acc [T][lda] f32 -> y[r0 : r0 + T, n0 : n0 + cols] in y's dtype (bf16: rounded once, as vcvtneps2bf16).
+inline void store_rows(const float* acc, int64_t lda, int64_t t, int64_t cols, at::Tensor& y, int64_t n0,
+                       int64_t r0 = 0) {
   using S = lanes::Lanes;
   const int64_t ldy = y.size(1);
   if (y.scalar_type() == at::kFloat) {
-    float* out = y.data_ptr<float>();
+    float* out = y.data_ptr<float>() + r0 * ldy;
     for (int64_t r = 0; r < t; ++r) std::memcpy(out + r * ldy + n0, acc + r * lda, cols * 4);
     return;
   }
-  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r0 * ldy;
   for (int64_t r = 0; r < t; ++r)
     for (int64_t j = 0; j < cols; j += S::L) {
       const int64_t n = std::min<int64_t>(S::L, cols - j);

@@ -43,24 +43,6 @@ inline void widen_bf16(const uint16_t* x, int64_t k, float* out) {
   for (; i < k; ++i) out[i] = simd::bf16_to_f32(x[i]);
 }
 
-// Rows in ceil(t / kRows) blocks of balanced sizes: a block's row count only sets how many accumulators share
-// each weight load, never the arithmetic of a row.
-template <typename F>
-void for_rows(int64_t t, F&& f) {
-  const int64_t blocks = (t + kRows - 1) / kRows;
-  int64_t r0 = 0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t n = t / blocks + (i < t % blocks ? 1 : 0);
-    switch (n) {
-      case 1: f(r0, std::integral_constant<int, 1>{}); break;
-      case 2: f(r0, std::integral_constant<int, 2>{}); break;
-      case 3: f(r0, std::integral_constant<int, 3>{}); break;
-      default: f(r0, std::integral_constant<int, kRows>{}); break;
-    }
-    r0 += n;
-  }
-}
-
 // ---- outer form: q4 tiles ------------------------------------------------------------------------------------
 
 // Columns [8c, 8c + 8) and [32 + 8c, 40 + 8c) of row k of a full tile as f32 codes plus off.
@@ -138,7 +120,8 @@ inline void q4_group_nibbles(const simd::NibbleTables& nt, const uint8_t* rows, 
   const f8 xv = simd::set1(xs);
   for (int i = 0; i < 4; ++i) {
     float* o = tot + 8 * (4 * H + i);
-    simd::store(o, simd::load(o) + simd::fma(a[i], simd::load(s + 8 * (4 * H + i)), simd::load(z + 8 * (4 * H + i)) * xv));
+    const f8 zx = simd::load(z + 8 * (4 * H + i)) * xv;
+    simd::store(o, simd::load(o) + simd::fma(a[i], simd::load(s + 8 * (4 * H + i)), zx));
   }
 }
 
@@ -209,7 +192,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
               float* p = buf.data() + kk * kTile + 8 * c;
               simd::store(p, simd::load(p) * simd::load(s + 8 * c) + simd::load(z + 8 * c));
             }
-          for_rows(t, [&](int64_t r0, auto R) {
+          for_rows<kRows>(t, [&](int64_t r0, auto R) {
             outer_f32<decltype(R)::value>(buf.data(), g, xf.data() + (gi * t + r0) * g, g, acc.data() + r0 * kTile,
                                           gi == 0);
           });
@@ -227,7 +210,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
         if (!direct) q4_codes(w, n0, kg, g, -8, buf.data());
-        for_rows(t, [&](int64_t r0, auto R) {
+        for_rows<kRows>(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
           for (int r = 0; r < rr; ++r) xsum[r] = xs[(r0 + r) * groups + gi];
           const float* xr = xf.data() + (gi * t + r0) * g;  // rows g apart
@@ -431,7 +414,8 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
 // its steps run, k0 = 0 first (a source may keep per-row scales there). The same accumulation as dot_rows.
 // (Column counts are compile-time: accumulators indexed by a run-time count went to the stack.)
 template <int R, int C, class Pairs>
-inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j, float* y, int64_t ldy, float* scratch) {
+inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j, float* y, int64_t ldy,
+                            float* scratch) {
   f16 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = f16{simd::zero(), simd::zero()};
@@ -445,7 +429,8 @@ inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j,
       for (int r = 0; r < R; ++r) {
         const float* p = x + r * kp + k0;
         a[r][c].lo = simd::madd_exact(lo.even, simd::load(p), simd::madd_exact(lo.odd, simd::load(p + 8), a[r][c].lo));
-        a[r][c].hi = simd::madd_exact(hi.even, simd::load(p + 16), simd::madd_exact(hi.odd, simd::load(p + 24), a[r][c].hi));
+        a[r][c].hi =
+            simd::madd_exact(hi.even, simd::load(p + 16), simd::madd_exact(hi.odd, simd::load(p + 24), a[r][c].hi));
       }
     }
   }

@@ -1,0 +1,97 @@
+// The LOSSY int8 ops' weights (q4_linear_i8, q8_linear_i8, q4_1 / q4_0 / q4k / q8k_linear_i8): each op's argument
+// checks and the description its kernels read, the same in every tier's int8 source (int8.cpp, generic/int8.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+#include "../args.h"
+#include "int8_decode.h"
+
+namespace {
+
+struct Weight {
+  const uint8_t* qw;  // q4 tiles [Np, K/2] or q8 codes [N, K]
+  const void* sc;     // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
+  at::ScalarType st;
+  int64_t cols, k, g;  // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
+  // GGUF K-quants: sc holds the stored scale codes (q4k: (sc, m) packed or a byte each, see `packed` and args.h;
+  // q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k: [N, K/256]), decoded
+  // where the kernels read a group's scales: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32
+  // rounding), the bits of the q4 / q8 (group 16) ops given those scales in f32. Null: sc holds the scales.
+  const uint16_t* sup = nullptr;
+  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
+  Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
+};
+
+inline Weight q4_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t g) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && scales_zeros.is_contiguous() && scales_zeros.size(1) == np &&
+              np % 16 == 0 && g % 16 == 0 && 256 % g == 0 && k % g == 0,
+              "q4_linear_i8: shapes do not match the stored layout");
+  return Weight{qweight.data_ptr<uint8_t>(), scales_zeros.data_ptr(), scales_zeros.scalar_type(), np, k, g};
+}
+
+// group_size 0: one scale per channel (x groups of 64).
+inline Weight q8_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8_linear_i8");
+  const int64_t xg = group_size ? group_size : 64;
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && xg % 16 == 0 && 256 % xg == 0 && k % xg == 0,
+              "q8_linear_i8: group size must divide 256 and K");
+  return Weight{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), scales.scalar_type(),
+                n, k, xg};
+}
+
+// GGUF Q4_1 / Q4_0 as stored (colibri.quant.kinds q4_1, q4_0: the q4 tiles with f16 (d, m) / d per group of 32):
+// q4_linear_i8 with group 32 and the f32 pairs (d, m + 8 d) / (d, 0), made per tile.
+inline Weight q4_1_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_1_linear_i8");
+  check_q4(x, qweight, scales_mins, 32, "q4_1_linear_i8");
+  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear_i8: f16 (d, m)");
+  Weight w{qweight.data_ptr<uint8_t>(), scales_mins.data_ptr(), at::kHalf, np, k, 32};
+  w.pairs = Q4Pairs::kQ41;
+  return w;
+}
+
+inline Weight q4_0_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4_0_linear_i8");
+  check_q4_0(x, qweight, scales, "q4_0_linear_i8");
+  Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kHalf, np, k, 32};
+  w.pairs = Q4Pairs::kQ40;
+  return w;
+}
+
+// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tile codes (group 32), the (sc, m) codes (args.h), (d, dmin)
+// f16 [K/256, Np, 2].
+inline Weight q4k_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
+  check_x(x, k, "q4k_linear_i8");
+  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
+  return Weight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, np, k, 32,
+                reinterpret_cast<const uint16_t*>(supers.data_ptr()), packed};
+}
+
+// GGUF Q6_K as stored (colibri.quant.kinds q8k): int8 codes [N, K], int8 scale codes [N, K/16], f16 d [N, K/256].
+inline Weight q8k_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& supers) {
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  check_x(x, k, "q8k_linear_i8");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar && k % 256 == 0,
+              "q8k_linear_i8: qweight must be contiguous int8 [N, K], K a multiple of 256");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kChar && scales.dim() == 2 &&
+              scales.size(0) == n && scales.size(1) == k / 16,
+              "q8k_linear_i8: scales must be contiguous int8 [N, K/16]");
+  TORCH_CHECK(supers.is_contiguous() && supers.scalar_type() == at::kHalf && supers.dim() == 2 &&
+              supers.size(0) == n && supers.size(1) == k / 256,
+              "q8k_linear_i8: supers must be contiguous f16 [N, K/256]");
+  return Weight{reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), scales.data_ptr(), at::kChar, n, k, 16,
+                reinterpret_cast<const uint16_t*>(supers.data_ptr())};
+}
+
+}  // namespace
