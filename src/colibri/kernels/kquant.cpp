@@ -23,22 +23,6 @@
 
 namespace {
 
-at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const at::Tensor& supers) {
-  const bool packed = check_q4k(x, qweight, scales, supers);
-  const int64_t k = x.size(1), np = qweight.size(0);
-  const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
-  const uint8_t* sc = scales.data_ptr<uint8_t>();
-  const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
-  auto bf = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers& ds) {
-    q4k_params(sc, packed, sup, np, gi, n0, true, s, z, ds);
-  };
-  auto f32 = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers& ds) {
-    q4k_params(sc, packed, sup, np, gi, n0, false, s, z, ds);
-  };
-  return q4_tiles_linear(x, w, bf, f32, 0);
-}
-
 // Rows [n0, n0 + cols) of a q8k weight as f32 (exact) or bf16 (RNE) rows of K.
 void q8k_dequant_rows(const int8_t* qw, const int8_t* sc, const at::Half* sup, int64_t k, int64_t n0, int64_t cols,
                       bool bf, void* out) {

@@ -4,41 +4,9 @@
 
 #include "tiles.h"
 #include "gguf_blocks.h"
+#include "q4_ops.h"
 
 namespace {
-
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
-                     int64_t group_size) {
-  check_q4(x, qweight, scales_zeros, group_size);
-  const int64_t k = x.size(1), np = qweight.size(0), g = group_size;
-  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_zeros.data_ptr()),
-             scales_zeros.scalar_type(), np, k, g};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) { q4_group_params(w, gi, n0, s, z); };
-  return q4_tiles_linear(x, w, params, params, -8);
-}
-
-// q4_1: the q4 tile kernel with scale d and zero m + 8 d from the stored f16 (d, m) (../linear.cpp).
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
-  check_q4(x, qweight, scales_mins, 32);
-  TORCH_CHECK(scales_mins.scalar_type() == at::kHalf, "q4_1_linear: f16 (d, m)");
-  const int64_t k = x.size(1), np = qweight.size(0);
-  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales_mins.data_ptr()), at::kHalf, np, k, 32};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
-    q4_pairs_params(w, Q4Pairs::kQ41, gi, n0, s, z);
-  };
-  return q4_tiles_linear(x, w, params, params, -8);
-}
-
-// q4_0: the q4 tile kernel with scale d (f16 [K/32, Np]) and zero 0 (../linear.cpp).
-at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  check_q4_0(x, qweight, scales);
-  const int64_t k = x.size(1), np = qweight.size(0);
-  const Q4 w{qweight.data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), at::kHalf, np, k, 32};
-  auto params = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers&) {
-    q4_pairs_params(w, Q4Pairs::kQ40, gi, n0, s, z);
-  };
-  return q4_tiles_linear(x, w, params, params, -8);
-}
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_dense(x, w);
