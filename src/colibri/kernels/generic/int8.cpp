@@ -230,18 +230,6 @@ __attribute__((noinline)) void zero_terms(const float* z, int64_t lds, const flo
     for (int j = 0; j < 2; ++j) simd::store(tot + r * kCols + 8 * j, simd::load(tot + r * kCols + 8 * j) + zv[r][j]);
 }
 
-// out[0 .. n) = p[i .. i + n) as f32 (exact: f32, bf16 or f16 values).
-void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float* out) {
-  const float* pf = static_cast<const float*>(p) + i;
-  const uint16_t* ph = static_cast<const uint16_t*>(p) + i;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    simd::store(out + j, t == at::kFloat ? simd::load(pf + j) : t == at::kBFloat16 ? simd::bf16x8(ph + j)
-                                                                                  : simd::f16x8(ph + j));
-  for (; j < n; ++j)
-    out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
-}
-
 // A tile's column parameters, zero past its last column: q4 per group scales [64] then zeros [64]; q8 grouped per
 // group scales [64]; q8 per channel scales [64].
 template <int K>

@@ -58,8 +58,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
       return;
     }
     if (g % kStep == 0) {  // a step within one group: the row's step scales set at its first step, in its scratch
-      if (k0 == 0)
+      if (k0 == 0 && g == kStep) {  // one scale a step: the row's scales as they are stored
+        to_f32(sc, st, j * groups, groups, s);
+      } else if (k0 == 0) {
         for (int64_t i = 0; i < k / kStep; ++i) s[i] = load1(sc, j * groups + i * kStep / g, st);
+      }
       const f8 sv = simd::set1(s[k0 / kStep]);
       for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
         const Pair v = simd::code_pairs(q + 16 * h);
