@@ -9,7 +9,8 @@ process of its own; the processes alternate --rounds times and the best time per
 rates move between runs). Shapes are Qwen2.5-1.5B's: attention (12 heads, 2 KV heads, Dh 128) at decode and
 prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x;
 --ops also takes the other q4-tiled kinds and more LOSSY int8 ops (MORE: q4k with f32 x and in the int8 mode, q4 with
-bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel and Q6_K blocks in the int8 mode).
+bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel and Q6_K blocks in the int8 mode) and the exact q8 with f16 scales
+per 32 (Q8_0's values; also at SmolLM2-135M's tied 49152 x 576 head, the README demo's).
 Output: one line per case, ms old / new and their ratio, then whether every output matched bit for bit.
 """
 
@@ -26,7 +27,7 @@ import time
 OPS = ("attend", "dense", "q8k", "q4k")
 # the other kinds of q4 code tiles (their group parameters: generic/linear_steps.h) and more of the LOSSY int8 ops
 # (their activations: generic/int8_decode.h), not run unless asked
-MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q6k_i8")
+MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q6k_i8", "q8")
 
 
 def cases(ops):
@@ -71,6 +72,15 @@ def cases(ops):
                             (torch.rand(k // 256, n, 2, generator=g) * 1e-3).half())
                 out.append((f"q4k {n}x{k} T={t}", t, make, lambda o, a: o.q4k_linear(*a)))
             out += _q4_tiles(ops, n, k, t, gen)
+    if "q8" in ops:  # exact q8, f16 scales per 32 (Q8_0's values); the README demo's head among the shapes
+        for n, k in ((1536, 8960), (8960, 1536), (49152, 576)):
+            for t in (1, 4, 16):
+                def make(n=n, k=k, t=t):
+                    g = gen(n + k + t + 10)
+                    return (torch.randn(t, k, generator=g).bfloat16(),
+                            torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                            (torch.rand(n, k // 32, generator=g) * 1e-2).half())
+                out.append((f"q8 g32 {n}x{k} T={t}", t, make, lambda o, a: o.q8_linear(*a, 32)))
     return out
 
 
