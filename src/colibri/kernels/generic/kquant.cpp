@@ -16,8 +16,10 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   // w = q * (d * sc), d * sc in f32 per 16 columns: exact in f32; bf16 x: rounded once
   auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]: one f16 conversion per 256 weights
     for (int64_t b = 0; b < k / 256; ++b) {
-      const float d = simd::f16_to_f32(sup[j * (k / 256) + b]);
-      for (int64_t i = 0; i < 16; ++i) s[16 * b + i] = d * static_cast<float>(sc[j * (k / 16) + 16 * b + i]);
+      const f8 d = simd::set1(simd::f16_to_f32(sup[j * (k / 256) + b]));
+      const int8_t* c = sc + j * (k / 16) + 16 * b;
+      simd::store(s + 16 * b, d * simd::to_f(simd::s8x8(c)));
+      simd::store(s + 16 * b + 8, d * simd::to_f(simd::s8x8(c + 8)));
     }
   };
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
