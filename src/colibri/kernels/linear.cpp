@@ -100,9 +100,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const at::ScalarType st = scales.scalar_type();
   if ((!bf || g != k) && t <= kRows && g % 16 == 0)  // decode: each weight dequantized once, in registers
     return decode_rows(x, n, k / g,
-                       [&](int64_t r, float* s) {
-                         for (int64_t gi = 0; gi < k / g; ++gi) s[gi] = load1(sc, r * (k / g) + gi, st);
-                       },
+                       [&](int64_t r, float* s) { to_f32(sc, st, r * (k / g), k / g, s); },
                        [&](int64_t n0, const float* s) { return Q8gRows{qw + n0 * k, s, k, g}; });
   if (!bf || g != k)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf16, void* buf) {

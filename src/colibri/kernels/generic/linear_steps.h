@@ -152,6 +152,18 @@ inline float group_sum(const uint16_t* x, int64_t g) {
   return S::psum(a);
 }
 
+// out[0 .. n) = p[i .. i + n) as f32 (exact: f32, bf16 or f16 values).
+inline void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float* out) {
+  const float* pf = static_cast<const float*>(p) + i;
+  const uint16_t* ph = static_cast<const uint16_t*>(p) + i;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    simd::store(out + j, t == at::kFloat ? simd::load(pf + j) : t == at::kBFloat16 ? simd::bf16x8(ph + j)
+                                                                                  : simd::f16x8(ph + j));
+  for (; j < n; ++j)
+    out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
+}
+
 // ---- row blocks: f(first row, row count as a constant), every tier's kernels over a pass's rows ------------------
 // A block's row count only sets how many accumulators share each weight load, never the arithmetic of a row.
 
