@@ -454,8 +454,7 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
     std::vector<float> prm(w.sup ? 0 : groups * kCols);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * kCols, cols = std::min(kCols, w.cols - n0);
-      for (int64_t j = 0; j < (w.sup ? 0 : kCols); ++j)
-        for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? q8_scale(w, n0 + j, gi, groups) : 0.f;
+      if (!w.sup) q8_scale_table(w, n0, cols, groups, prm.data());
       std::fill(acc, acc + t * kCols, 0.f);
       for (int64_t r = 0; r < t; ++r)
         for (int64_t c = 0; c < cols; c += 8)

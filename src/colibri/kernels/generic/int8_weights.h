@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 
 #include "../args.h"
 #include "int8_decode.h"
+#include "linear_steps.h"
 
 namespace {
 
@@ -24,6 +26,17 @@ struct Weight {
   bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
   Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
 };
+
+// Grouped q8 with stored scales (not q8k): the f32 scales of the 64 columns at n0 per group, prm [G][64], zero past
+// the last of cols columns; each column's scales converted 8 at a time as stored, then put in the table.
+inline void q8_scale_table(const Weight& w, int64_t n0, int64_t cols, int64_t groups, float* prm) {
+  constexpr int64_t kCols = 64;
+  std::vector<float> row(groups);
+  for (int64_t j = 0; j < kCols; ++j) {
+    if (j < cols) to_f32(w.sc, w.st, (n0 + j) * groups, groups, row.data());
+    for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? row[gi] : 0.f;
+  }
+}
 
 inline Weight q4_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros, int64_t g) {
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
