@@ -309,8 +309,8 @@ void scale_columns(const Weight& w, int64_t n0, int64_t cols, int64_t t, float* 
 }
 
 template <int K>
-at::Tensor linear_i8(const at::Tensor& x, const Weight& w, int64_t xg) {
-  const int64_t t = x.size(0), k = w.k;
+at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
+  const int64_t t = x.size(0), k = w.k, xg = w.g;
   at::Tensor y = at::empty({t, w.cols}, x.options());
   if (t == 0) return y;
   const Activations a = quantize_rows(x, xg);
@@ -469,7 +469,7 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
 
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_zeros,
                         int64_t group_size) {
-  return linear_i8<kQ4>(x, q4_weight(x, qweight, scales_zeros, group_size), group_size);
+  return linear_i8<kQ4>(x, q4_weight(x, qweight, scales_zeros, group_size));
 }
 
 // q8 (w.g: the x group; group_size 0: per channel): the dot form for small passes where the x group allows it.
@@ -478,7 +478,7 @@ at::Tensor q8_run(const at::Tensor& x, const Weight& w, int64_t group_size) {
   if (xg % 64 == 0 && x.size(0) <= kDotMaxRows)
     return group_size ? q8_linear_dot<kQ8Grouped>(x, w) : q8_linear_dot<kQ8Channel>(x, w);
   if (group_size && x.size(0) <= kDirectRows) return q8_decode(x, w);
-  return group_size ? linear_i8<kQ8Grouped>(x, w, xg) : linear_i8<kQ8Channel>(x, w, xg);
+  return group_size ? linear_i8<kQ8Grouped>(x, w) : linear_i8<kQ8Channel>(x, w);
 }
 
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
@@ -486,16 +486,16 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales_mins) {
-  return linear_i8<kQ4>(x, q4_1_weight(x, qweight, scales_mins), 32);
+  return linear_i8<kQ4>(x, q4_1_weight(x, qweight, scales_mins));
 }
 
 at::Tensor q4_0_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  return linear_i8<kQ4>(x, q4_0_weight(x, qweight, scales), 32);
+  return linear_i8<kQ4>(x, q4_0_weight(x, qweight, scales));
 }
 
 at::Tensor q4k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
-  return linear_i8<kQ4>(x, q4k_weight(x, qweight, scales, supers), 32);
+  return linear_i8<kQ4>(x, q4k_weight(x, qweight, scales, supers));
 }
 
 at::Tensor q8k_linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
