@@ -9,8 +9,9 @@ process of its own; the processes alternate --rounds times and the best time per
 rates move between runs). Shapes are Qwen2.5-1.5B's: attention (12 heads, 2 KV heads, Dh 128) at decode and
 prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x;
 --ops also takes the other q4-tiled kinds and more LOSSY int8 ops (MORE: q4k with f32 x and in the int8 mode, q4 with
-bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel and Q6_K blocks in the int8 mode) and the exact q8 with f16 scales
-per 32 (Q8_0's values; also at SmolLM2-135M's tied 49152 x 576 head, the README demo's).
+bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel, grouped q8 (f16 per 32, bf16 per 128), q8k and Q6_K blocks in the
+int8 mode) and the exact q8 with f16 scales per 32 (Q8_0's values; also at SmolLM2-135M's tied 49152 x 576 head, the
+README demo's).
 Output: one line per case, ms old / new and their ratio, then whether every output matched bit for bit.
 """
 
@@ -27,7 +28,7 @@ import time
 OPS = ("attend", "dense", "q8k", "q4k")
 # the other kinds of q4 code tiles (their group parameters: generic/linear_steps.h) and more of the LOSSY int8 ops
 # (their activations: generic/int8_decode.h), not run unless asked
-MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q6k_i8", "q8")
+MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q8g_i8", "q6k_i8", "q8")
 
 
 def cases(ops):
@@ -124,6 +125,22 @@ def _q4_tiles(ops, n, k, t, gen):
                     torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
                     (torch.rand(n, generator=g) * 1e-2).bfloat16())
         out.append((f"q8 i8 {n}x{k} T={t}", t, q8, lambda o, a: o.q8_linear_i8(*a, 0)))
+    if "q8g_i8" in ops:  # grouped q8 in the int8 mode: f16 scales per 32, bf16 per 128 (avx512: the dot form), q8k
+        for gs, dt in ((32, torch.float16), (128, torch.bfloat16)):
+            def q8g(seed=n + k + t + 11 + gs, gs=gs, dt=dt):
+                g = gen(seed)
+                return (torch.randn(t, k, generator=g).bfloat16(),
+                        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                        (torch.rand(n, k // gs, generator=g) * 1e-2).to(dt))
+            out.append((f"q8 g{gs} i8 {n}x{k} T={t}", t, q8g, lambda o, a, gs=gs: o.q8_linear_i8(*a, gs)))
+
+        def q8k(seed=n + k + t + 12):
+            g = gen(seed)
+            return (torch.randn(t, k, generator=g).bfloat16(),
+                    torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8),
+                    torch.randint(-60, 60, (n, k // 16), generator=g, dtype=torch.int8),
+                    (torch.rand(n, k // 256, generator=g) * 1e-3).half())
+        out.append((f"q8k i8 {n}x{k} T={t}", t, q8k, lambda o, a: o.q8k_linear_i8(*a)))
     if "q6k_i8" in ops:  # Q6_K blocks as stored (x groups of 16)
         def q6k(seed=n + k + t + 9):
             g = gen(seed)

@@ -199,13 +199,6 @@ __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t*
   }
 }
 
-// q8 grouped: the scale of column n in group gi (of `groups`); q8k: super-scale * code, one f32 product.
-inline float q8_scale(const Weight& w, int64_t n, int64_t gi, int64_t groups) {
-  if (!w.sup) return load1(w.sc, n * groups + gi, w.st);
-  return _cvtsh_ss(w.sup[n * (groups / 16) + gi / 16]) *
-         static_cast<float>(static_cast<const int8_t*>(w.sc)[n * groups + gi]);
-}
-
 // (scale, zero) of q4 group gi for the 64 columns at n0 (zero past the last column): the exact kernels' own
 // (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8], Q4kSupers& ds) {
@@ -249,10 +242,10 @@ inline __m512i reduce16(const __m512i v[4]) {
 }
 
 // tot[R][16] (in and out) += the f32 steps of the groups in [k0, k1) for the pass rows r0 .. r0 + R - 1 and the 16
-// columns whose code rows are rows[0..15].
+// columns whose code rows are rows[0..15]; grouped: their scales prm [groups][16] (q8_scale_table).
 template <int R, int K>
-__attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, const int8_t* const* rows, int64_t n0,
-                                        int64_t r0, int64_t k0, int64_t k1, float* tot) {
+__attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, const int8_t* const* rows,
+                                        const float* prm, int64_t r0, int64_t k0, int64_t k1, float* tot) {
   constexpr int32_t off = 128;
   const int64_t k = w.k, xg = w.g, groups = a.groups;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -281,20 +274,14 @@ __attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, c
         }
       }
     }
-    __m512 prm = _mm512_setzero_ps();  // grouped: the 16 columns' scales of this group
-    if constexpr (K == kQ8Grouped) {
-      alignas(64) float s[16] = {};
-      for (int j = 0; j < 16; ++j)
-        if (n0 + j < w.cols) s[j] = q8_scale(w, n0 + j, gi, groups);
-      prm = _mm512_load_ps(s);
-    }
+    const __m512 sv = K == kQ8Grouped ? _mm512_loadu_ps(prm + gi * 16) : _mm512_setzero_ps();  // the group's scales
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {  // the f32 steps of group_dot
       const int64_t o = (r0 + r) * groups + gi;
       const __m512i cj = _mm512_add_epi32(reduce16(v[r]), _mm512_set1_epi32(-off * a.qs[o]));
       const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), _mm512_set1_ps(a.d[o]));
       if constexpr (K == kQ8Channel) tv[r] = _mm512_add_ps(tv[r], f);
-      else tv[r] = _mm512_fmadd_ps(f, prm, tv[r]);
+      else tv[r] = _mm512_fmadd_ps(f, sv, tv[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(tot + r * 16, tv[r]);
@@ -333,15 +320,10 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       // one row: int8_decode.h's q4 decode form (the generic tiers' own), which reads the tile's bytes as stored and
       // ran faster from DRAM than the quads made from them in registers (docs/performance.md)
       const bool q4_row = direct && t == 1;
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        if constexpr (K == kQ4) {
-          q4_params(w, gi, n0, &prm[gi * 8], ds);
-        } else if constexpr (K == kQ8Grouped) {
-          alignas(64) float s[kCols] = {};
-          for (int64_t j = 0; j < cols; ++j) s[j] = q8_scale(w, n0 + j, gi, groups);
-          for (int c = 0; c < 4; ++c) prm[gi * 8 + c] = _mm512_load_ps(s + 16 * c);
-        }
-      }
+      if constexpr (K == kQ4)
+        for (int64_t gi = 0; gi < groups; ++gi) q4_params(w, gi, n0, &prm[gi * 8], ds);
+      if constexpr (K == kQ8Grouped)  // per group the 64 scales in its first 4 vectors
+        q8_scale_table(w, n0, cols, groups, reinterpret_cast<float*>(prm.data()), kCols, 8 * 16);
       uint8_t* buf = nullptr;
       if (!direct) {
         quads.resize(k);
@@ -413,21 +395,22 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   const std::vector<int8_t> zrow(k);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
   at::parallel_for(0, (w.cols + 15) / 16, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> acc(t * 16);
+    std::vector<float> acc(t * 16), prm(K == kQ8Grouped ? a.groups * 16 : 0);
     const int8_t* rows[16];
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * 16, cols = std::min<int64_t>(16, w.cols - n0);
       for (int j = 0; j < 16; ++j) rows[j] = j < cols ? qw + (n0 + j) * k : zrow.data();  // zero codes past the end
+      if constexpr (K == kQ8Grouped) q8_scale_table(w, n0, cols, a.groups, prm.data(), 16, 16);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t k0 = 0; k0 < k; k0 += kDotSpan) {
         const int64_t k1 = std::min(k, k0 + kDotSpan);
         for (int64_t r0 = 0; r0 < t; r0 += kDotRows) {
           float* tot = acc.data() + r0 * 16;
           switch (std::min<int64_t>(kDotRows, t - r0)) {
-            case 1: q8_dot16<1, K>(w, a, rows, n0, r0, k0, k1, tot); break;
-            case 2: q8_dot16<2, K>(w, a, rows, n0, r0, k0, k1, tot); break;
-            case 3: q8_dot16<3, K>(w, a, rows, n0, r0, k0, k1, tot); break;
-            default: q8_dot16<kDotRows, K>(w, a, rows, n0, r0, k0, k1, tot); break;
+            case 1: q8_dot16<1, K>(w, a, rows, prm.data(), r0, k0, k1, tot); break;
+            case 2: q8_dot16<2, K>(w, a, rows, prm.data(), r0, k0, k1, tot); break;
+            case 3: q8_dot16<3, K>(w, a, rows, prm.data(), r0, k0, k1, tot); break;
+            default: q8_dot16<kDotRows, K>(w, a, rows, prm.data(), r0, k0, k1, tot); break;
           }
         }
       }

@@ -247,17 +247,7 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
       }
     }
   } else if constexpr (K == kQ8Grouped) {  // [N, G]
-    if (!w.sup) return q8_scale_table(w, n0, cols, groups, prm);
-    std::vector<float> row(groups);
-    for (int64_t j = 0; j < kCols; ++j) {
-      if (j < cols) {  // q8k: int8 codes [N, G] (groups of 16; G a multiple of 16), f16 [N, G / 16]
-        const int8_t* c = static_cast<const int8_t*>(w.sc) + (n0 + j) * groups;
-        const uint16_t* h = static_cast<const uint16_t*>(w.sup) + (n0 + j) * (groups / 16);
-        for (int64_t gi = 0; gi < groups; gi += 8)
-          simd::store(row.data() + gi, simd::set1(simd::f16_to_f32(h[gi / 16])) * simd::to_f(simd::s8x8(c + gi)));
-      }
-      for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? row[gi] : 0.f;
-    }
+    q8_scale_table(w, n0, cols, groups, prm);
   } else {  // [N]
     std::fill(prm, prm + kCols, 0.f);
     to_f32(w.sc, w.st, n0, cols, prm);

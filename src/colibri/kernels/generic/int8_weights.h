@@ -2,6 +2,7 @@
 // checks and the description its kernels read, the same in every tier's int8 source (int8.cpp, generic/int8.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -27,14 +28,32 @@ struct Weight {
   Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
 };
 
-// Grouped q8 with stored scales (not q8k): the f32 scales of the 64 columns at n0 per group, prm [G][64], zero past
-// the last of cols columns; each column's scales converted 8 at a time as stored, then put in the table.
-inline void q8_scale_table(const Weight& w, int64_t n0, int64_t cols, int64_t groups, float* prm) {
-  constexpr int64_t kCols = 64;
-  std::vector<float> row(groups);
-  for (int64_t j = 0; j < kCols; ++j) {
-    if (j < cols) to_f32(w.sc, w.st, (n0 + j) * groups, groups, row.data());
-    for (int64_t gi = 0; gi < groups; ++gi) prm[gi * kCols + j] = j < cols ? row[gi] : 0.f;
+// Grouped q8 and q8k: the f32 scales of the `width` (<= 64) columns at n0 per group, prm[gi * ld + j], zero past the
+// last of cols columns. Stored scales are converted 8 at a time as stored; q8k's are d * sc (its f16 super-scale
+// times the int8 code, one f32 product each). Every int8 source's grouped table (the quads, dot and decode forms of
+// both int8 tiers) is this one. Made 16 groups at a time: a block's [64][16] values stay in L1 and the table is
+// written a row after the other (a table of many groups, K = 8960 at group 16, is larger than L2).
+inline void q8_scale_table(const Weight& w, int64_t n0, int64_t cols, int64_t groups, float* prm, int64_t width = 64,
+                           int64_t ld = 64) {
+  constexpr int64_t kBlock = 16;
+  float buf[64 * kBlock];
+  const int64_t live = std::min(cols, width);
+  for (int64_t g0 = 0; g0 < groups; g0 += kBlock) {
+    const int64_t gn = std::min(kBlock, groups - g0);
+    for (int64_t j = 0; j < live; ++j) {
+      float* b = buf + j * kBlock;
+      if (!w.sup) {
+        to_f32(w.sc, w.st, (n0 + j) * groups + g0, gn, b);
+        continue;
+      }
+      // q8k: int8 codes [N, G] (groups of 16; G a multiple of 16), f16 [N, G / 16]
+      const int8_t* c = static_cast<const int8_t*>(w.sc) + (n0 + j) * groups + g0;
+      const simd::f8 d = simd::set1(simd::f16_to_f32(w.sup[(n0 + j) * (groups / 16) + g0 / 16]));
+      simd::store(b, d * simd::to_f(simd::s8x8(c)));
+      simd::store(b + 8, d * simd::to_f(simd::s8x8(c + 8)));
+    }
+    for (int64_t gi = 0; gi < gn; ++gi)
+      for (int64_t j = 0; j < width; ++j) prm[(g0 + gi) * ld + j] = j < live ? buf[j * kBlock + gi] : 0.f;
   }
 }
 
