@@ -21,6 +21,22 @@ def test_greedy_is_argmax():
     assert Sampler(SamplingParams(temperature=0))(LOGITS, []) == 0
 
 
+def test_greedy_takes_torch_argmax_index_on_ties_nan_and_inf():
+    """The greedy pick (numpy's argmax) is torch.argmax's: the first of equal maxima, a NaN as the largest."""
+    s = Sampler(SamplingParams(temperature=0))
+    g = torch.Generator().manual_seed(0)
+    for case in range(300):
+        v = torch.randint(-3, 3, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).float()
+        if case % 3 == 0:
+            v[int(torch.randint(0, v.numel(), (1,), generator=g))] = float("nan")
+        if case % 5 == 0:
+            v[int(torch.randint(0, v.numel(), (1,), generator=g))] = float("inf")
+        if case % 7 == 0:
+            v[:] = float("-inf")
+        assert s(v, []) == int(torch.argmax(v))
+    assert s(torch.zeros(8, 4)[:, 1], []) == 0  # a strided view
+
+
 def test_seed_reproducible_and_distribution():
     a, b = draws(LOGITS, temperature=1.0), draws(LOGITS, temperature=1.0)
     assert a == b
