@@ -187,14 +187,10 @@ __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t*
     for (int j = 0; j < 4; ++j) _mm512_store_si512(sums[r] + 16 * j, c[r][j]);
   for (int r = 0; r < R; ++r) {
     const __m512 dv = _mm512_set1_ps(d[r * ldg]);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i cj = _mm512_load_si512(sums[r] + 16 * j);
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), dv);
+    for (int j = 0; j < 4; ++j) {  // linear_steps.h's int8_step
       float* o = tot + r * kCols + 16 * j;
-      __m512 cur = _mm512_loadu_ps(o);
-      if constexpr (K == kQ8Channel) cur = _mm512_add_ps(cur, f);
-      else cur = _mm512_fmadd_ps(f, prm[j], cur);
-      _mm512_storeu_ps(o, cur);
+      _mm512_storeu_ps(o, int8_step<lanes::Lanes16, K == kQ8Channel>(_mm512_loadu_ps(o),
+                                                                     _mm512_load_si512(sums[r] + 16 * j), dv, prm[j]));
     }
   }
 }
@@ -279,9 +275,7 @@ __attribute__((noinline)) void q8_dot16(const Weight& w, const Activations& a, c
     for (int r = 0; r < R; ++r) {  // the f32 steps of group_dot
       const int64_t o = (r0 + r) * groups + gi;
       const __m512i cj = _mm512_add_epi32(reduce16(v[r]), _mm512_set1_epi32(-off * a.qs[o]));
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(cj), _mm512_set1_ps(a.d[o]));
-      if constexpr (K == kQ8Channel) tv[r] = _mm512_add_ps(tv[r], f);
-      else tv[r] = _mm512_fmadd_ps(f, sv, tv[r]);
+      tv[r] = int8_step<lanes::Lanes16, K == kQ8Channel>(tv[r], cj, _mm512_set1_ps(a.d[o]), sv);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(tot + r * 16, tv[r]);

@@ -191,22 +191,22 @@ __attribute__((noinline)) void block_groups(const uint8_t* wb, const int8_t* xq,
         acc[r][1] += pair_sums(c[r][1]);
       }
     }
-    // the f32 steps of ../int8.cpp's group_dot, per row and 8 columns
+    // linear_steps.h's int8_step, per row and 8 columns
     for (int r = 0; r < R; ++r) {
       const int64_t o = r * ldg + gi;
       const f8 dv = simd::set1(d[o]);
       const i32x8 base = i32x8{} + qs[o];
       if constexpr (K == kQ4) {
         for (int j = 0; j < 2; ++j) {
-          const f8 f = simd::to_f(acc[r][j] + base) * dv;
           float* t = tot + r * kCols + 8 * j;
-          simd::store(t, simd::fma(f, simd::load(prm + gi * lds + 8 * j), simd::load(t)));
+          simd::store(t, int8_step<lanes::Lanes8>(simd::load(t), acc[r][j] + base, dv,
+                                                  simd::load(prm + gi * lds + 8 * j)));
         }
       } else {
-        const f8 f = simd::to_f((acc[r][0] + (acc[r][1] << 4)) + base) * dv;  // u = l + 16 h
+        const i32x8 a = (acc[r][0] + (acc[r][1] << 4)) + base;  // u = l + 16 h
         float* t = tot + r * kCols;
-        if constexpr (K == kQ8Channel) simd::store(t, simd::load(t) + f);
-        else simd::store(t, simd::fma(f, simd::load(prm + gi * lds), simd::load(t)));
+        simd::store(t, int8_step<lanes::Lanes8, K == kQ8Channel>(
+                           simd::load(t), a, dv, K == kQ8Channel ? f8{} : simd::load(prm + gi * lds)));
       }
     }
   }

@@ -16,6 +16,7 @@
 #include "../stream.h"
 #include "gguf_blocks.h"
 #include "lanes.h"
+#include "linear_steps.h"
 #include "simd.h"
 
 namespace {
@@ -340,8 +341,8 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
     for (int h = 0; h < 2; ++h)
       for (int v = 0; v < 4; ++v) {
         const int64_t col = 16 * v + 8 * h;
-        const f8 f = simd::to_f(acc[4 * h + v] + base) * dv;
-        simd::store(tot + col, simd::fma(f, simd::load(prm + gi * lds + col), simd::load(tot + col)));
+        simd::store(tot + col, int8_step<lanes::Lanes8>(simd::load(tot + col), acc[4 * h + v] + base, dv,
+                                                        simd::load(prm + gi * lds + col)));
         simd::store(zt + col, simd::fma(simd::load(prm + gi * lds + 64 + col), xv, simd::load(zt + col)));
       }
   }
@@ -368,15 +369,14 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
   f8 acc = simd::load(tot);
   f8 sd{};       // q8k: the rows' d of the current 256
   i32x8 codes{};  // q8k: the rows' four scale codes of the step (byte g: group 4 s + g)
-  auto step = [&](int64_t gi, i32x8 a) {
-    const f8 f = simd::to_f(a) * simd::set1(d[gi]);
+  auto step = [&](int64_t gi, i32x8 a) {  // linear_steps.h's int8_step
     if constexpr (Channel) {
-      acc = acc + f;
+      acc = int8_step<lanes::Lanes8, true>(acc, a, simd::set1(d[gi]));
     } else if (sc) {
       const int sh = 8 * (3 - static_cast<int>(gi & 3));
-      acc = simd::fma(f, sd * simd::to_f((codes << sh) >> 24), acc);
+      acc = int8_step<lanes::Lanes8>(acc, a, simd::set1(d[gi]), sd * simd::to_f((codes << sh) >> 24));
     } else {
-      acc = simd::fma(f, simd::load(prm + gi * lds), acc);
+      acc = int8_step<lanes::Lanes8>(acc, a, simd::set1(d[gi]), simd::load(prm + gi * lds));
     }
   };
   i32x8 big{};  // a group of more than 64: its steps' sums
@@ -458,8 +458,8 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {  // q8_direct's q8k step, group by group
         const int64_t gi = k0 / 16 + g;
-        const f8 f = simd::to_f(a[g] - xoff[gi]) * simd::set1(d[gi]);
-        acc = simd::fma(f, sd * simd::to_f((codes << (8 * (3 - g))) >> 24), acc);
+        const f8 sv = sd * simd::to_f((codes << (8 * (3 - g))) >> 24);
+        acc = int8_step<lanes::Lanes8>(acc, a[g] - xoff[gi], simd::set1(d[gi]), sv);
       }
     };
     step(std::integral_constant<int, 0>{});

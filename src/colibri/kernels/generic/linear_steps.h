@@ -164,6 +164,20 @@ inline void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float*
     out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
 }
 
+// ---- the LOSSY int8 ops' f32 step ------------------------------------------------------------------------------
+// Per (row, column, group), in group order, in every int8 form of every tier (int8.cpp, generic/int8.cpp,
+// int8_decode.h): f = float(A) * d, A the group's exact int32 sum and d the row's x scale (dv: d in every lane,
+// which callers make once per row and group), then y = fma(f, scale, y)
+// (q4: the group's scale, its zero term added apart; grouped q8 and q8k: the group's scale) or y + f (q8 with one
+// scale per channel, which multiplies y at the end). S: the form's lanes (Lanes16 in the avx512 tier's own forms,
+// Lanes8 in int8_decode.h's, which both x86 tiers run); a: its int32 sums as any vector of S::U's size.
+template <class S, bool Channel = false, class A>
+inline typename S::V int8_step(typename S::V y, A a, typename S::V dv, typename S::V scale = S::zero()) {
+  const typename S::V f = S::to_f(reinterpret_cast<typename S::U>(a)) * dv;
+  if constexpr (Channel) return y + f;
+  else return S::fma(f, scale, y);
+}
+
 // ---- row blocks: f(first row, row count as a constant), every tier's kernels over a pass's rows ------------------
 // A block's row count only sets how many accumulators share each weight load, never the arithmetic of a row.
 
