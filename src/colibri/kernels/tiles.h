@@ -96,7 +96,7 @@ inline void q4_group(Src&& src, int64_t npairs, const uint16_t* x, int64_t ldx, 
     const __m512 xv = _mm512_set1_ps(xs[r * ldxs]);
     for (int j = 0; j < 4; ++j) {
       float* o = tot + r * kTile + 16 * j;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_fmadd_ps(c[r][j], s[j], _mm512_mul_ps(z[j], xv))));
+      _mm512_storeu_ps(o, q4_group_step<lanes::Lanes16>(_mm512_loadu_ps(o), c[r][j], s[j], z[j], xv));
     }
   }
 }

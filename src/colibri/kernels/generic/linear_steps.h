@@ -164,6 +164,17 @@ inline void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float*
     out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
 }
 
+// ---- the exact q4 group step -----------------------------------------------------------------------------------
+// Per (row, column, group) of the q4-tiled kinds with bf16 x (q4, Q4_1, Q4_0, q4k), in group order, in every tier
+// (tiles.h's and generic/tiles.h's q4_group, generic/tiles.h's q4_group_nibbles): y = y + fma(A, s, z * xsum), A
+// the group's dot product of x with the codes minus 8 (in vdpbf16ps's order), s and z the group's scale and zero
+// for the column, xv the group's sum of x in every lane.
+template <class S>
+inline typename S::V q4_group_step(typename S::V y, typename S::V a, typename S::V s, typename S::V z,
+                                   typename S::V xv) {
+  return y + S::fma(a, s, z * xv);
+}
+
 // ---- the LOSSY int8 ops' f32 step ------------------------------------------------------------------------------
 // Per (row, column, group), in group order, in every int8 form of every tier (int8.cpp, generic/int8.cpp,
 // int8_decode.h): f = float(A) * d, A the group's exact int32 sum and d the row's x scale (dv: d in every lane,

@@ -93,7 +93,8 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, int64_t ldx, con
     const f8 xv = simd::set1(xs[r]);
     for (int i = 0; i < V; ++i) {
       float* o = tot + r * kTile + 8 * vid[i];
-      simd::store(o, simd::load(o) + simd::fma(a[r][i], simd::load(s + 8 * vid[i]), simd::load(z + 8 * vid[i]) * xv));
+      simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * vid[i]),
+                                                  simd::load(z + 8 * vid[i]), xv));
     }
   }
 }
@@ -120,8 +121,8 @@ inline void q4_group_nibbles(const simd::NibbleTables& nt, const uint8_t* rows, 
   const f8 xv = simd::set1(xs);
   for (int i = 0; i < 4; ++i) {
     float* o = tot + 8 * (4 * H + i);
-    const f8 zx = simd::load(z + 8 * (4 * H + i)) * xv;
-    simd::store(o, simd::load(o) + simd::fma(a[i], simd::load(s + 8 * (4 * H + i)), zx));
+    simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[i], simd::load(s + 8 * (4 * H + i)),
+                                                simd::load(z + 8 * (4 * H + i)), xv));
   }
 }
 
