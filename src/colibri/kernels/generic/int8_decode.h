@@ -370,13 +370,14 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
   f8 sd{};       // q8k: the rows' d of the current 256
   i32x8 codes{};  // q8k: the rows' four scale codes of the step (byte g: group 4 s + g)
   auto step = [&](int64_t gi, i32x8 a) {  // linear_steps.h's int8_step
+    const f8 dv = simd::set1(d[gi]);
     if constexpr (Channel) {
-      acc = int8_step<lanes::Lanes8, true>(acc, a, simd::set1(d[gi]));
+      acc = int8_step<lanes::Lanes8, true>(acc, a, dv);
     } else if (sc) {
       const int sh = 8 * (3 - static_cast<int>(gi & 3));
-      acc = int8_step<lanes::Lanes8>(acc, a, simd::set1(d[gi]), sd * simd::to_f((codes << sh) >> 24));
+      acc = int8_step<lanes::Lanes8>(acc, a, dv, sd * simd::to_f((codes << sh) >> 24));
     } else {
-      acc = int8_step<lanes::Lanes8>(acc, a, simd::set1(d[gi]), simd::load(prm + gi * lds));
+      acc = int8_step<lanes::Lanes8>(acc, a, dv, simd::load(prm + gi * lds));
     }
   };
   i32x8 big{};  // a group of more than 64: its steps' sums
