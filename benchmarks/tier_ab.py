@@ -10,8 +10,8 @@ rates move between runs). Shapes are Qwen2.5-1.5B's: attention (12 heads, 2 KV h
 prefill lengths, the dot-form kinds (dense bf16, q8k) and q4k at 1536 x 8960 and 8960 x 1536, T = 1 to 256, bf16 x;
 --ops also takes the other q4-tiled kinds and more LOSSY int8 ops (MORE: q4k with f32 x and in the int8 mode, q4 with
 bf16 / f16 / f32 scales, q4_1, q4_0, q8 per channel, grouped q8 (f16 per 32, bf16 per 128), q8k and Q6_K blocks in the
-int8 mode) and the exact q8 with f16 scales per 32 (Q8_0's values; also at SmolLM2-135M's tied 49152 x 576 head, the
-README demo's).
+int8 mode), the exact q8 with f16 scales per 32 (Q8_0's values; also at SmolLM2-135M's tied 49152 x 576 head, the
+README demo's) and the exact Q6_K and Q5_K blocks as stored (q6k, q5k).
 Output: one line per case, ms old / new and their ratio, then whether every output matched bit for bit.
 """
 
@@ -28,7 +28,7 @@ import time
 OPS = ("attend", "dense", "q8k", "q4k")
 # the other kinds of q4 code tiles (their group parameters: generic/linear_steps.h) and more of the LOSSY int8 ops
 # (their activations: generic/int8_decode.h), not run unless asked
-MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q8g_i8", "q6k_i8", "q8")
+MORE = ("q4k_f32", "q4k_i8", "q4", "q4_1", "q4_0", "q8_i8", "q8g_i8", "q6k_i8", "q8", "q6k", "q5k")
 
 
 def cases(ops):
@@ -141,14 +141,24 @@ def _q4_tiles(ops, n, k, t, gen):
                     torch.randint(-60, 60, (n, k // 16), generator=g, dtype=torch.int8),
                     (torch.rand(n, k // 256, generator=g) * 1e-3).half())
         out.append((f"q8k i8 {n}x{k} T={t}", t, q8k, lambda o, a: o.q8k_linear_i8(*a)))
+    def q6k(seed=n + k + t + 9):
+        g = gen(seed)
+        b = torch.randint(0, 256, (n, k // 256, 210), generator=g, dtype=torch.uint8)
+        b[:, :, 208] = 0
+        b[:, :, 209] = 0x1c  # d: a small f16
+        return torch.randn(t, k, generator=g).bfloat16(), b.view(n, -1).contiguous()
     if "q6k_i8" in ops:  # Q6_K blocks as stored (x groups of 16)
-        def q6k(seed=n + k + t + 9):
-            g = gen(seed)
-            b = torch.randint(0, 256, (n, k // 256, 210), generator=g, dtype=torch.uint8)
-            b[:, :, 208] = 0
-            b[:, :, 209] = 0x1c  # d: a small f16
-            return torch.randn(t, k, generator=g).bfloat16(), b.view(n, -1).contiguous()
         out.append((f"q6k i8 {n}x{k} T={t}", t, q6k, lambda o, a: o.q6k_linear_i8(*a)))
+    if "q6k" in ops:  # the same, exact
+        out.append((f"q6k {n}x{k} T={t}", t, q6k, lambda o, a: o.q6k_linear(*a)))
+    if "q5k" in ops:  # Q5_K blocks as stored, exact (the kinds with mins: w = d sc q - dmin m)
+        def q5k(seed=n + k + t + 13):
+            g = gen(seed)
+            b = torch.randint(0, 256, (n, k // 256, 176), generator=g, dtype=torch.uint8)
+            b[:, :, 0] = b[:, :, 2] = 0
+            b[:, :, 1] = b[:, :, 3] = 0x1c  # d, dmin: small f16
+            return torch.randn(t, k, generator=g).bfloat16(), b.view(n, -1).contiguous()
+        out.append((f"q5k {n}x{k} T={t}", t, q5k, lambda o, a: o.q5k_linear(*a)))
     if "q4_0" in ops:
         out.append((f"q4_0 {n}x{k} T={t}", t,
                     lambda: tiles(n + k + t + 7, lambda g: (torch.randn(k // 32, n, generator=g) * 1e-2).half()),

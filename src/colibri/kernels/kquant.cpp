@@ -24,19 +24,15 @@
 namespace {
 
 // Rows [n0, n0 + cols) of a q8k weight as f32 (exact) or bf16 (RNE) rows of K.
-void q8k_dequant_rows(const int8_t* qw, const int8_t* sc, const at::Half* sup, int64_t k, int64_t n0, int64_t cols,
+void q8k_dequant_rows(const int8_t* qw, const int8_t* sc, const uint16_t* sup, int64_t k, int64_t n0, int64_t cols,
                       bool bf, void* out) {
   const int64_t esz = bf ? 2 : 4;
+  std::vector<float> s(k / 16);  // the row's d * sc
   for (int64_t j = 0; j < cols; ++j) {
     const int64_t r = n0 + j;
     void* dst = static_cast<char*>(out) + j * k * esz;
-    for (int64_t b = 0; b < k / 256; ++b) {
-      const float d = static_cast<float>(sup[r * (k / 256) + b]);
-      for (int64_t i = 0; i < 16; ++i) {
-        const float s = d * static_cast<float>(sc[r * (k / 16) + b * 16 + i]);
-        q8_store16(qw + r * k, _mm512_set1_ps(s), 0xffff, bf, dst, b * 256 + i * 16);
-      }
-    }
+    q8k_row_scales(sc + r * (k / 16), sup + r * (k / 256), k / 256, s.data());
+    for (int64_t i = 0; i < k / 16; ++i) q8_store16(qw + r * k, _mm512_set1_ps(s[i]), 0xffff, bf, dst, i * 16);
   }
 }
 
@@ -58,29 +54,19 @@ struct Q8kRows {
   }
 };
 
-// d * sc for the 16 scale codes of a 256-value block: the f32 products of the dequantized rows.
-inline void kquant_scales(const int8_t* codes, float d, float* s) {
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))));
-}
-
 at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
   check_q8k(x, qweight, scales, supers);
   const int64_t t = x.size(0), k = x.size(1), n = qweight.size(0);
   const int8_t* qw = qweight.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
-  const at::Half* sup = supers.data_ptr<at::Half>();
+  const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
   if (t > kRows)
     return buffered_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, void* buf) {
       q8k_dequant_rows(qw, sc, sup, k, n0, cols, bf, buf);
     });
   return decode_rows(x, n, k / 16,
-                     [&](int64_t r, float* s) {
-                       for (int64_t g = 0; g < k / 256; ++g)
-                         kquant_scales(sc + r * (k / 16) + g * 16, static_cast<float>(sup[r * (k / 256) + g]),
-                                       s + g * 16);
-                     },
+                     [&](int64_t r, float* s) { q8k_row_scales(sc + r * (k / 16), sup + r * (k / 256), k / 256, s); },
                      [&](int64_t n0, const float* s) { return Q8kRows{qw + n0 * k, s, k}; });
 }
 
@@ -90,25 +76,20 @@ template <class B>
 void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t cols, bool bf, void* out) {
   const int64_t esz = bf ? 2 : 4, nb = k / 256;
   alignas(64) int8_t q[256];
-  alignas(16) int8_t sc[16], mc[16];
+  std::vector<float> s(k / 16 * (B::kMins ? 2 : 1));  // the row's d * sc, then dmin * m
   for (int64_t j = 0; j < cols; ++j) {
     void* dst = static_cast<char*>(out) + j * k * esz;
+    const uint8_t* row = blocks + (n0 + j) * nb * B::kBlockBytes;
+    block_row_scales<B>(row, nb, s.data());
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = blocks + ((n0 + j) * nb + b) * B::kBlockBytes;
+      const uint8_t* blk = row + b * B::kBlockBytes;
       B::codes128(blk, 0, q);
       B::codes128(blk, 1, q + 128);
-      B::scales16(blk, sc);
-      const float d = _cvtsh_ss(B::d_bits(blk));
       void* dst_b = static_cast<char*>(dst) + b * 256 * esz;
-      if constexpr (B::kMins) {
-        B::mins16(blk, mc);
-        const float dmin = _cvtsh_ss(B::dmin_bits(blk));
-        for (int64_t i = 0; i < 16; ++i)
-          q8_min_store16(q + 16 * i, d * static_cast<float>(sc[i]), dmin * static_cast<float>(mc[i]), bf, dst_b,
-                         16 * i);
-      } else {
-        for (int64_t i = 0; i < 16; ++i)
-          q8_store16(q, _mm512_set1_ps(d * static_cast<float>(sc[i])), 0xffff, bf, dst_b, i * 16);
+      const float* sb = s.data() + 16 * b;
+      for (int64_t i = 0; i < 16; ++i) {
+        if constexpr (B::kMins) q8_min_store16(q + 16 * i, sb[i], sb[k / 16 + i], bf, dst_b, 16 * i);
+        else q8_store16(q, _mm512_set1_ps(sb[i]), 0xffff, bf, dst_b, i * 16);
       }
     }
   }
@@ -162,18 +143,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
     });
   auto block = [&](int64_t r, int64_t g) { return bw + (r * nb + g) * B::kBlockBytes; };
   const int64_t ls = k / 16 * (B::kMins ? 2 : 1);
-  return decode_rows(x, n, ls,
-                     [&](int64_t r, float* s) {
-                       alignas(16) int8_t sc[16];
-                       for (int64_t g = 0; g < nb; ++g) {
-                         B::scales16(block(r, g), sc);
-                         kquant_scales(sc, _cvtsh_ss(B::d_bits(block(r, g))), s + g * 16);
-                         if constexpr (B::kMins) {
-                           B::mins16(block(r, g), sc);
-                           kquant_scales(sc, _cvtsh_ss(B::dmin_bits(block(r, g))), s + k / 16 + g * 16);
-                         }
-                       }
-                     },
+  return decode_rows(x, n, ls, [&](int64_t r, float* s) { block_row_scales<B>(block(r, 0), nb, s); },
                      [&](int64_t n0, const float* s) { return BlockRows<B>{block(n0, 0), s, k, ls}; });
 }
 

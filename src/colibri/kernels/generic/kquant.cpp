@@ -14,13 +14,8 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int8_t* sc = scales.data_ptr<int8_t>();
   const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
   // w = q * (d * sc), d * sc in f32 per 16 columns: exact in f32; bf16 x: rounded once
-  auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]: one f16 conversion per 256 weights
-    for (int64_t b = 0; b < k / 256; ++b) {
-      const f8 d = simd::set1(simd::f16_to_f32(sup[j * (k / 256) + b]));
-      const int8_t* c = sc + j * (k / 16) + 16 * b;
-      simd::store(s + 16 * b, d * simd::to_f(simd::s8x8(c)));
-      simd::store(s + 16 * b + 8, d * simd::to_f(simd::s8x8(c + 8)));
-    }
+  auto row_scales = [&](int64_t j, float* s) {  // row j's d * sc, [K/16]
+    q8k_row_scales(sc + j * (k / 16), sup + j * (k / 256), k / 256, s);
   };
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
     std::vector<float> s(k / 16);
@@ -57,23 +52,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, const ch
   const int64_t row_bytes = nb * B::kBlockBytes;
   const int64_t ahead = x.size(0) <= 2 ? 2 * row_bytes * ((kStreamAhead + 2 * row_bytes - 1) / (2 * row_bytes))
                                        : kStreamAhead;  // bytes
-  auto row_scales = [&](int64_t j, float* s) {  // (in vectors: a decode row of K = 1536 has only 6 blocks)
-    alignas(16) int8_t sc[16];
-    auto scaled = [&](float d, float* out) {
-      const f8 dv = simd::set1(d);
-      simd::store(out, dv * simd::to_f(simd::s8x8(sc)));
-      simd::store(out + 8, dv * simd::to_f(simd::s8x8(sc + 8)));
-    };
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* bp = block(j, b);
-      B::scales16(bp, sc);
-      scaled(simd::f16_to_f32(B::d_bits(bp)), s + 16 * b);
-      if constexpr (B::kMins) {
-        B::mins16(bp, sc);
-        scaled(simd::f16_to_f32(B::dmin_bits(bp)), s + k / 16 + 16 * b);
-      }
-    }
-  };
+  auto row_scales = [&](int64_t j, float* s) { block_row_scales<B>(block(j, 0), nb, s); };
   return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
     std::vector<float> s(ls);
     alignas(32) int8_t q[256];

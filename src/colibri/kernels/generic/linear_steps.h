@@ -6,6 +6,7 @@
 //     float arrays of kTile (0 past the tile's last column; the avx512 drivers hand their 4 registers' storage),
 //     and a tile's code at (column, k);
 //   - the sum of a group of bf16 x (the zero term's factor in the exact q4 path);
+//   - the K-quants' f32 scales per 16 values (d * sc, dmin * m);
 //   - the store of a pass's f32 results into y's dtype.
 #pragma once
 
@@ -162,6 +163,38 @@ inline void to_f32(const void* p, at::ScalarType t, int64_t i, int64_t n, float*
                                                                                   : simd::f16x8(ph + j));
   for (; j < n; ++j)
     out[j] = t == at::kFloat ? pf[j] : t == at::kBFloat16 ? simd::bf16_to_f32(ph[j]) : simd::f16_to_f32(ph[j]);
+}
+
+// ---- the K-quants' per-16 scales -------------------------------------------------------------------------------
+// The f32 factors the K-quants with q8k's values multiply their codes by, in every tier (kquant.cpp and
+// generic/kquant.cpp, the exact and the decode forms alike): per 256-value block, s[i] = d * sc[i] for its 16 scale
+// codes (exact in f32: an f16 times a code of at most 8 bits).
+inline void kquant_scales16(const int8_t* sc, float d, float* s) {
+  using S = lanes::Lanes;
+  for (int i = 0; i < 16; i += S::L) S::store(s + i, S::set1(d) * S::load_i8(sc + i));
+}
+
+// The same for one row of q8k (nb blocks): its scale codes sc [16 nb] and f16 d bits sup [nb].
+// (The row functions are never inlined: called once a row, inlined into a decode form's step they cost its loop
+// registers.)
+__attribute__((noinline)) inline void q8k_row_scales(const int8_t* sc, const uint16_t* sup, int64_t nb, float* s) {
+  for (int64_t b = 0; b < nb; ++b) kquant_scales16(sc + 16 * b, simd::f16_to_f32(sup[b]), s + 16 * b);
+}
+
+// The same for one row of GGUF blocks kept as stored (B: gguf_blocks.h's kind, nb blocks from `row`): s[16 b + i]
+// = d * sc[i] of block b, then for the kinds with mins (B::kMins) s[16 nb + 16 b + i] = dmin * m[i].
+template <class B>
+__attribute__((noinline)) void block_row_scales(const uint8_t* row, int64_t nb, float* s) {
+  alignas(16) int8_t codes[16];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = row + b * B::kBlockBytes;
+    B::scales16(bp, codes);
+    kquant_scales16(codes, simd::f16_to_f32(B::d_bits(bp)), s + 16 * b);
+    if constexpr (B::kMins) {
+      B::mins16(bp, codes);
+      kquant_scales16(codes, simd::f16_to_f32(B::dmin_bits(bp)), s + 16 * nb + 16 * b);
+    }
+  }
 }
 
 // ---- the exact q4 group step -----------------------------------------------------------------------------------
