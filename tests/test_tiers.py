@@ -33,7 +33,9 @@ def _linear_cases(n: int, k: int):
         if k % g == 0:
             b = quantize(w, "q4", g)._buffers
             cases.append((f"q4g{g}", both, lambda o, x, b=b, g=g: o.q4_linear(x, b["qweight"], b["scales_zeros"], g)))
-    for g in (0, 16, 32):
+    for g in (0, 16, 32, 64):  # per channel, a group within a 32-element step, one step, two steps
+        if g and k % g:
+            continue
         b = quantize(w, "q8", g)._buffers
         cases.append((f"q8g{g}", both, lambda o, x, b=b, g=g: o.q8_linear(x, b["qweight"], b["scales"], g)))
     h = quantize(w, "q8", 32)._buffers  # f16 scales, as GGUF Q8_0 imports keep them (the short bf16 rounding)

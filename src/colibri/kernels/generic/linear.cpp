@@ -27,6 +27,15 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   });
 }
 
+// Row j's scale of each 32-element step (g % 32 == 0), f32, into s [K/32]: its stored scales as they are for g = 32.
+// Never inlined: called once a row, inlined into the decode form's step it cost the step's loop registers.
+__attribute__((noinline)) void q8_step_scales(const void* sc, at::ScalarType st, int64_t j, int64_t k, int64_t g,
+                                              float* s) {
+  const int64_t groups = k / g;
+  if (g == kStep) return to_f32(sc, st, j * groups, groups, s);
+  for (int64_t i = 0; i < k / kStep; ++i) s[i] = load1(sc, j * groups + i * kStep / g, st);
+}
+
 // bf16 x, one scale per channel: y = scale * (x . q) over the exact codes. Grouped scales (and f32 x):
 // x . (q * scale), the weights dequantized (bf16 x: rounded once).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size) {
@@ -38,45 +47,54 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const void* sc = scales.data_ptr();
   const at::ScalarType st = scales.scalar_type();
   const bool normal = st == at::kHalf;  // f16 scale x code: zero or normal in f32, the short bf16 rounding holds
-  return dot_linear(x, n, [&](int64_t n0, int64_t cols, bool bf, float* out) {
+  auto fill = [&](int64_t n0, int64_t cols, bool bf, float* out) {
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t gi = 0; gi < groups; ++gi)
         q8_values(qw + (n0 + j) * k + gi * g, g, channel ? 1.f : load1(sc, (n0 + j) * groups + gi, st), bf,
                   out + j * k + gi * g, normal);
-  }, [&](int64_t n0, int64_t cols, float* acc, int64_t lda) {
+  };
+  auto post = [&](int64_t n0, int64_t cols, float* acc, int64_t lda) {
     if (!channel) return;
     for (int64_t j = 0; j < cols; ++j) {
       const float s = load1(sc, n0 + j, st);
       for (int64_t r = 0; r < t; ++r) acc[r * lda + j] *= s;
     }
-  }, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {  // bf16 x only: per channel means g == k
-    const int8_t* q = qw + j * k + k0;
-    if ((k0 & 63) == 0) prefetch_ahead(q);  // a line a row's stream ahead (rows are consecutive)
-    if (channel) {
+  };
+  // the decode form's source (bf16 x only: per channel means g == k), one per case so that each step carries only
+  // its own work (the three in one source ran grouped q8's decode at half the rate)
+  if (channel)
+    return dot_linear(x, n, fill, post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {
+      const int8_t* q = qw + j * k + k0;
+      if ((k0 & 63) == 0) prefetch_ahead(q);  // a line a row's stream ahead (rows are consecutive)
       lo = simd::code_pairs(q);
       hi = simd::code_pairs(q + 16);
-      return;
-    }
-    if (g % kStep == 0) {  // a step within one group: the row's step scales set at its first step, in its scratch
-      if (k0 == 0 && g == kStep) {  // one scale a step: the row's scales as they are stored
-        to_f32(sc, st, j * groups, groups, s);
-      } else if (k0 == 0) {
-        for (int64_t i = 0; i < k / kStep; ++i) s[i] = load1(sc, j * groups + i * kStep / g, st);
-      }
-      const f8 sv = simd::set1(s[k0 / kStep]);
-      for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
-        const Pair v = simd::code_pairs(q + 16 * h);
-        const f8 e = v.even * sv, o = v.odd * sv;
-        (h ? hi : lo) = normal ? Pair{simd::round_bf16_normal(e), simd::round_bf16_normal(o)}
-                               : Pair{simd::round_bf16(e), simd::round_bf16(o)};
-      }
-      return;
-    }
+    });
+  if (g % kStep == 0) {  // a step within one group: the row's step scales set at its first step, in its scratch
+    auto stepped = [&](auto normal_values) {
+      constexpr bool kNormal = decltype(normal_values)::value;
+      return dot_linear(x, n, fill, post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float* s) {
+        const int8_t* q = qw + j * k + k0;
+        if ((k0 & 63) == 0) prefetch_ahead(q);
+        if (k0 == 0) q8_step_scales(sc, st, j, k, g, s);
+        const f8 sv = simd::set1(s[k0 / kStep]);
+        for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
+          const Pair v = simd::code_pairs(q + 16 * h);
+          const f8 e = v.even * sv, o = v.odd * sv;
+          (h ? hi : lo) = kNormal ? Pair{simd::round_bf16_normal(e), simd::round_bf16_normal(o)}
+                                  : Pair{simd::round_bf16(e), simd::round_bf16(o)};
+        }
+      });
+    };
+    return normal ? stepped(std::true_type{}) : stepped(std::false_type{});
+  }
+  return dot_linear(x, n, fill, post, [&](int64_t j, int64_t k0, Pair& lo, Pair& hi, float*) {
+    const int8_t* q = qw + j * k + k0;
+    if ((k0 & 63) == 0) prefetch_ahead(q);
     alignas(32) float v[kStep];  // grouped: values as fill writes them, a run of one group's scale at a time
     for (int64_t i = 0; i < kStep;) {
-      const int64_t gi = (k0 + i) / g, n = std::min<int64_t>(kStep - i, (gi + 1) * g - (k0 + i));
-      q8_values(q + i, n, load1(sc, j * groups + gi, st), true, v + i, normal);
-      i += n;
+      const int64_t gi = (k0 + i) / g, m = std::min<int64_t>(kStep - i, (gi + 1) * g - (k0 + i));
+      q8_values(q + i, m, load1(sc, j * groups + gi, st), true, v + i, normal);
+      i += m;
     }
     lo = simd::f32_pairs(v);
     hi = simd::f32_pairs(v + 16);
