@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import threading
 
 import torch
@@ -86,6 +87,10 @@ VALUES = ("auto", *NATIVE, "torch")  # what COLIBRI_KERNELS takes ("native": an 
 
 
 def _cpu_flags() -> set[str]:
+    """The x86 CPU flags /proc/cpuinfo lists; none on any other machine (whose kernels are the portable tier's), even
+    where it shows an x86 host's (qemu-user emulating aarch64 passes the host's file through)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -11,7 +11,9 @@
 //     _mm512_reduce_add_ps (lanes.h: fold, reduce_rows), L keys at a time.
 //   - the max: into 16 slots (key j in slot j % 16), then _mm512_reduce_max_ps's tree (lanes.h: max_slots).
 //   - exp: lanes.h's exp (range reduction, Horner fmas, scalef).
-// The rest (scale, std::tanh softcap, the key-order sum, the fmas of e_j * v_j, the division) is plain IEEE f32.
+//   - the soft cap: cap * tanh(s / cap), tanh(y) = sign(y) (1 - e) / (1 + e) with e = lanes.h's exp(-2 |y|), a
+//     series below |y| = 0.5 (soft_cap; not std::tanh, each C library's own: aarch64's glibc gave other bits).
+// The rest (scale, the key-order sum, the fmas of e_j * v_j, the division) is plain IEEE f32.
 //
 // The query heads sharing a KV head go through each key and value row together, up to Lanes::kMaxGroup at a time
 // (each head's arithmetic is the same whatever the group, so any task split is valid).
@@ -104,6 +106,33 @@ inline void key_dots(const KT* k, const float* q, int64_t Dp, int64_t D, V* t) {
     for (int g = 0; g < GB; ++g) acc[g] = Lanes::madd16<EXACT>(q + g * Dp + full, kc, acc[g]);
   }
   for (int g = 0; g < GB; ++g) t[g] = Lanes::fold(acc[g]);
+}
+
+// tanh(a) for 0 <= a < 0.5: its series to a^15, by Horner's rule over a^2 (IEEE steps): (1 - e) / (1 + e) below
+// loses the small values' bits to 1 - e (soft_cap: 3 ulp of the exact result at most, as glibc's tanhf).
+inline float tanh_small(float a) {
+  const float z = a * a;
+  float p = -1.4558344e-3f;  // -929569 / 638512875
+  for (const float c : {3.5921280e-3f, -8.8632355e-3f, 2.1869489e-2f, -5.3968254e-2f, 1.3333334e-1f, -3.3333334e-1f})
+    p = p * z + c;
+  return a + a * (z * p);
+}
+
+// s[0, n) = cap * tanh(s / cap) (s has room for whole vectors past n): tanh(y) = sign(y) (1 - e) / (1 + e), e =
+// exp(-2 |y|) by lanes.h's exp (tanh_small below |y| = 0.5), the rest IEEE f32 steps, so the same bits in every tier
+// and on every CPU; NaN stays NaN.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  alignas(64) float e[kL];
+  for (int64_t j = 0; j < n; j += kL) {
+    const int64_t m = std::min<int64_t>(kL, n - j);
+    for (int64_t i = 0; i < kL; ++i) e[i] = i < m ? -2.f * std::fabs(s[j + i] / cap) : 0.f;
+    Lanes::store(e, Lanes::exp(Lanes::load(e)));
+    for (int64_t i = 0; i < m; ++i) {
+      const float y = s[j + i] / cap, a = std::fabs(y);
+      const float t = a < 0.5f ? tanh_small(a) : (1.f - e[i]) / (1.f + e[i]);
+      s[j + i] = std::isnan(y) ? y : std::copysign(t, y) * cap;
+    }
+  }
 }
 
 // Scores of keys lo .. lo + n - 1 for GB heads into s + g * ld (scaled, not yet capped); kL keys per block, the
@@ -232,7 +261,7 @@ void attend_heads(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<
   for (int g = 0; g < GB; ++g) {
     float* sg = s + g * ld;
     if (a.cap > 0)
-      for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / a.cap) * a.cap;
+      soft_cap(sg, n, a.cap);
     const V mv = Lanes::set1(Lanes::max_slots(sg, n));
     for (int64_t j = 0; j < n; j += kL) Lanes::store(sg + j, Lanes::exp(Lanes::load(sg + j) - mv));
     float sum = 0.f;
