@@ -278,10 +278,10 @@ def test_readme_demo_tokens_equal_on_every_tier(each_tier):
 
 
 def test_portable_tier_compiles_for_aarch64(tmp_path):
-    """The portable tier is the one ARM machines (Apple Silicon, Graviton, Ampere) run; it cannot run here, so it
-    is cross-compiled (its one translation unit, as the build makes it, to an object file with Debian's aarch64
-    g++, which .ci/run installs) to show it builds for aarch64, with NEON fma for the exact steps (fmla) and no
-    call to a software fmaf."""
+    """The portable tier is the one ARM machines (Apple Silicon, Graviton, Ampere) run: cross-compiled (its one
+    translation unit, as the build makes it, to an object file with Debian's aarch64 g++, which .ci/run installs),
+    it builds for aarch64 with NEON fma for the exact steps (fmla) and no call to a software fmaf. (With an emulated
+    aarch64 machine set up, tests/test_tier_aarch64.py also runs it.)"""
     import shutil
     import subprocess
     import sysconfig
