@@ -5,7 +5,8 @@ environment's aarch64 torch, with the Python module, into the kernel cache its c
 any machine loads a tier. There it gives the bits this CPU's tiers give (tests/test_tiers.py and its siblings show
 those equal): the calls of the cross-tier tests (every linear kind at pass sizes 1, 3, 16 and 64 in f32 and bf16,
 the GGUF blocks as stored, the LOSSY int8 ops, attention over rows and over paged and q8 blocks, pointwise,
-RMSNorm, RoPE) replayed, and the README demo's greedy tokens. qemu computes each aarch64 instruction's IEEE
+RMSNorm, RoPE) replayed, the tiny families' logits and greedy tokens (bf16 weights and q4 containers: torch's own
+ops around the kernels too, MoE routing included), and the README demo's greedy tokens. qemu computes each aarch64 instruction's IEEE
 result as the architecture defines it (FPCR at Linux's defaults: no flush to zero), so this checks the tier's
 arithmetic on that ISA; it says nothing of its speed."""
 
@@ -191,3 +192,36 @@ def test_readme_demo_tokens_on_aarch64(aarch64):
             f"    print(list(m.generate({prompt!r}, max_tokens={n}, temperature=0).token_ids))")
     there = json.loads(aarch64(code, str(path)).splitlines()[-1])
     assert len(here) == n and there == list(here)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+# run there: each model's logits and greedy tokens against this machine's, bit for bit
+FAMILY_CHECK = """
+import json, sys, torch, colibri
+bad, want = [], torch.load(sys.argv[1], weights_only=True)
+for name, (path, dtype, ids, logits, tokens) in want.items():
+    with colibri.load(path, dtype=dtype or None) as m:
+        got = m.logits(ids), m.generate(ids, max_tokens=len(tokens), temperature=0).token_ids
+    if not torch.equal(got[0], logits) or list(got[1]) != tokens:
+        bad.append([name, int((got[0] != logits).sum()), list(got[1]), tokens])
+print(json.dumps({"models": len(want), "differ": bad}))
+"""
+
+
+def test_tiny_family_logits_and_tokens_on_aarch64(aarch64, tiny_model_dir, tmp_path):
+    """Every tiny family, as bf16 weights (the dot form) and as a q4 container (the outer form): the whole forward's
+    logits and 8 greedy tokens on the emulated aarch64 machine equal this machine's."""
+    import colibri
+    from colibri.convert.pipeline import cached_container
+
+    ids = [(7 * i + 3) % 384 for i in range(20)]
+    want = {}
+    for fam in FAMILIES:
+        src = tiny_model_dir(fam)
+        for path, dtype in ((src, "bfloat16"), (cached_container(src, tmp_path, "q4"), "")):
+            with colibri.load(path, dtype=dtype or None) as m:
+                want[f"{fam} {dtype or 'q4'}"] = (str(path), dtype, ids, m.logits(ids),
+                                                  list(m.generate(ids, max_tokens=8, temperature=0).token_ids))
+    torch.save(want, tmp_path / "want.pt")
+    out = json.loads(aarch64(FAMILY_CHECK, str(tmp_path / "want.pt")).splitlines()[-1])
+    assert out["models"] == 2 * len(FAMILIES) and not out["differ"], out["differ"]
