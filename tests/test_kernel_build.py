@@ -351,3 +351,13 @@ def test_demo_runs_with_a_truncated_library(demo, tmp_path):
                         f" (100000 bytes)); rebuilding it")
     no_compiler_line(lines)
     assert not lib.exists()  # removed, not left to fail again
+
+
+def test_a_machine_that_is_not_x86_runs_the_portable_tier_whatever_cpuinfo_says(monkeypatch):
+    """qemu-user emulating aarch64 hands the guest the x86 host's /proc/cpuinfo (flags avx2 ...): the x86 tiers are
+    not runnable there all the same (tests/test_tier_aarch64.py runs colibri so)."""
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    assert kernels._cpu_flags() == set()
+    assert kernels.runnable_tiers() == ["portable"]
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    assert "portable" in kernels.runnable_tiers()
