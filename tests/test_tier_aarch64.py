@@ -66,6 +66,8 @@ def aarch64(tmp_path_factory):
         pytest.skip(f"no emulated aarch64 environment at {ENV} (python tools/aarch64_env.py {ENV})")
     if shutil.which(CXX) is None:
         pytest.skip(f"no aarch64 cross compiler ({CXX}; apt-get install g++-aarch64-linux-gnu)")
+    if shutil.which("qemu-aarch64") is None:
+        pytest.skip("no qemu-aarch64 (apt-get install qemu-user)")
     env = {**os.environ, "COLIBRI_CACHE": str(tmp_path_factory.mktemp("aarch64-cache")),
            "COLIBRI_KERNELS": "portable", "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2"}
 
