@@ -12,7 +12,6 @@ arithmetic on that ISA; it says nothing of its speed."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from colibri import kernels
+from colibri.kernels import build
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = Path(os.environ.get("COLIBRI_AARCH64_ENV") or REPO / ".ci" / "aarch64")
@@ -92,7 +92,7 @@ def aarch64(tmp_path_factory):
            "-ltorch_python", "-fopenmp"]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert p.returncode == 0, f"the portable tier does not build for aarch64:\n{p.stdout[-3000:]}"
-    lib.with_name(lib.name + ".sha256").write_text(hashlib.sha256(lib.read_bytes()).hexdigest() + "\n")
+    build._checksum_path(lib).write_text(build._sha256(lib) + "\n")  # as the build writes it beside a library
     return run
 
 

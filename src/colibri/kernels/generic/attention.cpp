@@ -122,15 +122,18 @@ inline float tanh_small(float a) {
 // exp(-2 |y|) by lanes.h's exp (tanh_small below |y| = 0.5), the rest IEEE f32 steps, so the same bits in every tier
 // and on every CPU; NaN stays NaN.
 inline void soft_cap(float* s, int64_t n, float cap) {
-  alignas(64) float e[kL];
+  alignas(64) float y[kL], e[kL];
   for (int64_t j = 0; j < n; j += kL) {
     const int64_t m = std::min<int64_t>(kL, n - j);
-    for (int64_t i = 0; i < kL; ++i) e[i] = i < m ? -2.f * std::fabs(s[j + i] / cap) : 0.f;
+    for (int64_t i = 0; i < kL; ++i) {
+      y[i] = i < m ? s[j + i] / cap : 0.f;
+      e[i] = -2.f * std::fabs(y[i]);
+    }
     Lanes::store(e, Lanes::exp(Lanes::load(e)));
     for (int64_t i = 0; i < m; ++i) {
-      const float y = s[j + i] / cap, a = std::fabs(y);
+      const float a = std::fabs(y[i]);
       const float t = a < 0.5f ? tanh_small(a) : (1.f - e[i]) / (1.f + e[i]);
-      s[j + i] = std::isnan(y) ? y : std::copysign(t, y) * cap;
+      s[j + i] = std::isnan(y[i]) ? y[i] : std::copysign(t, y[i]) * cap;
     }
   }
 }
