@@ -98,6 +98,26 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
                     assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
 
 
+# The avx2 tier's passes of 32 rows or more take the lane form (generic/tiles.h), shorter ones the dot form: the same
+# rows on every tier on both sides of that line, with K off the 32-element steps (its tail laid out element by
+# element) and on them, for the register blocks of 6 and 5 rows (T = 33, 70) and a group of 16 weight rows cut short
+# (N = 37).
+@pytest.mark.parametrize("k", [100, 1056])
+def test_dot_forms_agree_across_the_lane_threshold(tier_ops, k):
+    w = _randn(37, k, seed=11) * 0.1
+    q8 = quantize(w, "q8", 0)._buffers
+    cases = [("f32", torch.float32, lambda o, x: o.dense_linear(x, w)),
+             ("bf16", torch.bfloat16, lambda o, x: o.dense_linear(x, w.bfloat16())),
+             ("q8 per channel", torch.bfloat16, lambda o, x: o.q8_linear(x, q8["qweight"], q8["scales"], 0)),
+             ("q8 per channel f32 x", torch.float32, lambda o, x: o.q8_linear(x, q8["qweight"], q8["scales"], 0))]
+    for name, dtype, fn in cases:
+        x = _randn(70, k, seed=12).to(dtype)
+        ref = fn(tier_ops["portable"], x)
+        for tier, o in tier_ops.items():
+            for t in (1, 16, 31, 32, 33, 70):
+                assert torch.equal(fn(o, x[:t]), ref[:t]), f"{name} K={k} T={t}: {tier} differs from portable"
+
+
 def _blocks_and_widened(kind: str, n: int, k: int):
     """(the op on the GGUF blocks as stored, the op on its codes widened to bytes) for q6k, q3k and iq4_xs (-> q8k),
     q5_0 and iq4_nl (-> q8 with group 32 and f16 scales), q4_1 (-> q4 with f32 (d, m + 8 d)) and q4_0 (-> q4 with

@@ -27,11 +27,7 @@ at::Tensor q8k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
     if (k0 == 0) row_scales(j, s);  // into the row's scratch at its first step
     const int8_t* q = qw + j * k + k0;
     prefetch_ahead(q);  // rows are consecutive: past the row's end this is the next one's start
-    for (int h = 0; h < 2; ++h) {
-      const Pair v = simd::code_pairs(q + 16 * h);
-      const f8 sv = simd::set1(s[k0 / 16 + h]);
-      (h ? hi : lo) = Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
-    }
+    for (int h = 0; h < 2; ++h) (h ? hi : lo) = scaled_pairs<false>(simd::code_pairs(q + 16 * h), s[k0 / 16 + h], 0.f);
   });
 }
 

@@ -76,13 +76,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
         const int8_t* q = qw + j * k + k0;
         if ((k0 & 63) == 0) prefetch_ahead(q);
         if (k0 == 0) q8_step_scales(sc, st, j, k, g, s);
-        const f8 sv = simd::set1(s[k0 / kStep]);
-        for (int h = 0; h < 2; ++h) {  // the values of q8_values, in code_pairs' lanes
-          const Pair v = simd::code_pairs(q + 16 * h);
-          const f8 e = v.even * sv, o = v.odd * sv;
-          (h ? hi : lo) = kNormal ? Pair{simd::round_bf16_normal(e), simd::round_bf16_normal(o)}
-                                  : Pair{simd::round_bf16(e), simd::round_bf16(o)};
-        }
+        for (int h = 0; h < 2; ++h)  // the values of q8_values, in code_pairs' lanes
+          (h ? hi : lo) = scaled_pairs<false, kNormal>(simd::code_pairs(q + 16 * h), s[k0 / kStep], 0.f);
       });
     };
     return normal ? stepped(std::true_type{}) : stepped(std::false_type{});

@@ -312,6 +312,28 @@ inline void split_codes(int8_t* p, int64_t n) {
 // 16 int8 codes in the pair-split order at p as 8 pairs of their f32 values: code_pairs of the codes before the split.
 inline Pair split_code_pairs(const int8_t* p) { return Pair{to_f(s8x8(p)), to_f(s8x8(p + 8))}; }
 
+// v[c] = row c's 8 values in, v[e] = the 8 rows' element e out (unpack pairs, then quads, then 128-bit halves).
+inline void transpose8(f8 v[8]) {
+  f8 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], i8{0, 8, 1, 9, 4, 12, 5, 13});
+    t[2 * i + 1] = __builtin_shuffle(v[2 * i], v[2 * i + 1], i8{2, 10, 3, 11, 6, 14, 7, 15});
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const f8 a = t[4 * i + j], b = t[4 * i + j + 2];
+      u[4 * i + 2 * j] = __builtin_shuffle(a, b, i8{0, 1, 8, 9, 4, 5, 12, 13});
+      u[4 * i + 2 * j + 1] = __builtin_shuffle(a, b, i8{2, 3, 10, 11, 6, 7, 14, 15});
+    }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = __builtin_shuffle(u[j], u[j + 4], i8{0, 1, 2, 3, 8, 9, 10, 11});
+    v[j + 4] = __builtin_shuffle(u[j], u[j + 4], i8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+}
+
+// Each pair of neighbouring lanes swapped: [v1, v0, v3, v2, ...] (a bf16 pair's odd element first).
+inline f8 swap_pairs(f8 v) { return __builtin_shuffle(v, i8{1, 0, 3, 2, 5, 4, 7, 6}); }
+
 // 16 f32 (bf16-valued) at v as 8 pairs.
 inline Pair f32_pairs(const float* v) {
   const f8 a = load(v), b = load(v + 8);

@@ -411,6 +411,145 @@ void dot_rows(const float* x, int64_t t, const float* w, int64_t cols, int64_t k
   }
 }
 
+// ---- lane form: the dot form's arithmetic for long passes ------------------------------------------------------
+// Output (r, j) of the dot form is 16 lane partials, lane l summing its own elements of K in order (bf16: the pair
+// (2l, 2l + 1) of each 32-element step, odd element first; f32: element l of each 16-element step), then reduce16.
+// dot_tile keeps an output's lanes in one register, so its products form one chain (two links a bf16 step), and
+// its 3 x 3 block leaves the FMA units waiting on their latency. The lane form keeps one lane of 16 weight rows in
+// two registers instead: x's elements in lane order (lay_lanes_x: [T][16 lanes][kp / 16]) are broadcast against
+// weights laid out [lane][position][16 rows] (lay_lanes), so a 6 x 2 block runs 12 independent chains; after the 16
+// lanes their partials meet in reduce16's tree, lane-wise over 8 rows at once. The same products and sums in the
+// same order for every output: the same bits.
+constexpr int kLaneRows = 6;       // x rows per register block: 6 x 2 accumulators and three operands, 15 registers
+constexpr int64_t kLaneCols = 16;  // weight rows per group: two 8-lane vectors
+// Passes of at least this many rows take the lane form: in shorter ones laying the weights out costs what the form
+// saves. AVX2 only: the portable tier on x86-64's baseline (SSE, sixteen 4-lane registers) ran it slower than the
+// dot form, and on aarch64 it is not measured (docs/performance.md).
+#if defined(__AVX2__)
+constexpr int64_t kLaneMinRows = 32;
+#else
+constexpr int64_t kLaneMinRows = INT64_MAX;
+#endif
+
+// Position i of lane l in the lane order <-> element e of a 32-element step s (bf16: lane e / 2, odd element at
+// position 2 s; f32: lane e % 16, position 2 s + e / 16).
+inline int lane_of(bool bf, int e) { return bf ? e / 2 : e % 16; }
+inline int64_t lane_position(bool bf, int64_t s, int e) { return bf ? 2 * s + 1 - (e & 1) : 2 * s + e / 16; }
+
+// Rows c0 .. c1 of f32 values v [rows][k] (row stride k), the elements of step s -> their lanes' positions in out
+// ([lane][kp / 16][width], row c at offset c of each position), zero past `rows` and past k.
+inline void lay_lanes_step(const float* v, int64_t rows, int64_t k, int64_t len, bool bf, int64_t width, int64_t s,
+                           int64_t c0, int64_t c1, float* out) {
+  for (int64_t c = c0; c < c1; ++c)
+    for (int e = 0; e < kStep; ++e) {
+      const int64_t el = kStep * s + e;
+      out[(lane_of(bf, e) * len + lane_position(bf, s, e)) * width + c] = c < rows && el < k ? v[c * k + el] : 0.f;
+    }
+}
+
+// Weight rows v [rows][k] -> [lane][kp / 16][kLaneCols], zero-padded to kp and to kLaneCols rows: each full step
+// of 8 rows by four 8 x 8 transposes, the rest element by element.
+inline void lay_lanes(const float* v, int64_t rows, int64_t k, int64_t kp, bool bf, float* out) {
+  const int64_t len = kp / 16;
+  for (int64_t s = 0; s < kp / kStep; ++s)
+    for (int64_t c0 = 0; c0 < kLaneCols; c0 += 8) {
+      if (c0 + 8 > rows || kStep * (s + 1) > k) {
+        lay_lanes_step(v, rows, k, len, bf, kLaneCols, s, c0, c0 + 8, out);
+        continue;
+      }
+      for (int q = 0; q < kStep; q += 8) {
+        f8 t[8];
+        for (int c = 0; c < 8; ++c) t[c] = simd::load(v + (c0 + c) * k + kStep * s + q);
+        simd::transpose8(t);
+        for (int e = 0; e < 8; ++e)
+          simd::store(out + (lane_of(bf, q + e) * len + lane_position(bf, s, q + e)) * kLaneCols + c0, t[e]);
+      }
+    }
+}
+
+// x [T, K] (f32 or bf16) in the lane order: [T][kp] f32, each row [16 lanes][kp / 16]. bf16 x: a full step's pairs
+// swapped (odd element first) and stored two floats a lane.
+inline std::vector<float> lay_lanes_x(const at::Tensor& x) {
+  const int64_t t = x.size(0), k = x.size(1), kp = padded(k), len = kp / 16;
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  std::vector<float> out(t * kp);
+  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> row(k);
+    for (int64_t r = b; r < e; ++r) {
+      if (bf) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k, k, row.data());
+      const float* v = bf ? row.data() : x.data_ptr<float>() + r * k;
+      float* o = out.data() + r * kp;
+      for (int64_t s = 0; s < kp / kStep; ++s) {
+        if (!bf || kStep * (s + 1) > k) {
+          lay_lanes_step(v, 1, k, len, bf, 1, s, 0, 1, o);
+          continue;
+        }
+        for (int q = 0; q < kStep; q += 8) {  // lanes q / 2 .. q / 2 + 3
+          const f8 w = simd::load(v + kStep * s + q);
+          const f8 sw = simd::swap_pairs(w);
+          for (int i = 0; i < 4; ++i)
+            std::memcpy(o + (q / 2 + i) * len + 2 * s, reinterpret_cast<const float*>(&sw) + 2 * i, 8);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// y[r][c] for R rows of x (lane order, row stride kp) and one group of weight rows (lay_lanes, width kLaneCols):
+// per lane, R x 2 accumulators over its kp / 16 positions; then reduce16's tree over the lanes. cols: the group's
+// rows that exist (at most kLaneCols).
+template <bool BF, int R>
+void lane_block(const float* x, int64_t kp, const float* w, int64_t cols, float* y, int64_t ldy) {
+  const int64_t len = kp / 16;
+  f8 part[16][R][2];
+  for (int l = 0; l < 16; ++l) {
+    f8 a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
+    const float* wl = w + l * len * kLaneCols;
+    const float* xl = x + l * len;
+    for (int64_t i = 0; i < len; ++i) {
+      const f8 w0 = simd::load(wl + i * kLaneCols), w1 = simd::load(wl + i * kLaneCols + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const f8 xb = simd::set1(xl[r * kp + i]);
+        if constexpr (BF) {  // dot_tile's operations: exact products, one rounding each sum
+          a[r][0] = simd::madd_exact(w0, xb, a[r][0]);
+          a[r][1] = simd::madd_exact(w1, xb, a[r][1]);
+        } else {
+          a[r][0] = simd::fma(xb, w0, a[r][0]);
+          a[r][1] = simd::fma(xb, w1, a[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) part[l][r][0] = a[r][0], part[l][r][1] = a[r][1];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) {  // reduce16: lanes i + 8 and i, then the upper four plus the lower four, ...
+      f8 t3[8], t6[4];
+      for (int i = 0; i < 8; ++i) t3[i] = part[8 + i][r][v] + part[i][r][v];
+      for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
+      const f8 sum = (t6[0] + t6[2]) + (t6[1] + t6[3]);
+      for (int64_t c = 8 * v; c < std::min<int64_t>(cols, 8 * v + 8); ++c) y[r * ldy + c] = sum[c - 8 * v];
+    }
+}
+
+// Every x row (lane order) against one group of weight rows: y [T][ldy] from column 0, in register blocks of
+// nearly equal rows, kLaneRows or one fewer (R = 6: from T = 25 on; T = 32 as 6, 6, 5, 5, 5, 5), where blocks of 6
+// and a rest of 2 would leave that block 4 chains.
+template <bool BF>
+void lane_rows(const float* x, int64_t t, int64_t kp, const float* w, int64_t cols, float* y, int64_t ldy) {
+  static_assert(kLaneMinRows >= kLaneRows * (kLaneRows - 2) + 1, "blocks of kLaneRows or kLaneRows - 1 rows");
+  const int64_t blocks = (t + kLaneRows - 1) / kLaneRows;
+  for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+    const int64_t rows = t / blocks + (b < t % blocks);
+    if (rows == kLaneRows) lane_block<BF, kLaneRows>(x + r0 * kp, kp, w, cols, y + r0 * ldy, ldy);
+    else lane_block<BF, kLaneRows - 1>(x + r0 * kp, kp, w, cols, y + r0 * ldy, ldy);
+    r0 += rows;
+  }
+}
+
 // Decode (bf16 x, at most kDirectRows rows, K a multiple of 32): the weights straight from their source in registers,
 // pairs(j, k0, lo, hi, scratch) giving the pairs of row j's 32 elements from k0 (the values fill would write,
 // split), so each weight is read and dequantized once with no buffer; scratch (kp floats) is the row's own while
@@ -456,12 +595,31 @@ struct NoPairs {};
 
 // The dot-form driver of every row-major kind: y [T, n] in x's dtype. fill(n0, cols, bf, out) writes weight rows
 // [n0, n0 + cols) as f32 rows of K (bf16-valued when bf: the values the AVX-512 tier hands vdpbf16ps) into out
-// [cols][K]; post(n0, cols, acc, lda) may scale the f32 results (q8 per channel) before the store.
+// [cols][K]; post(n0, cols, acc, lda) may scale the f32 results (q8 per channel) before the store. Three forms, one
+// arithmetic: the direct form at decode (pairs), the lane form for passes of kLaneMinRows rows or more, the dot form
+// (dot_rows over laid-out rows) between.
 template <class Fill, class Post, class Pairs = NoPairs>
 at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, Pairs&& pairs = NoPairs{}) {
   const int64_t t = x.size(0), k = x.size(1), kp = padded(k);
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
+  if (t >= kLaneMinRows) {  // the lane form, a group of kLaneCols weight rows a task
+    const std::vector<float> xl = lay_lanes_x(x);
+    at::parallel_for(0, (n + kLaneCols - 1) / kLaneCols, 1, [&](int64_t b, int64_t e) {
+      std::unique_ptr<float[]> acc(new float[t * kLaneCols]), raw(new float[kLaneCols * k]),
+          wl(new float[kLaneCols * kp]);
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * kLaneCols, cols = std::min(kLaneCols, n - n0);
+        fill(n0, cols, bf, raw.get());
+        lay_lanes(raw.get(), cols, k, kp, bf, wl.get());
+        if (bf) lane_rows<true>(xl.data(), t, kp, wl.get(), cols, acc.get(), kLaneCols);
+        else lane_rows<false>(xl.data(), t, kp, wl.get(), cols, acc.get(), kLaneCols);
+        post(n0, cols, acc.get(), kLaneCols);
+        store_rows(acc.get(), kLaneCols, t, cols, y, n0);
+      }
+    });
+    return y;
+  }
   const std::vector<float> xl = lay_out_x(x);
   constexpr bool has_pairs = !std::is_same_v<std::decay_t<Pairs>, NoPairs>;
   const bool direct = has_pairs && bf && t <= kDirectRows && k % kStep == 0;
@@ -534,15 +692,17 @@ inline void q8_min_values(const int8_t* q, int64_t n, float s, float z, bool bf,
 }
 
 // The pairs of 16 codes v (code_pairs' or split_code_pairs' lanes) times s (Mins: minus z), rounded to bf16 values:
-// q8_values' / q8_min_values' values for bf16 x (the decode form's source of the int8-valued block kinds).
-template <bool Mins>
+// q8_values' / q8_min_values' values for bf16 x (the decode forms' source of the int8-valued kinds). Normal: the
+// values are zero or normal in f32 (f16 or K-quant scales), so the short rounding holds; else the full one.
+template <bool Mins, bool Normal = true>
 inline Pair scaled_pairs(const Pair& v, float s, float z) {
   const f8 sv = simd::set1(s);
+  auto round = [](f8 w) { return Normal ? simd::round_bf16_normal(w) : simd::round_bf16(w); };
   if constexpr (Mins) {
     const f8 zv = simd::set1(z);
-    return Pair{simd::round_bf16_normal(v.even * sv - zv), simd::round_bf16_normal(v.odd * sv - zv)};
+    return Pair{round(v.even * sv - zv), round(v.odd * sv - zv)};
   }
-  return Pair{simd::round_bf16_normal(v.even * sv), simd::round_bf16_normal(v.odd * sv)};
+  return Pair{round(v.even * sv), round(v.odd * sv)};
 }
 
 }  // namespace
