@@ -355,6 +355,13 @@ inline float reduce16(const f16& v) {
   const float a = t6[0] + t6[2], b = t6[1] + t6[3];
   return a + b;
 }
+// The same tree lane-wise: p[i] holds lane i's partials of 8 outputs (one per vector lane); their 8 sums.
+inline f8 reduce16_lanes(const f8 p[16]) {
+  f8 t3[8], t6[4];
+  for (int i = 0; i < 8; ++i) t3[i] = p[8 + i] + p[i];
+  for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
+  return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
 
 // ---- int8 activations (int8.cpp) -----------------------------------------------------------------------------
 

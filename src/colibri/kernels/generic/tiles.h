@@ -292,24 +292,26 @@ inline void lay_out(const float* v, int64_t k, bool bf, float* out) {
   }
 }
 
-// x [T, K] (f32 or bf16) in the dot-form layout: [T][kp] f32.
-inline std::vector<float> lay_out_x(const at::Tensor& x) {
+// x [T, K] (f32 or bf16) as f32 rows of kp, each laid out by row(v, bf, out) from its values v (bf16 widened).
+template <class Row>
+inline std::vector<float> lay_out_rows(const at::Tensor& x, Row&& row) {
   const int64_t t = x.size(0), k = x.size(1), kp = padded(k);
   const bool bf = x.scalar_type() == at::kBFloat16;
   std::vector<float> out(t * kp);
   at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> row(k);
+    std::vector<float> widened(bf ? k : 0);
     for (int64_t r = b; r < e; ++r) {
-      if (bf) {
-        const uint16_t* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k;
-        widen_bf16(xr, k, row.data());
-        lay_out(row.data(), k, true, out.data() + r * kp);
-      } else {
-        lay_out(x.data_ptr<float>() + r * k, k, false, out.data() + r * kp);
-      }
+      if (bf) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k, k, widened.data());
+      row(bf ? widened.data() : x.data_ptr<float>() + r * k, bf, out.data() + r * kp);
     }
   });
   return out;
+}
+
+// x in the dot-form layout: [T][kp] f32.
+inline std::vector<float> lay_out_x(const at::Tensor& x) {
+  const int64_t k = x.size(1);
+  return lay_out_rows(x, [k](const float* v, bool bf, float* out) { lay_out(v, k, bf, out); });
 }
 
 // acc[R][C] (+)= lane partials of x[R rows] . w[C rows] over kn laid-out columns (multiples of 32). The two
@@ -467,33 +469,23 @@ inline void lay_lanes(const float* v, int64_t rows, int64_t k, int64_t kp, bool 
     }
 }
 
-// x [T, K] (f32 or bf16) in the lane order: [T][kp] f32, each row [16 lanes][kp / 16]. bf16 x: a full step's pairs
-// swapped (odd element first) and stored two floats a lane.
+// x in the lane order: [T][kp] f32, each row [16 lanes][kp / 16]. bf16 x: a full step's pairs swapped (odd element
+// first) and stored two floats a lane.
 inline std::vector<float> lay_lanes_x(const at::Tensor& x) {
-  const int64_t t = x.size(0), k = x.size(1), kp = padded(k), len = kp / 16;
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  std::vector<float> out(t * kp);
-  at::parallel_for(0, t, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> row(k);
-    for (int64_t r = b; r < e; ++r) {
-      if (bf) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * k, k, row.data());
-      const float* v = bf ? row.data() : x.data_ptr<float>() + r * k;
-      float* o = out.data() + r * kp;
-      for (int64_t s = 0; s < kp / kStep; ++s) {
-        if (!bf || kStep * (s + 1) > k) {
-          lay_lanes_step(v, 1, k, len, bf, 1, s, 0, 1, o);
-          continue;
-        }
-        for (int q = 0; q < kStep; q += 8) {  // lanes q / 2 .. q / 2 + 3
-          const f8 w = simd::load(v + kStep * s + q);
-          const f8 sw = simd::swap_pairs(w);
-          for (int i = 0; i < 4; ++i)
-            std::memcpy(o + (q / 2 + i) * len + 2 * s, reinterpret_cast<const float*>(&sw) + 2 * i, 8);
-        }
+  const int64_t k = x.size(1), kp = padded(k), len = kp / 16;
+  return lay_out_rows(x, [=](const float* v, bool bf, float* o) {
+    for (int64_t s = 0; s < kp / kStep; ++s) {
+      if (!bf || kStep * (s + 1) > k) {
+        lay_lanes_step(v, 1, k, len, bf, 1, s, 0, 1, o);
+        continue;
+      }
+      for (int q = 0; q < kStep; q += 8) {  // lanes q / 2 .. q / 2 + 3
+        const f8 sw = simd::swap_pairs(simd::load(v + kStep * s + q));
+        for (int i = 0; i < 4; ++i)
+          std::memcpy(o + (q / 2 + i) * len + 2 * s, reinterpret_cast<const float*>(&sw) + 2 * i, 8);
       }
     }
   });
-  return out;
 }
 
 // y[r][c] for R rows of x (lane order, row stride kp) and one group of weight rows (lay_lanes, width kLaneCols):
@@ -502,7 +494,7 @@ inline std::vector<float> lay_lanes_x(const at::Tensor& x) {
 template <bool BF, int R>
 void lane_block(const float* x, int64_t kp, const float* w, int64_t cols, float* y, int64_t ldy) {
   const int64_t len = kp / 16;
-  f8 part[16][R][2];
+  f8 part[R][2][16];  // [row][vector][lane]
   for (int l = 0; l < 16; ++l) {
     f8 a[R][2];
 #pragma GCC unroll 8
@@ -523,14 +515,11 @@ void lane_block(const float* x, int64_t kp, const float* w, int64_t cols, float*
         }
       }
     }
-    for (int r = 0; r < R; ++r) part[l][r][0] = a[r][0], part[l][r][1] = a[r][1];
+    for (int r = 0; r < R; ++r) part[r][0][l] = a[r][0], part[r][1][l] = a[r][1];
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) {  // reduce16: lanes i + 8 and i, then the upper four plus the lower four, ...
-      f8 t3[8], t6[4];
-      for (int i = 0; i < 8; ++i) t3[i] = part[8 + i][r][v] + part[i][r][v];
-      for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
-      const f8 sum = (t6[0] + t6[2]) + (t6[1] + t6[3]);
+    for (int v = 0; v < 2; ++v) {
+      const f8 sum = simd::reduce16_lanes(part[r][v]);
       for (int64_t c = 8 * v; c < std::min<int64_t>(cols, 8 * v + 8); ++c) y[r * ldy + c] = sum[c - 8 * v];
     }
 }
