@@ -25,7 +25,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     else:
         y = kernels.blocked(lambda blk: F.linear(blk, w), x2, n)
     if b is not None:
-        y += b.to(y.dtype)
+        y += b if b.dtype == y.dtype else b.to(y.dtype)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -288,7 +288,7 @@ class _QuantWeight:
         if y.shape[1] != n:  # rows padded to 16
             y = y[:, :n].contiguous()
         if b is not None:
-            y += b.to(y.dtype)
+            y += b if b.dtype == y.dtype else b.to(y.dtype)  # (a no-op .to is a dispatcher call, cold per step)
         return y if flat else y.reshape(*x.shape[:-1], n)
 
     def __repr__(self) -> str:
