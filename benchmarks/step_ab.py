@@ -40,8 +40,9 @@ PROMPT = "def quicksort(items):\n    if len(items) <= 1:"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--variant", help="a Python file defining on() and off(); none: an A/A run")
-    ap.add_argument("--library", type=Path, help="another checkout's src/colibri/kernels, swapped in per step")
+    which = ap.add_mutually_exclusive_group()  # neither: an A/A run
+    which.add_argument("--variant", help="a Python file defining on() and off()")
+    which.add_argument("--library", type=Path, help="another checkout's src/colibri/kernels, swapped in per step")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
