@@ -25,8 +25,14 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     else:
         y = kernels.blocked(lambda blk: F.linear(blk, w), x2, n)
     if b is not None:
-        y += b if b.dtype == y.dtype else b.to(y.dtype)
+        add_bias(y, b)
     return y.reshape(*x.shape[:-1], n)
+
+
+def add_bias(y: torch.Tensor, b: torch.Tensor) -> None:
+    """y += b in y's dtype, in place (y: a linear's fresh output [T, N], b: [N]). b is converted only where its
+    dtype differs: a no-op .to is still a dispatcher call, and in a decode step each call runs with cold caches."""
+    y += b if b.dtype == y.dtype else b.to(y.dtype)
 
 
 # ATen's CPU loops compute an elementwise op in a vectorized body (two vectors per step: 64 elements for bf16 on

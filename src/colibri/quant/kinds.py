@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from colibri import kernels
+from colibri.kernels import ops
 
 Q4_GROUP_SIZES = (32, 64, 128, 256)
 # two-level GGUF kinds in super-blocks of 256 values (section "GGUF K-quants")
@@ -288,7 +289,7 @@ class _QuantWeight:
         if y.shape[1] != n:  # rows padded to 16
             y = y[:, :n].contiguous()
         if b is not None:
-            y += b if b.dtype == y.dtype else b.to(y.dtype)  # (a no-op .to is a dispatcher call, cold per step)
+            ops.add_bias(y, b)
         return y if flat else y.reshape(*x.shape[:-1], n)
 
     def __repr__(self) -> str:
