@@ -5,7 +5,8 @@ in avx512, 4 in the others, and their remainders), sliding windows, softcap,
 scores far enough apart that exp lands below 2^-126, queries that see no key, views with strided rows as the
 engine passes them, and one or two threads; and attend_paged (the KV cache's blocks read in place) gives attend's
 bits for the blocks' concatenation, on every tier, and attend_paged_q8 (q8 blocks: int8 codes and f32 scales)
-attend's bits for the blocks dequantized as the KV cache defines it."""
+attend's bits for the blocks dequantized as the KV cache defines it; rope_attend_paged (RoPE, the pass's rows
+written into the blocks and attention in one call) gives the bits of those steps one op at a time."""
 
 from __future__ import annotations
 
@@ -139,6 +140,64 @@ def test_attend_paged_q8_is_attend_of_the_dequantized_blocks(tier_ops, case):
     for tier, o in tier_ops.items():
         got = o.attend_paged_q8(q, kb, ks, vb, vs, S, pos, window, scale, cap, dt == BF16)
         assert torch.equal(got, ref), f"{tier}: q8 paged differs"
+
+
+ROPE_PAGED = [  # H, Hkv, D, B, length before the pass, T, dtype, window, softcap
+    (12, 2, 128, 64, 215, 1, BF16, 0, 0.0),  # a Qwen2.5-1.5B decode step
+    (12, 2, 128, 64, 62, 3, BF16, 0, 0.0),  # the pass's rows across two blocks
+    (8, 2, 64, 16, 0, 16, F32, 0, 0.0),  # a first chunk filling one block
+    (9, 3, 80, 6, 40, 64, F32, 7, 30.0),  # eleven blocks of a size no power of two; a window; softcap
+    (6, 1, 40, 32, 5, 64, BF16, 16, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROPE_PAGED)))
+def test_rope_attend_paged_is_rope_write_attend(tier_ops, case):
+    """rope_attend_paged (RoPE on the pass's q and k, k and v written into the blocks, attention over them, the
+    output as [T, H * Dh]) gives the bits of those steps one op at a time, on every tier, the same as portable's;
+    the rows it writes are rope(k) and v."""
+    H, Hkv, D, B, start, T, dt, window, cap = ROPE_PAGED[case]
+    S = start + T
+    n = -(-S // B)
+    q = _randn(T, H * D, seed=case).to(dt)
+    k = _randn(T, Hkv * D, seed=case + 1).to(dt)
+    v = _randn(T, Hkv * D, seed=case + 2).to(dt)
+    ang = torch.arange(start, S)[:, None].float() * _randn(1, D // 2, seed=case + 3).abs()
+    cos, sin = torch.cat([ang, ang], 1).cos().to(dt), torch.cat([ang, ang], 1).sin().to(dt)
+    pos, scale = torch.arange(start, S), D ** -0.5
+
+    def blocks(seed):  # K and V views of segments (strided rows), positions < start filled, the rest junk
+        segs = [_randn(2, Hkv, B + 3, D, seed=seed + j).to(dt) for j in range(n)]
+        return [s[0, :, :B] for s in segs], [s[1, :, :B] for s in segs]
+
+    want = None
+    for tier, o in tier_ops.items():
+        kb, vb = blocks(300 * case)
+        qh = o.rope(q.view(T, H, D).transpose(0, 1), cos, sin)
+        kh = o.rope(k.view(T, Hkv, D).transpose(0, 1), cos, sin)
+        rk, rv = torch.cat(kb, 1), torch.cat(vb, 1)
+        rk[:, start:S], rv[:, start:S] = kh, v.view(T, Hkv, D).transpose(0, 1)
+        ref = o.attend(qh, rk[:, :S], rv[:, :S], pos, window, scale, cap).transpose(0, 1).reshape(T, H * D)
+        kb, vb = blocks(300 * case)
+        got = o.rope_attend_paged(q.view(T, H, D) if case % 2 else q, k, v, cos, sin, kb, vb, S, pos, window, scale,
+                                  cap)
+        assert torch.equal(got, ref), f"{tier}: rope_attend_paged differs from its steps"
+        assert torch.equal(torch.cat(kb, 1)[:, :S], rk[:, :S]) and torch.equal(torch.cat(vb, 1)[:, :S], rv[:, :S])
+        want = ref if want is None else want
+        assert torch.equal(got, want), f"{tier} differs from {next(iter(tier_ops))}"
+
+
+def test_rope_attend_paged_refuses_bad_arguments(tier_ops):
+    o = tier_ops["portable"]
+    q, k, cs = torch.zeros(1, 32), torch.zeros(1, 16), torch.zeros(1, 16)
+    kb, pos = [torch.zeros(1, 8, 16)], torch.tensor([4])
+    assert o.rope_attend_paged(q, k, k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0).shape == (1, 32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        o.rope_attend_paged(q, k.bfloat16(), k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="must match the blocks"):
+        o.rope_attend_paged(q, torch.zeros(1, 32), k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="hold `length` keys"):
+        o.rope_attend_paged(q, k, k, cs, cs, kb, kb, 9, pos, 0, 1.0, 0.0)
 
 
 def test_attend_paged_refuses_mismatched_blocks(tier_ops):

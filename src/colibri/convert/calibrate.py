@@ -126,6 +126,9 @@ class _Cache:
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor):
         return k, v
 
+    def room(self, i: int, T: int) -> None:  # no blocks: update gets the rows
+        return None
+
 
 def _one_sequence(ids: list[int]) -> Batch:
     """A Batch of one sequence from position 0 (no logits are computed: the caller runs blocks only)."""

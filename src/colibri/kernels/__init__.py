@@ -10,7 +10,8 @@ Tiers (TIERS), best first; a process uses one (`tier()`):
             any CPU
   torch     no library: torch's own kernels on fixed-size row blocks (`blocked`)
 Every native tier also compiles the sources written once for all of them: generic/attention.cpp (over the vector
-traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp and rows.cpp.
+traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp, rows.cpp and
+attend_pass.cpp.
 Each native tier is one shared library compiled with torch.utils.cpp_extension at first use, registering the same
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
 side in one process (tests compare them). The library is also a Python module of the same functions (pybind11,
@@ -63,13 +64,13 @@ LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
 _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
-                    "pointwise.cpp", "norm.cpp", "rows.cpp", "registry.cpp")
+                    "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "registry.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/linear_steps.h", "generic/tiles.h",
                     "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h",
                     "args.h", "library.h", "stream.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
-                                     "pointwise.cpp", "norm.cpp", "rows.cpp", "registry.cpp"),
+                                     "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "registry.cpp"),
          ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/lanes.h", "generic/linear_steps.h",
           "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h"),
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

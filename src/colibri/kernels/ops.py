@@ -178,6 +178,35 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
     return _attend_torch(q, k, v, positions, window, scale, softcap)
 
 
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: Paged, values: Paged, positions: torch.Tensor, window: int | None, scale: float,
+                softcap: float | None) -> torch.Tensor:
+    """Attention of a pass that first writes its own keys and values into the KV cache's blocks. q [T, H * Dh] and
+    k, v [T, Hkv * Dh] as the projections give them (before RoPE; any shape with T contiguous rows); cos, sin
+    [T, Dh]; keys, values: the blocks (`Paged`, not q8) whose rows keys.length - T .. keys.length - 1 are the
+    pass's positions. Writes k after RoPE and v there, then attends -> o [T, H * Dh] in q's dtype.
+
+    The same bits as `rope` on q and k, `write_rows` and `attend`, in one native call (kernels/attend_pass.cpp)
+    where there were a dozen a layer (views and transposes included), each paid with cold caches in a decode step."""
+    T, Dh = cos.shape
+    dt = q.dtype
+    if kernels.native() and dt in (torch.float32, torch.bfloat16) and k.dtype == v.dtype == cos.dtype == \
+            sin.dtype == keys.blocks[0].dtype == dt:
+        pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+        return kernels.library().rope_attend_paged(q, k, v, cos, sin, keys.blocks, values.blocks, keys.length, pos,
+                                                   window or 0, float(scale), float(softcap or 0))
+    qh = rope(q.reshape(T, -1, Dh).transpose(0, 1), cos, sin)  # [H, T, Dh]
+    kh = rope(k.reshape(T, -1, Dh).transpose(0, 1), cos, sin)
+    vh = v.reshape(T, -1, Dh).transpose(0, 1)
+    B, pos = keys.blocks[0].shape[1], keys.length - T
+    while pos < keys.length:  # the rows, block by block
+        j, o = divmod(pos, B)
+        n, s = min(B - o, keys.length - pos), pos - (keys.length - T)
+        write_rows([keys.blocks[j], values.blocks[j]], [kh[:, s:s + n], vh[:, s:s + n]], o)
+        pos += n
+    return attend(qh, keys, values, positions, window, scale, softcap).transpose(0, 1).reshape(T, -1)
+
+
 def _native_q8(k: Paged) -> bool:
     """Whether the native kernel reads these q8 blocks: groups of 32, values dequantized to f32 or bf16, head dim
     up to 512 (generic/attention.cpp); others go through the fallback, which dequantizes the rows it reads."""

@@ -194,6 +194,20 @@ class KVCache:
             return bk[:, :end], bv[:, :end]
         return self._read(i, end)
 
+    def room(self, i: int, T: int) -> tuple[Paged, Paged] | None:
+        """Layer i's K and V as attention reads them (`Paged` over length + T positions) with this pass's T
+        positions made writable in RAM, for the caller to write as rows length .. length + T - 1 of the blocks
+        (`ops.rope_attend`); None for q8 blocks, whose rows `update` quantizes."""
+        if self.layout.quant:
+            return None
+        if not torch.is_inference_mode_enabled():  # (see update)
+            with torch.inference_mode():
+                return self.room(i, T)
+        end = self.length + T
+        if not self._writable(end):
+            self.reserve(T)
+        return self._read(i, end)
+
     def advance(self, n: int, ids=None) -> None:
         if ids is not None:
             self.ids.extend(int(t) for t in ids)

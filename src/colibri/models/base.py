@@ -211,6 +211,10 @@ class SequenceKV(Protocol):
         """Write k, v [Hkv, T, Dh] after the sequence's committed positions; return K and V of every position so
         far, these included ([Hkv, S, Dh] in the compute dtype: tensors, or `ops.Paged` blocks read in place)."""
 
+    def room(self, layer: int, tokens: int) -> tuple[ops.Paged, ops.Paged] | None:
+        """K and V of every position so far and this pass's `tokens` more, as `ops.Paged` blocks whose rows of the
+        new positions the caller writes (`ops.rope_attend`); None where the rows go through `update` instead."""
+
 
 @dataclass
 class Batch:
@@ -391,27 +395,35 @@ class DecoderModel:
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         T = x.shape[0]
-        q = q.view(T, a.num_heads, a.head_dim)
-        k = k.view(T, a.num_kv_heads, a.head_dim)
-        v = v.view(T, a.num_kv_heads, a.head_dim)
-        if a.qk_norm == "head":
-            q = self.norm(q, store, att + "q_norm.weight")
-            k = self.norm(k, store, att + "k_norm.weight")
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, Dh]
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if a.qk_norm == "head":  # over each head's Dh values: [T, H, Dh] views
+            q = self.norm(q.view(T, a.num_heads, a.head_dim), store, att + "q_norm.weight")
+            k = self.norm(k.view(T, a.num_kv_heads, a.head_dim), store, att + "k_norm.weight")
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
         if len(batch.kv) == 1:  # one sequence (a decode step, a prefill chunk): no slices, no copy into o
-            keys, values = batch.kv[0].update(i, k, v)
-            o = attend(q, keys, values, batch.positions, window, self.scale, a.attn_softcap)
+            o = self.attend_sequence(batch.kv[0], i, q, k, v, rope, batch.positions, window)
         else:
-            o = torch.empty_like(q)  # [H, T, Dh]
+            o, (cos, sin) = q.new_empty(T, a.num_heads * a.head_dim), rope
             for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
-                keys, values = kv.update(i, k[:, s:e], v[:, s:e])  # [Hkv, S, Dh]: its positions so far and these
-                o[:, s:e] = attend(q[:, s:e], keys, values, batch.positions[s:e], window, self.scale,
-                                   a.attn_softcap)
-        o = o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
+                o[s:e] = self.attend_sequence(kv, i, q[s:e], k[s:e], v[s:e], (cos[s:e], sin[s:e]),
+                                              batch.positions[s:e], window)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
+
+    def attend_sequence(self, kv: SequenceKV, i: int, q, k, v, rope, positions, window) -> torch.Tensor:
+        """One sequence's rows of a pass: q [T, H * Dh], k, v [T, Hkv * Dh] before RoPE (or [T, heads, Dh]), cos /
+        sin [T, Dh] -> attention's output [T, H * Dh], its keys and values stored in kv along the way."""
+        a = self.args
+        cos, sin = rope
+        room = kv.room(i, q.shape[0])
+        if room is not None:  # blocks the pass's rows go into as they are: one call (ops.rope_attend)
+            return ops.rope_attend(q, k, v, cos, sin, *room, positions, window, self.scale, a.attn_softcap)
+        T = q.shape[0]
+        q = q.view(T, a.num_heads, a.head_dim).transpose(0, 1)  # [H, T, Dh]
+        k = k.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
+        v = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = kv.update(i, k, v)  # [Hkv, S, Dh]: the sequence's positions so far and these
+        o = attend(q, keys, values, positions, window, self.scale, a.attn_softcap)
+        return o.transpose(0, 1).reshape(T, a.num_heads * a.head_dim)
 
     def mlp(self, store, prefix: str, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """The gated FFN; `layer`: a dense model's FFN layer (not a shared expert), which the hook sees."""

@@ -87,6 +87,7 @@ struct Pass {  // what every task of one attend() call shares
   int64_t T, D, S, G, Dp, window;
   const int64_t* pos;
   float sc, cap, *out;
+  int64_t oh, ot;  // out's strides (floats) per head and per query: [H, T, D] or, for attend_pass.cpp, [T, H, D]
 };
 
 // Key row k's dot products with GB query rows (q + g * Dp, zero-padded to Dp = 16 * chunks) as 16 lane partials,
@@ -230,7 +231,7 @@ void attend_heads(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<
   const int64_t p = a.pos[t], D = a.D, Dp = a.Dp;
   const int64_t hi = std::min(p, a.S - 1), lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
   float* out[GB];
-  for (int g = 0; g < GB; ++g) out[g] = a.out + ((h0 + g) * a.T + t) * D;
+  for (int g = 0; g < GB; ++g) out[g] = a.out + (h0 + g) * a.oh + t * a.ot;
   if (hi < lo) {
     for (int g = 0; g < GB; ++g) std::fill(out[g], out[g] + D, 0.f);
     return;
@@ -286,18 +287,22 @@ void attend_task(const Pass& a, int64_t hk, int64_t h0, int64_t t, std::vector<f
   attend_heads<GB>(a, hk, h0, t, buf);
 }
 
-// The pass over q's queries and heads, with the key and value rows laid out as tables (S entries each).
+// The pass over q's queries and heads, with the key and value rows laid out as tables (S entries each) -> [H, T, D],
+// or with by_query [T, H * D] (each query's heads side by side: the layout the output projection reads).
 at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool kb, bool vb, int64_t Hkv, int64_t S,
-                       const at::Tensor& positions, int64_t window, double scale, double softcap) {
+                       const at::Tensor& positions, int64_t window, double scale, double softcap,
+                       bool by_query = false) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2);
   const View qv = view_of(q);
   const bool qb = q.scalar_type() == at::kBFloat16;
   const int64_t G = H / Hkv;
   const at::Tensor pos = positions.contiguous();
-  at::Tensor out = at::empty({H, T, D}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(by_query ? at::IntArrayRef{T, H * D} : at::IntArrayRef{H, T, D},
+                             q.options().dtype(at::kFloat));
   if (out.numel() == 0) return out.to(q.scalar_type());
   const Pass a{qv, kr, vr, qb, kb, vb, kr.scales != nullptr, T, D, S, G, 16 * ((D + 15) / 16), window,
-               pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>()};
+               pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>(),
+               by_query ? D : T * D, by_query ? H * D : D};
   // Tasks: (KV head, query, group of up to kMaxGroup of its query heads); smaller groups only where that leaves
   // fewer tasks than threads: every group re-reads its KV head's rows, and single heads (four tasks a thread, the
   // rule before) made long decode steps slower (docs/performance.md). A pass with little work (a decode step over
@@ -320,7 +325,7 @@ at::Tensor attend_rows(const at::Tensor& q, const Rows& kr, const Rows& vr, bool
   else
     at::parallel_for(0, Hkv * T * ng, 1, run);
   if (qb) {  // here rather than a torch conversion after the call: one op less per layer and decode step
-    at::Tensor o16 = at::empty({H, T, D}, q.options().dtype(at::kBFloat16));
+    at::Tensor o16 = at::empty(out.sizes(), q.options().dtype(at::kBFloat16));
     const float* src = out.data_ptr<float>();
     uint16_t* dst = reinterpret_cast<uint16_t*>(o16.data_ptr<at::BFloat16>());
     for (int64_t i = 0; i < out.numel(); ++i) dst[i] = simd::f32_to_bf16(src[i]);
@@ -345,11 +350,13 @@ int64_t rows_ahead(const at::Tensor& q) { return q.size(1) <= 4 ? kAheadRows : 0
 // Keys and values in blocks of [Hkv, B, Dh] rows (the same strides), keys [i * B, (i + 1) * B) in block i; the
 // first `length` attended, each row read where it lies (ahead: attend_rows' prefetch distance, 0 for none).
 at::Tensor attend_blocks(const at::Tensor& q, at::TensorList k, at::TensorList v, int64_t length,
-                         const at::Tensor& positions, int64_t window, double scale, double softcap, int64_t ahead) {
+                         const at::Tensor& positions, int64_t window, double scale, double softcap, int64_t ahead,
+                         bool by_query = false) {
   const std::vector<const char*> kr = row_table(k, length), vr = row_table(v, length);
   return attend_rows(q, Rows{kr.data(), view_of(k[0]).s0, length, ahead},
                      Rows{vr.data(), view_of(v[0]).s0, length, ahead}, k[0].scalar_type() == at::kBFloat16,
-                     v[0].scalar_type() == at::kBFloat16, k[0].size(0), length, positions, window, scale, softcap);
+                     v[0].scalar_type() == at::kBFloat16, k[0].size(0), length, positions, window, scale, softcap,
+                     by_query);
 }
 
 // k, v: [Hkv, S, Dh] tensors (strided rows, contiguous last dimension): one block of S rows, with no software
@@ -360,21 +367,25 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return attend_blocks(q, {k}, {v}, k.size(1), positions, window, scale, softcap, 0);
 }
 
+// KV blocks k, v: lists of [Hkv, B, Dh] blocks, each list's of one shape, strides and dtype, holding `length` rows.
+void check_blocks(at::TensorList k, at::TensorList v, int64_t length, const char* op) {
+  TORCH_CHECK(!k.empty() && k.size() == v.size(), op, ": k and v must be lists of the same number of blocks");
+  const int64_t B = k[0].size(1);
+  TORCH_CHECK(k[0].dim() == 3 && B > 0 && length >= 0 && length <= B * static_cast<int64_t>(k.size()), op,
+              ": blocks must be [Hkv, B, Dh] and hold `length` keys");
+  for (const at::TensorList* l : {&k, &v})
+    for (const at::Tensor& t : *l)
+      TORCH_CHECK(t.sizes() == k[0].sizes() && t.strides() == (*l)[0].strides() &&
+                      t.scalar_type() == (*l)[0].scalar_type(),
+                  op, ": every block of k (of v) must have the same shape, strides and dtype");
+}
+
 // k, v: the KV cache's blocks as stored, [Hkv, B, Dh] each (the same shape, dtype and strides), holding keys
 // [i * B, (i + 1) * B) in block i; the first `length` keys are attended (attend's result for the blocks
 // concatenated along their rows, bit for bit: the kernel reads the same rows in the same order).
 at::Tensor attend_paged(const at::Tensor& q, at::TensorList k, at::TensorList v, int64_t length,
                         const at::Tensor& positions, int64_t window, double scale, double softcap) {
-  TORCH_CHECK(!k.empty() && k.size() == v.size(),
-              "attend_paged: k and v must be lists of the same number of blocks");
-  const int64_t B = k[0].size(1);
-  TORCH_CHECK(k[0].dim() == 3 && B > 0 && length >= 0 && length <= B * static_cast<int64_t>(k.size()),
-              "attend_paged: blocks must be [Hkv, B, Dh] and hold `length` keys");
-  for (const at::TensorList* l : {&k, &v})
-    for (const at::Tensor& t : *l)
-      TORCH_CHECK(t.sizes() == k[0].sizes() && t.strides() == (*l)[0].strides() &&
-                      t.scalar_type() == (*l)[0].scalar_type(),
-                  "attend_paged: every block of k (of v) must have the same shape, strides and dtype");
+  check_blocks(k, v, length, "attend_paged");
   check_attend(q, k[0], v[0], positions);
   return attend_blocks(q, k, v, length, positions, window, scale, softcap, rows_ahead(q));
 }
