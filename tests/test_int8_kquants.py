@@ -19,8 +19,9 @@ from test_kquant import k_blocks
 from test_tier_int8 import _int8_tiers
 
 ROWS = (1, 3, 5, 16, 64, 100)
-# 200 rows: q4k pads to 208 (a 16-column tail tile), q8k ends in an 8-row block; K = 2304: past a 1024-k chunk
-SHAPES = [(200, 1536), (37, 2304), (64, 256)]
+# 200 rows: q4k pads to 208 (a 16-column tail tile), q8k ends in an 8-row block; K = 2304: past a 1024-k chunk;
+# 256 x 1536 (Qwen2.5-1.5B's k / v): whole tiles only, whose decode passes decode q4k's scales group by group
+SHAPES = [(200, 1536), (37, 2304), (64, 256), (256, 1536)]
 
 
 @pytest.fixture(scope="module")

@@ -314,8 +314,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       // one row: int8_decode.h's q4 decode form (the generic tiers' own), which reads the tile's bytes as stored and
       // ran faster from DRAM than the quads made from them in registers (docs/performance.md)
       const bool q4_row = direct && t == 1;
+      const bool q4k_row = q4_row && w.sup;  // q4k: each group's scales decoded where q4_direct_by uses them
       if constexpr (K == kQ4)
-        for (int64_t gi = 0; gi < groups; ++gi) q4_params(w, gi, n0, &prm[gi * 8], ds);
+        for (int64_t gi = 0; gi < (q4k_row ? 0 : groups); ++gi) q4_params(w, gi, n0, &prm[gi * 8], ds);
       if constexpr (K == kQ8Grouped)  // per group the 64 scales in its first 4 vectors
         q8_scale_table(w, n0, cols, groups, reinterpret_cast<float*>(prm.data()), kCols, 8 * 16);
       uint8_t* buf = nullptr;
@@ -338,7 +339,10 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, whose startup costs more than 16 stores
           _mm512_store_ps(tot + i, zero);
         }
-        if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
+        if (q4k_row)
+          q4_direct_by(tp, groups, xg, a.q, a.d, qoff.data(), a.xs,
+                       Q4kDirectParams{static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, n0}, tot);
+        else if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
           q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, reinterpret_cast<const float*>(prm.data()), 2 * kCols,
                     tot);
         for (int64_t gi = 0; gi < (q4_row ? 0 : groups); ++gi) {

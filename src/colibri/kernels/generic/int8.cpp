@@ -274,12 +274,16 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
     // per group: q4 scales [64] then zeros [64]; q8 grouped: scales [64]; q8 per channel: scales [64]; none for
     // q8k's decode passes, which decode their scales from the codes (a zeroed table per call on the hot path)
     const bool q8k_direct = K == kQ8Grouped && w.sup && t <= kDirectRows;
-    std::vector<float> prm(q8k_direct ? 0 : K == kQ8Channel ? kCols : groups * (K == kQ4 ? 2 : 1) * kCols);
+    // q4k's decode passes over whole tiles decode each group's scales where q4_direct_by uses them: no table
+    const bool q4k_direct = K == kQ4 && w.sup && t <= kDirectRows && w.cols % kCols == 0;
+    std::vector<float> prm(q8k_direct || q4k_direct ? 0
+                           : K == kQ8Channel      ? kCols
+                                                  : groups * (K == kQ4 ? 2 : 1) * kCols);
     std::vector<float> tot(t * kCols);
     for (int64_t tile = b; tile < e; ++tile) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       const bool direct = t <= kDirectRows && (K != kQ4 || cols == kCols);
-      if (!q8k_direct) tile_params<K>(w, groups, n0, cols, prm.data());
+      if (!q8k_direct && !q4k_direct) tile_params<K>(w, groups, n0, cols, prm.data());
       std::fill(tot.begin(), tot.end(), 0.f);
       if (direct) {
         for (int64_t r = 0; r < t; ++r) {
@@ -288,7 +292,12 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           float* tr = tot.data() + r * kCols;
           if constexpr (K == kQ4) {
             const uint8_t* tp = w.qw + n0 * (k / 2);
-            q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups, prm.data(), 2 * kCols, tr);
+            if (q4k_direct)
+              q4_direct_by(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups,
+                           Q4kDirectParams{static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, n0}, tr);
+            else
+              q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups, prm.data(), 2 * kCols,
+                        tr);
           } else {
             const bool kq = q8k_direct;  // q8k: scales decoded from the codes, no table
             for (int64_t c = 0; c < cols; c += 8)

@@ -302,14 +302,16 @@ constexpr int64_t kTileAhead = 3 * kStreamAhead;
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
 // steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
 // zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
-// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; prm: group 0's 64 scales, then
-// its 64 zeros (group stride lds).
-__attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
-                                         const float* d, const int32_t* qs, const float* xs, const float* prm,
-                                         int64_t lds, float* tot) {
+// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi): group gi's 64 scales,
+// then its 64 zeros (a table's row, or q4k's decoded where they are used: q4k_direct_params).
+template <class Params>
+__attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
+                                            const float* d, const int32_t* qs, const float* xs, Params&& params,
+                                            float* tot) {
   const u8x32 nib = u8x32{} + 15;
   alignas(32) float zt[64] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
+    const float* prm = params(gi);  // (decoded before the group's integer sums, which do not wait for it)
     i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
       i16x16 c[4] = {};  // interleave h, low / high nibbles
@@ -342,12 +344,34 @@ __attribute__((noinline)) void q4_direct(const uint8_t* tile, int64_t groups, in
       for (int v = 0; v < 4; ++v) {
         const int64_t col = 16 * v + 8 * h;
         simd::store(tot + col, int8_step<lanes::Lanes8>(simd::load(tot + col), acc[4 * h + v] + base, dv,
-                                                        simd::load(prm + gi * lds + col)));
-        simd::store(zt + col, simd::fma(simd::load(prm + gi * lds + 64 + col), xv, simd::load(zt + col)));
+                                                        simd::load(prm + col)));
+        simd::store(zt + col, simd::fma(simd::load(prm + 64 + col), xv, simd::load(zt + col)));
       }
   }
   for (int64_t col = 0; col < 64; col += 8) simd::store(tot + col, simd::load(tot + col) + simd::load(zt + col));
 }
+
+// q4_direct_by over a table: prm holds group 0's 64 scales, then its 64 zeros (group stride lds).
+inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq, const float* d,
+                      const int32_t* qs, const float* xs, const float* prm, int64_t lds, float* tot) {
+  q4_direct_by(tile, groups, xg, xq, d, qs, xs, [prm, lds](int64_t gi) { return prm + gi * lds; }, tot);
+}
+
+// q4k's (scale, zero) of one group of the tile at n0, decoded as q4_direct_by asks for them (q4k_params, the values
+// a tile's table holds: the same bits), into 128 floats of its own: a decode pass skips the table's 24 KiB a tile
+// (48 groups of K = 1536), written and read back once. sc, packed, sup, np: the weight's (check_q4k_layout).
+struct Q4kDirectParams {
+  const uint8_t* sc;
+  bool packed;
+  const uint16_t* sup;
+  int64_t np, n0;
+  alignas(64) float buf[2 * 64];
+  Q4kSupers ds;
+  const float* operator()(int64_t gi) {
+    q4k_params(sc, packed, sup, np, gi, n0, true, buf, buf + 64, ds);
+    return buf;
+  }
+};
 
 // One row of x against up to 8 q8 weight rows (w: the first, row stride k; rows >= n read row n - 1, their sums
 // land in columns past the tile's end): tot (the row's 8 columns) gets each group's f32 steps in group order
