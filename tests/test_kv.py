@@ -326,8 +326,9 @@ def test_attention_reads_the_blocks_in_place(monkeypatch):
 @pytest.mark.parametrize("native", [True, False])
 def test_room_and_rope_attend_write_what_update_writes(monkeypatch, native):
     """A pass through `room` and ops.rope_attend (the rows written by the attention call) leaves the cache as a pass
-    through rope, `update` and attend does and gives the same output bits: passes of 5, 1 and 3 positions (the last
-    across a block boundary) in blocks of 4, f32 and bf16, native or torch; q8 blocks go through update."""
+    through the biases' add, rope, `update` and attend does and gives the same output bits: passes of 5, 1 (with f32
+    biases) and 3 positions (the last across a block boundary) in blocks of 4, f32 and bf16, native or torch; q8
+    blocks go through update."""
     monkeypatch.setattr(ops.kernels, "native", lambda: native)
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():  # as a forward pass runs: the blocks are inference tensors
@@ -342,14 +343,18 @@ def _room_passes(gen):
         for T in (5, 1, 3):
             q, k, v = ((torch.randn(T, n * 16, generator=gen) * 2).to(dt) for n in (4, 2, 2))
             cos, sin = (torch.randn(T, 16, generator=gen).to(dt) for _ in range(2))
+            bias = [torch.randn(n * 16, generator=gen) for n in (4, 2, 2)] if T == 1 else None  # f32: converted
             pos = torch.arange(a.length, a.length + T)
             for i in range(2):
-                qh, kh = (ops.rope(t.view(T, -1, 16).transpose(0, 1), cos, sin) for t in (q, k))
-                keys, values = a.update(i, kh, v.view(T, 2, 16).transpose(0, 1))
+                qb, kb, vb = (t.clone() for t in (q, k, v))
+                for t, bt in zip((qb, kb, vb), bias or ()):
+                    ops.add_bias(t, bt)
+                qh, kh = (ops.rope(t.view(T, -1, 16).transpose(0, 1), cos, sin) for t in (qb, kb))
+                keys, values = a.update(i, kh, vb.view(T, 2, 16).transpose(0, 1))
                 want = ops.attend(qh, keys, values, pos, 6, 0.25, None).transpose(0, 1).reshape(T, 64)
                 room = b.room(i, T)
                 assert isinstance(room[0], ops.Paged) and room[0].length == a.length + T
-                assert torch.equal(ops.rope_attend(q, k, v, cos, sin, *room, pos, 6, 0.25, None), want)
+                assert torch.equal(ops.rope_attend(q, k, v, cos, sin, *room, pos, 6, 0.25, None, bias), want)
                 assert all(torch.equal(x.dense(), y.dense() if isinstance(y, ops.Paged) else y)
                            for x, y in zip(room, (keys, values)))
             a.advance(T)

@@ -153,9 +153,9 @@ ROPE_PAGED = [  # H, Hkv, D, B, length before the pass, T, dtype, window, softca
 
 @pytest.mark.parametrize("case", range(len(ROPE_PAGED)))
 def test_rope_attend_paged_is_rope_write_attend(tier_ops, case):
-    """rope_attend_paged (RoPE on the pass's q and k, k and v written into the blocks, attention over them, the
-    output as [T, H * Dh]) gives the bits of those steps one op at a time, on every tier, the same as portable's;
-    the rows it writes are rope(k) and v."""
+    """rope_attend_paged (the projections' biases added, RoPE on the pass's q and k, k and v written into the
+    blocks, attention over them, the output as [T, H * Dh]) gives the bits of those steps one op at a time, on
+    every tier, the same as portable's; the rows it writes are rope(k + bk) and v + bv."""
     H, Hkv, D, B, start, T, dt, window, cap = ROPE_PAGED[case]
     S = start + T
     n = -(-S // B)
@@ -165,6 +165,8 @@ def test_rope_attend_paged_is_rope_write_attend(tier_ops, case):
     ang = torch.arange(start, S)[:, None].float() * _randn(1, D // 2, seed=case + 3).abs()
     cos, sin = torch.cat([ang, ang], 1).cos().to(dt), torch.cat([ang, ang], 1).sin().to(dt)
     pos, scale = torch.arange(start, S), D ** -0.5
+    bias = [_randn(n * D, seed=case + 4 + n).to(dt) for n in (H, Hkv, Hkv)] if case % 2 == 0 else []
+    qb, kb_, vb_ = ((t + b for t, b in zip((q, k, v), bias)) if bias else (q, k, v))  # a linear's `y += b`
 
     def blocks(seed):  # K and V views of segments (strided rows), positions < start filled, the rest junk
         segs = [_randn(2, Hkv, B + 3, D, seed=seed + j).to(dt) for j in range(n)]
@@ -173,14 +175,14 @@ def test_rope_attend_paged_is_rope_write_attend(tier_ops, case):
     want = None
     for tier, o in tier_ops.items():
         kb, vb = blocks(300 * case)
-        qh = o.rope(q.view(T, H, D).transpose(0, 1), cos, sin)
-        kh = o.rope(k.view(T, Hkv, D).transpose(0, 1), cos, sin)
+        qh = o.rope(qb.view(T, H, D).transpose(0, 1), cos, sin)
+        kh = o.rope(kb_.view(T, Hkv, D).transpose(0, 1), cos, sin)
         rk, rv = torch.cat(kb, 1), torch.cat(vb, 1)
-        rk[:, start:S], rv[:, start:S] = kh, v.view(T, Hkv, D).transpose(0, 1)
+        rk[:, start:S], rv[:, start:S] = kh, vb_.view(T, Hkv, D).transpose(0, 1)
         ref = o.attend(qh, rk[:, :S], rv[:, :S], pos, window, scale, cap).transpose(0, 1).reshape(T, H * D)
         kb, vb = blocks(300 * case)
-        got = o.rope_attend_paged(q.view(T, H, D) if case % 2 else q, k, v, cos, sin, kb, vb, S, pos, window, scale,
-                                  cap)
+        got = o.rope_attend_paged(q.view(T, H, D) if case % 2 else q, k, v, bias, cos, sin, kb, vb, S, pos, window,
+                                  scale, cap)
         assert torch.equal(got, ref), f"{tier}: rope_attend_paged differs from its steps"
         assert torch.equal(torch.cat(kb, 1)[:, :S], rk[:, :S]) and torch.equal(torch.cat(vb, 1)[:, :S], rv[:, :S])
         want = ref if want is None else want
@@ -191,13 +193,17 @@ def test_rope_attend_paged_refuses_bad_arguments(tier_ops):
     o = tier_ops["portable"]
     q, k, cs = torch.zeros(1, 32), torch.zeros(1, 16), torch.zeros(1, 16)
     kb, pos = [torch.zeros(1, 8, 16)], torch.tensor([4])
-    assert o.rope_attend_paged(q, k, k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0).shape == (1, 32)
+    assert o.rope_attend_paged(q, k, k, [], cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0).shape == (1, 32)
     with pytest.raises(RuntimeError, match="one dtype"):
-        o.rope_attend_paged(q, k.bfloat16(), k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
+        o.rope_attend_paged(q, k.bfloat16(), k, [], cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="must match the blocks"):
-        o.rope_attend_paged(q, torch.zeros(1, 32), k, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
+        o.rope_attend_paged(q, torch.zeros(1, 32), k, [], cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="hold `length` keys"):
-        o.rope_attend_paged(q, k, k, cs, cs, kb, kb, 9, pos, 0, 1.0, 0.0)
+        o.rope_attend_paged(q, k, k, [], cs, cs, kb, kb, 9, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="empty or"):
+        o.rope_attend_paged(q, k, k, [cs[0]], cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
+    with pytest.raises(RuntimeError, match="each bias"):
+        o.rope_attend_paged(q, k, k, [cs[0]] * 3, cs, cs, kb, kb, 5, pos, 0, 1.0, 0.0)
 
 
 def test_attend_paged_refuses_mismatched_blocks(tier_ops):

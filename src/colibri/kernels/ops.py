@@ -180,21 +180,27 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
 
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: Paged, values: Paged, positions: torch.Tensor, window: int | None, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, bias: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of a pass that first writes its own keys and values into the KV cache's blocks. q [T, H * Dh] and
-    k, v [T, Hkv * Dh] as the projections give them (before RoPE; any shape with T contiguous rows); cos, sin
-    [T, Dh]; keys, values: the blocks (`Paged`, not q8) whose rows keys.length - T .. keys.length - 1 are the
-    pass's positions. Writes k after RoPE and v there, then attends -> o [T, H * Dh] in q's dtype.
+    k, v [T, Hkv * Dh] as the projections give them (before RoPE; any shape with T contiguous rows); bias: None, or
+    the projections' biases (q, k, v), added first as `linear` adds them; cos, sin [T, Dh]; keys, values: the
+    blocks (`Paged`, not q8) whose rows keys.length - T .. keys.length - 1 are the pass's positions. Writes k after
+    RoPE and v there, then attends -> o [T, H * Dh] in q's dtype.
 
-    The same bits as `rope` on q and k, `write_rows` and `attend`, in one native call (kernels/attend_pass.cpp)
-    where there were a dozen a layer (views and transposes included), each paid with cold caches in a decode step."""
+    The same bits as `add_bias`, `rope` on q and k, `write_rows` and `attend`, in one native call
+    (kernels/attend_pass.cpp) where there were a dozen a layer (views and transposes included), each paid with cold
+    caches in a decode step."""
     T, Dh = cos.shape
     dt = q.dtype
+    if bias is not None:
+        bias = [b if b.dtype == dt else b.to(dt) for b in bias]  # (as add_bias converts them)
     if kernels.native() and dt in (torch.float32, torch.bfloat16) and k.dtype == v.dtype == cos.dtype == \
             sin.dtype == keys.blocks[0].dtype == dt:
         pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
-        return kernels.library().rope_attend_paged(q, k, v, cos, sin, keys.blocks, values.blocks, keys.length, pos,
-                                                   window or 0, float(scale), float(softcap or 0))
+        return kernels.library().rope_attend_paged(q, k, v, bias or [], cos, sin, keys.blocks, values.blocks,
+                                                   keys.length, pos, window or 0, float(scale), float(softcap or 0))
+    if bias is not None:
+        q, k, v = (t + b for t, b in zip((q, k, v), bias))
     qh = rope(q.reshape(T, -1, Dh).transpose(0, 1), cos, sin)  # [H, T, Dh]
     kh = rope(k.reshape(T, -1, Dh).transpose(0, 1), cos, sin)
     vh = v.reshape(T, -1, Dh).transpose(0, 1)

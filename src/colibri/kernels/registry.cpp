@@ -24,8 +24,8 @@
                   "float softcap")                                                                                \
   X(attend_paged_q8, "Tensor q, Tensor[] k, Tensor[] ks, Tensor[] v, Tensor[] vs, int length, Tensor positions, "   \
                      "int window, float scale, float softcap, bool bf16")                                         \
-  X(rope_attend_paged, "Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor[] kb, Tensor[] vb, "        \
-                       "int length, Tensor positions, int window, float scale, float softcap")                   \
+  X(rope_attend_paged, "Tensor q, Tensor k, Tensor v, Tensor[] bias, Tensor cos, Tensor sin, Tensor[] kb, "     \
+                       "Tensor[] vb, int length, Tensor positions, int window, float scale, float softcap")      \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
   X(write_rows, "Tensor[] dst, Tensor[] src, int offset")                                                         \
   X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \

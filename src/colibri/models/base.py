@@ -385,10 +385,12 @@ class DecoderModel:
     def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a = self.args
         att = self.layer_prefix(i) + "self_attn."
-        bias = (lambda n: store.get(att + n + "_proj.bias")) if a.attention_bias else (lambda n: None)
-        q = linear(x, store.get(att + "q_proj.weight"), bias("q"))  # [T, H*Dh]
-        k = linear(x, store.get(att + "k_proj.weight"), bias("k"))  # [T, Hkv*Dh]
-        v = linear(x, store.get(att + "v_proj.weight"), bias("v"))
+        bias = [store.get(att + n + "_proj.bias") for n in "qkv"] if a.attention_bias else None
+        # with nothing between the projections and RoPE, attention's own call adds their biases (attend_sequence)
+        late = bias is not None and a.qk_norm is None and a.clip_qkv is None
+        q, k, v = (linear(x, store.get(f"{att}{n}_proj.weight"), None if bias is None or late else bias[j])
+                   for j, n in enumerate("qkv"))  # [T, H*Dh], [T, Hkv*Dh], [T, Hkv*Dh]
+        bias = bias if late else None
         if a.qk_norm == "full":
             q = self.norm(q, store, att + "q_norm.weight")
             k = self.norm(k, store, att + "k_norm.weight")
@@ -400,22 +402,25 @@ class DecoderModel:
             k = self.norm(k.view(T, a.num_kv_heads, a.head_dim), store, att + "k_norm.weight")
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
         if len(batch.kv) == 1:  # one sequence (a decode step, a prefill chunk): no slices, no copy into o
-            o = self.attend_sequence(batch.kv[0], i, q, k, v, rope, batch.positions, window)
+            o = self.attend_sequence(batch.kv[0], i, q, k, v, bias, rope, batch.positions, window)
         else:
             o, (cos, sin) = q.new_empty(T, a.num_heads * a.head_dim), rope
             for (s, e), kv in zip(batch.spans, batch.kv):  # each sequence attends to its own keys only
-                o[s:e] = self.attend_sequence(kv, i, q[s:e], k[s:e], v[s:e], (cos[s:e], sin[s:e]),
+                o[s:e] = self.attend_sequence(kv, i, q[s:e], k[s:e], v[s:e], bias, (cos[s:e], sin[s:e]),
                                               batch.positions[s:e], window)
         return linear(o, store.get(att + "o_proj.weight"), store.get(att + "o_proj.bias") if a.o_bias else None)
 
-    def attend_sequence(self, kv: SequenceKV, i: int, q, k, v, rope, positions, window) -> torch.Tensor:
-        """One sequence's rows of a pass: q [T, H * Dh], k, v [T, Hkv * Dh] before RoPE (or [T, heads, Dh]), cos /
-        sin [T, Dh] -> attention's output [T, H * Dh], its keys and values stored in kv along the way."""
+    def attend_sequence(self, kv: SequenceKV, i: int, q, k, v, bias, rope, positions, window) -> torch.Tensor:
+        """One sequence's rows of a pass: q [T, H * Dh], k, v [T, Hkv * Dh] before RoPE (or [T, heads, Dh]), their
+        biases still to add (q, k, v) or None, cos / sin [T, Dh] -> attention's output [T, H * Dh], its keys and
+        values stored in kv along the way."""
         a = self.args
         cos, sin = rope
         room = kv.room(i, q.shape[0])
         if room is not None:  # blocks the pass's rows go into as they are: one call (ops.rope_attend)
-            return ops.rope_attend(q, k, v, cos, sin, *room, positions, window, self.scale, a.attn_softcap)
+            return ops.rope_attend(q, k, v, cos, sin, *room, positions, window, self.scale, a.attn_softcap, bias)
+        for t, b in zip((q, k, v), bias or ()):  # (the projections' own outputs: added in place)
+            ops.add_bias(t, b)
         T = q.shape[0]
         q = q.view(T, a.num_heads, a.head_dim).transpose(0, 1)  # [H, T, Dh]
         k = k.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
