@@ -334,6 +334,14 @@ def test_room_and_rope_attend_write_what_update_writes(monkeypatch, native):
     with torch.inference_mode():  # as a forward pass runs: the blocks are inference tensors
         _room_passes(gen)
     assert KVCache(KVLayout(2, 2, 32, torch.float32, 4, "q8"), 64).room(0, 1) is None
+    idle = KVCache(KVLayout(2, 2, 16, torch.float32, 4), 64)
+    with torch.inference_mode():  # a sequence with no rows in a pass: nothing written, nothing attended
+        idle.reserve(3)
+        idle.advance(3)
+        got = ops.rope_attend(torch.zeros(0, 64), torch.zeros(0, 32), torch.zeros(0, 32), torch.zeros(0, 16),
+                              torch.zeros(0, 16), *idle.room(0, 0), torch.zeros(0, dtype=torch.long), None, 0.25,
+                              None)
+    assert got.shape == (0, 64)
 
 
 def _room_passes(gen):

@@ -192,6 +192,8 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     caches in a decode step."""
     T, Dh = cos.shape
     dt = q.dtype
+    if T == 0:  # (a sequence with no rows in this pass)
+        return q.new_empty(0, q.shape[1:].numel())
     if bias is not None:
         bias = [b if b.dtype == dt else b.to(dt) for b in bias]  # (as add_bias converts them)
     if kernels.native() and dt in (torch.float32, torch.bfloat16) and k.dtype == v.dtype == cos.dtype == \
