@@ -6,6 +6,7 @@ query's attention output does not depend on the other queries nor on keys it can
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,18 @@ def write_rows(dst: list[torch.Tensor], src: list[torch.Tensor], offset: int) ->
         return
     for d, s in zip(dst, src):
         d[:, offset:offset + s.shape[1]] = s
+
+
+def write_positions(dst: Callable[[int], list[torch.Tensor]], src: list[torch.Tensor], start: int,
+                    block: int) -> None:
+    """src[i] [H, T, X] as positions start .. start + T - 1 of a KV cache's blocks of `block` rows each; dst(j):
+    block j's tensors, in src's order. One `write_rows` per block the positions span."""
+    T, pos = src[0].shape[1], start
+    while pos < start + T:
+        j, o = divmod(pos, block)
+        n, s = min(block - o, start + T - pos), pos - start
+        write_rows(dst(j), src if n == T else [t[:, s:s + n] for t in src], o)
+        pos += n
 
 
 def _pointwise_pieces(fn, x: torch.Tensor) -> torch.Tensor:
@@ -206,12 +219,7 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     qh = rope(q.reshape(T, -1, Dh).transpose(0, 1), cos, sin)  # [H, T, Dh]
     kh = rope(k.reshape(T, -1, Dh).transpose(0, 1), cos, sin)
     vh = v.reshape(T, -1, Dh).transpose(0, 1)
-    B, pos = keys.blocks[0].shape[1], keys.length - T
-    while pos < keys.length:  # the rows, block by block
-        j, o = divmod(pos, B)
-        n, s = min(B - o, keys.length - pos), pos - (keys.length - T)
-        write_rows([keys.blocks[j], values.blocks[j]], [kh[:, s:s + n], vh[:, s:s + n]], o)
-        pos += n
+    write_positions(lambda j: [keys.blocks[j], values.blocks[j]], [kh, vh], keys.length - T, keys.blocks[0].shape[1])
     return attend(qh, keys, values, positions, window, scale, softcap).transpose(0, 1).reshape(T, -1)
 
 

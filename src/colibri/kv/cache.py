@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from colibri.core.errors import InputError
-from colibri.kernels.ops import Paged, write_rows
+from colibri.kernels.ops import Paged, write_positions
 from colibri.weights.io import DEMAND, PREFETCH, AlignedBuffer, align_up
 from colibri.kv.pool import BLOCK, Block, BlockPool, BlockTable, KVLayout
 from colibri.kv.swap import SwapSlots
@@ -171,25 +171,13 @@ class KVCache:
         if not torch.is_inference_mode_enabled():  # (a forward pass is in it already: entering it again cost
             with torch.inference_mode():           # every layer of a decode step)
                 return self.update(i, k, v)
-        T = k.shape[1]
-        end = self.length + T
-        if not self._writable(end):
-            self.reserve(T)  # callers that skip reserve() (a bare forward) get it here
+        end = self._room_for(k.shape[1])
         lay = self.layout
         if lay.quant:
             (k, ks), (v, vs) = quantize(k, lay.group), quantize(v, lay.group)
-        B, pos = lay.block, self.length
-        while pos < end:
-            j, o = divmod(pos, B)
-            n = min(B - o, end - pos)
-            bk, bv, bks, bvs = self.table[j].layers[i]
-            s = pos - self.length
-            src = (k, v, ks, vs) if lay.quant else (k, v)
-            if n != T:  # the pass spans blocks
-                src = tuple(t[:, s:s + n] for t in src)
-            write_rows([bk, bv, bks, bvs] if lay.quant else [bk, bv], list(src), o)
-            pos += n
-        if end <= B and not lay.quant:  # one block: read in place
+        src = [k, v, ks, vs] if lay.quant else [k, v]
+        write_positions(lambda j: list(self.table[j].layers[i][:len(src)]), src, self.length, lay.block)
+        if end <= lay.block and not lay.quant:  # one block: read in place
             bk, bv = self.table[0].layers[i][:2]
             return bk[:, :end], bv[:, :end]
         return self._read(i, end)
@@ -203,10 +191,15 @@ class KVCache:
         if not torch.is_inference_mode_enabled():  # (see update)
             with torch.inference_mode():
                 return self.room(i, T)
+        return self._read(i, self._room_for(T))
+
+    def _room_for(self, T: int) -> int:
+        """The end of a pass of T positions (length + T), its positions made writable (reserved here for callers
+        that skip reserve(): a bare forward)."""
         end = self.length + T
         if not self._writable(end):
             self.reserve(T)
-        return self._read(i, end)
+        return end
 
     def advance(self, n: int, ids=None) -> None:
         if ids is not None:

@@ -387,8 +387,8 @@ class DecoderModel:
         att = self.layer_prefix(i) + "self_attn."
         bias = [store.get(att + n + "_proj.bias") for n in "qkv"] if a.attention_bias else None
         # with nothing between the projections and RoPE, attention's own call adds their biases (attend_sequence)
-        late = bias is not None and a.qk_norm is None and a.clip_qkv is None
-        q, k, v = (linear(x, store.get(f"{att}{n}_proj.weight"), None if bias is None or late else bias[j])
+        late = a.qk_norm is None and a.clip_qkv is None
+        q, k, v = (linear(x, store.get(f"{att}{n}_proj.weight"), None if late or bias is None else bias[j])
                    for j, n in enumerate("qkv"))  # [T, H*Dh], [T, Hkv*Dh], [T, Hkv*Dh]
         bias = bias if late else None
         if a.qk_norm == "full":

@@ -303,7 +303,7 @@ constexpr int64_t kTileAhead = 3 * kStreamAhead;
 // steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
 // zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
 // xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi): group gi's 64 scales,
-// then its 64 zeros (a table's row, or q4k's decoded where they are used: q4k_direct_params).
+// then its 64 zeros (a table's row, or q4k's decoded where they are used: Q4kDirectParams).
 template <class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
