@@ -10,8 +10,8 @@ Tiers (TIERS), best first; a process uses one (`tier()`):
             any CPU
   torch     no library: torch's own kernels on fixed-size row blocks (`blocked`)
 Every native tier also compiles the sources written once for all of them: generic/attention.cpp (over the vector
-traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp, rows.cpp and
-attend_pass.cpp.
+traits of generic/lanes.h: 16 AVX-512 lanes in avx512, 8 in the others), pointwise.cpp, norm.cpp, rows.cpp,
+attend_pass.cpp and block.cpp.
 Each native tier is one shared library compiled with torch.utils.cpp_extension at first use, registering the same
 op names under its own namespace, `torch.ops.colibri_<tier>.*` (-DCOLIBRI_NS; library.h), so tiers load side by
 side in one process (tests compare them). The library is also a Python module of the same functions (pybind11,
@@ -55,22 +55,23 @@ import torch
 from colibri.core import log
 
 # the build's names this package's users reach through it (tests, cli, the conftest's build of every tier)
-from colibri.kernels.build import (Int8, KernelsUnavailable, NoCompiler, Tier, cache_root, compiler,  # noqa: F401
-                                   ensure_built, is_built, library_path, load, notice, one_line, python_module,
-                                   unity_source)
+from colibri.kernels.build import (OPS, Int8, KernelsUnavailable, NoCompiler, Tier, cache_root,  # noqa: F401
+                                   compiler, ensure_built, is_built, library_path, load, notice, one_line,
+                                   python_module, unity_source)
 
 MODE_ENV = "COLIBRI_KERNELS"
 LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
 _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
-                    "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "registry.cpp")
+                    "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "block.cpp", "registry.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/linear_steps.h", "generic/tiles.h",
                     "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h",
                     "args.h", "library.h", "stream.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
-                                     "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "registry.cpp"),
+                                     "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "block.cpp",
+                                     "registry.cpp"),
          ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/lanes.h", "generic/linear_steps.h",
           "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h"),
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

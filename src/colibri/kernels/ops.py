@@ -30,6 +30,45 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], n)
 
 
+def native_linear(x: torch.Tensor, w) -> tuple[str, tuple, int] | None:
+    """What `linear(x, w)` runs natively for a pass x [T, K] (f32 or bf16, contiguous): the op of the tier's
+    library(), its arguments after x and the output's columns N; None where it runs torch's (w: as `linear` takes
+    it, objects answering for themselves through `.native_op()`)."""
+    if isinstance(w, torch.Tensor):
+        if kernels.native() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+            return "dense_linear", (w.contiguous(),), w.shape[0]
+        return None
+    call = w.native_op()
+    return None if call is None else (*call, w.shape[0])
+
+
+_OP_INDEX = {name: i for i, name in enumerate(kernels.OPS)}  # the library's ops by their position (dense_block)
+
+
+def dense_block(x: torch.Tensor, norms: list[torch.Tensor], eps: float, linears: list[tuple[str, tuple, int]],
+                bias: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor, keys: Paged, values: Paged,
+                positions: torch.Tensor, window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+    """A dense decoder block in one native call (kernels/block.cpp): rms_norm(x, norms[0]); the q, k, v linears;
+    `rope_attend` (its bias, cos ... softcap); the o linear and the residual; rms_norm(., norms[1]); gate, up; silu
+    (through `pointwise`) times up; down and the residual. linears: `native_linear`'s answer for q, k, v, o, gate,
+    up, down. The same bits as those calls one by one, which a decode step made from Python with cold caches (the
+    caller checks that each has its native form: x, the norms, bias, cos, sin and the blocks of one dtype, f32 or
+    bf16, the blocks not q8)."""
+    ops, weights, counts, groups, cols = [], [], [], [], []
+    for op, args, n in linears:
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        ops.append(_OP_INDEX[op])
+        weights += tensors
+        counts.append(len(tensors))
+        groups.append(args[-1] if len(tensors) < len(args) else 0)
+        cols.append(n)
+    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+    bias = [] if bias is None else [b if b.dtype == x.dtype else b.to(x.dtype) for b in bias]
+    return kernels.library().dense_block(x, norms, ops, weights, counts, groups, cols, bias, cos, sin, keys.blocks,
+                                         values.blocks, keys.length, pos, window or 0, float(scale),
+                                         float(softcap or 0), float(eps), _GRAIN)
+
+
 def add_bias(y: torch.Tensor, b: torch.Tensor) -> None:
     """y += b in y's dtype, in place (y: a linear's fresh output [T, N], b: [N]). b is converted only where its
     dtype differs: a no-op .to is still a dispatcher call, and in a decode step each call runs with cold caches."""

@@ -38,9 +38,68 @@
   X(q8k_linear_i8, "Tensor x, Tensor qweight, Tensor scales, Tensor supers")                                      \
   X(q6k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
   X(q3k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
-  X(iq4_xs_linear_i8, "Tensor x, Tensor blocks")
+  X(iq4_xs_linear_i8, "Tensor x, Tensor blocks")                                                                  \
+  X(dense_block, "Tensor x, Tensor[] norms, int[] ops, Tensor[] weights, int[] counts, int[] groups, int[] cols, "  \
+                 "Tensor[] bias, Tensor cos, Tensor sin, Tensor[] kb, Tensor[] vb, int length, Tensor positions, "  \
+                 "int window, float scale, float softcap, float eps, int piece")
 
 #include "library.h"
+
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+// call_linear (block.cpp): the ops of the list above whose arguments are x, then tensors, then at most one int
+// (every linear op), called by their position in it; the others have no entry.
+template <class F>
+struct LinearOp {
+  static constexpr bool kIs = false;
+};
+template <class... A>
+struct LinearOp<at::Tensor (*)(const at::Tensor&, A...)> {
+  static constexpr bool kIs = ((std::is_same_v<A, const at::Tensor&> || std::is_same_v<A, int64_t>) && ...);
+  static constexpr size_t kTensors = (std::size_t{std::is_same_v<A, const at::Tensor&>} + ... + 0);
+  template <class T, size_t I>
+  static decltype(auto) arg(at::TensorList w, int64_t g) {
+    if constexpr (std::is_same_v<T, int64_t>) return g;
+    else return w[I];
+  }
+  template <auto F, size_t... I>
+  static at::Tensor call(const at::Tensor& x, at::TensorList w, int64_t g, std::index_sequence<I...>) {
+    return F(x, arg<A, I>(w, g)...);
+  }
+  template <auto F>
+  static at::Tensor run(const at::Tensor& x, at::TensorList w, int64_t g) {
+    TORCH_CHECK(w.size() == kTensors, "has ", w.size(), " tensors, its op takes ", kTensors);
+    return call<F>(x, w, g, std::index_sequence_for<A...>{});
+  }
+};
+using LinearCall = at::Tensor (*)(const at::Tensor&, at::TensorList, int64_t);
+#define COLIBRI_OP_NAME(name, args) #name,
+constexpr const char* kOpNames[] = {COLIBRI_OPS(COLIBRI_OP_NAME)};
+#undef COLIBRI_OP_NAME
+template <auto F>
+constexpr LinearCall linear_entry() {
+  if constexpr (LinearOp<decltype(F)>::kIs) return &LinearOp<decltype(F)>::template run<F>;
+  else return nullptr;
+}
+#define COLIBRI_LINEAR_ENTRY(name, args) linear_entry<&name>(),
+constexpr LinearCall kLinearCalls[] = {COLIBRI_OPS(COLIBRI_LINEAR_ENTRY)};
+#undef COLIBRI_LINEAR_ENTRY
+
+at::Tensor call_linear(int64_t op, const at::Tensor& x, at::TensorList w, int64_t g) {
+  constexpr int64_t n = sizeof(kLinearCalls) / sizeof(kLinearCalls[0]);
+  TORCH_CHECK(op >= 0 && op < n && kLinearCalls[op], "dense_block: op ", op, " is not a linear op");
+  try {
+    return kLinearCalls[op](x, w, g);
+  } catch (const c10::Error& e) {  // (which linear of the block)
+    TORCH_CHECK(false, "dense_block: ", kOpNames[op], ": ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
 
 #define COLIBRI_DEF(name, args) m.def(#name "(" args ") -> Tensor", &name);
 COLIBRI_LIBRARY(m) { COLIBRI_OPS(COLIBRI_DEF) }
@@ -74,6 +133,11 @@ template <>
 struct PyArg<at::TensorList> {
   using type = std::vector<at::Tensor>;
   static at::TensorList get(const std::vector<at::Tensor>& v) { return v; }
+};
+template <>
+struct PyArg<at::IntArrayRef> {
+  using type = std::vector<int64_t>;
+  static at::IntArrayRef get(const std::vector<int64_t>& v) { return v; }
 };
 template <>
 struct PyArg<c10::string_view> {

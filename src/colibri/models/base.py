@@ -269,6 +269,10 @@ class DecoderModel:
     def __init__(self, args: ModelArgs):
         self.args = args
         self.act = activation(args.hidden_act)
+        # the block is norm, attention, norm, gated silu FFN with nothing between (llama, qwen2, mistral): its dense
+        # layers may run as one native call (_block_call)
+        self.one_call_blocks = not (args.sandwich_norm or args.gemma_norm or args.qk_norm or args.o_bias) and \
+            args.clip_qkv is None and args.hidden_act in ("silu", "swish")
         self.inv_freq = {t: inv_frequencies(args.rope[t], args.head_dim) for t in set(args.layer_types)}
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
 
@@ -370,6 +374,10 @@ class DecoderModel:
 
     def block(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a, p = self.args, self.layer_prefix(i)
+        if self.one_call_blocks and len(batch.kv) == 1 and not a.moe_layers[i] and self.ffn_hook is None:
+            y = self._block_call(store, i, x, batch, rope)
+            if y is not None:
+                return y
         h = self.attention(store, i, self.norm(x, store, p + "input_layernorm.weight"), batch, rope)
         if a.sandwich_norm:
             h = self.norm(h, store, p + "post_attention_layernorm.weight")
@@ -381,6 +389,30 @@ class DecoderModel:
         h = self.norm(x, store, p + "post_attention_layernorm.weight")
         h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h, i)
         return x + h
+
+    def _block_call(self, store, i, x, batch: "Batch", rope) -> torch.Tensor | None:
+        """`block` for one sequence as one native call (ops.dense_block: the same bits as the calls `block` makes,
+        which a decode step paid for with cold caches) where each of them has its native form; None otherwise."""
+        a, p = self.args, self.layer_prefix(i)
+        att, mlp = p + "self_attn.", p + "mlp."
+        dt = x.dtype
+        if x.dim() != 2 or not x.is_contiguous() or dt not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
+            return None
+        norms = [store.get(p + "input_layernorm.weight"), store.get(p + "post_attention_layernorm.weight")]
+        bias = [store.get(att + n + "_proj.bias") for n in "qkv"] if a.attention_bias else None
+        cos, sin = rope
+        if any(t.dtype != dt for t in (*norms, cos, sin)):
+            return None
+        names = [att + n + "_proj.weight" for n in "qkvo"] + [mlp + n + "_proj.weight" for n in ("gate", "up", "down")]
+        linears = [ops.native_linear(x, store.get(n)) for n in names]
+        if None in linears:
+            return None
+        room = batch.kv[0].room(i, x.shape[0])
+        if room is None or room[0].blocks[0].dtype != dt:  # (q8 blocks: `update` quantizes the rows)
+            return None
+        window = a.sliding_window if a.layer_types[i] == SLIDING else None
+        return ops.dense_block(x, norms, a.rms_norm_eps, linears, bias, cos, sin, *room, batch.positions, window,
+                               self.scale, a.attn_softcap)
 
     def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a = self.args

@@ -235,6 +235,13 @@ def _as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
 class _QuantWeight:
     kind: QuantKind
     shape: tuple[int, int]
+    # The native ops of the kind (exact, and the LOSSY int8 one or None), the buffers they take after x, whether the
+    # group size follows them, and the group the int8 kernels are asked about (int8_supports; None: group_size).
+    OP: str
+    OP_I8: str | None = None
+    OP_ARGS: tuple[str, ...] = ("qweight", "scales")
+    OP_GROUPED = False
+    I8_GROUP: int | None = None
 
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
         self.shape = _check_shape(kind, shape)
@@ -277,6 +284,30 @@ class _QuantWeight:
             self._cache[key] = t.to(dtype)
         return self._cache[key]
 
+    def native_op(self) -> tuple[str, tuple] | None:
+        """The op of the native tier's library() that `linear` runs for this weight in this process's kernel mode
+        (exact, or LOSSY int8 where it is on and takes the weight), with its arguments after x; None where the torch
+        fallback runs it."""
+        if not kernels.native():
+            return None
+        op = self.OP
+        group = self.group_size if self.I8_GROUP is None else self.I8_GROUP
+        if self.OP_I8 and kernels.int8_activations() and kernels.int8_supports(self.shape[1], group):  # lossy
+            op = self.OP_I8
+        args = tuple(self._buffers[name] for name in self.OP_ARGS)
+        return op, (args + (self.group_size,) if self.OP_GROUPED else args)
+
+    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] f32 / bf16 (contiguous) -> [T, N or more] in x's dtype."""
+        call = self.native_op()
+        if call is not None:
+            return getattr(kernels.library(), call[0])(x, *call[1])
+        return self._torch_linear(x)
+
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """_linear_2d on the torch tier: the weight dequantized in row blocks (kinds with a torch kernel: that)."""
+        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T + b. x: [..., K] float32 / bfloat16 (float16 computes in f32) -> [..., N] in x's dtype."""
         n, k = self.shape
@@ -300,17 +331,13 @@ class Q4Weight(_QuantWeight):
     """4-bit weight, asymmetric per group of `group_size` inputs: w = (q - 8) * scale + zero."""
 
     codes_offset = -8  # w = (q + codes_offset) * scale + zero (Q4KWeight: 0)
+    OP, OP_I8, OP_ARGS, OP_GROUPED = "q4_linear", "q4_linear_i8", ("qweight", "scales_zeros"), True
 
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
         super().__init__(kind, shape, buffers)
         self._packed: torch.Tensor | None = None  # torch's int4 layout, made at the torch tier's first bf16 call
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native():
-            b = self._buffers
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
-                return kernels.library().q4_linear_i8(x, b["qweight"], b["scales_zeros"], self.group_size)
-            return kernels.library().q4_linear(x, b["qweight"], b["scales_zeros"], self.group_size)
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             sz = self._buffer_as("scales_zeros", torch.bfloat16)
             if self._packed is None:
@@ -405,6 +432,8 @@ class Q41Weight(_DerivedQ4Weight):
     """GGUF Q4_1 kept exactly: the q4 tiles with f16 (d, m) per group of 32 as the file stores them, w = d q + m,
     computed as q4 with scale d and zero m + 8 d (exact in f32: from_gguf checks it)."""
 
+    OP, OP_I8, OP_ARGS, OP_GROUPED, I8_GROUP = "q4_1_linear", "q4_1_linear_i8", ("qweight", "scales_mins"), False, 32
+
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(GGUF_EXACT["Q4_1"], shape, buffers)
@@ -413,18 +442,15 @@ class Q41Weight(_DerivedQ4Weight):
         sm = self._buffers["scales_mins"][:, r0:r1].float()
         return sm[..., 0], sm[..., 1] + 8 * sm[..., 0]
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        b = self._buffers
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
-                return kernels.library().q4_1_linear_i8(x, b["qweight"], b["scales_mins"])
-            return kernels.library().q4_1_linear(x, b["qweight"], b["scales_mins"])
-        return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 
 
 class Q40Weight(_DerivedQ4Weight):
     """GGUF Q4_0 kept exactly at its own size (4.5 bits a weight): the q4 tiles with the file's f16 d per group of
     32, w = d (q - 8) (exact in f32); the kernels take it as q4 with (d, +0) (q4_0_linear), bit for bit."""
+
+    OP, OP_I8, OP_ARGS, OP_GROUPED, I8_GROUP = "q4_0_linear", "q4_0_linear_i8", ("qweight", "scales"), False, 32
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
@@ -434,12 +460,8 @@ class Q40Weight(_DerivedQ4Weight):
         d = self._buffers["scales"][:, r0:r1].float()
         return d, torch.zeros_like(d)
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
-                return kernels.library().q4_0_linear_i8(x, b["qweight"], b["scales"])
-            return kernels.library().q4_0_linear(x, b["qweight"], b["scales"])
         if x.dtype == torch.bfloat16:  # torch's int4 kernel, as q4 with (d, 0) in bf16
             if self._packed is None:
                 self._packed = repack_for_kernel(b["qweight"])
@@ -457,12 +479,9 @@ class Q40Weight(_DerivedQ4Weight):
 class Q8Weight(_QuantWeight):
     """int8 weight, symmetric: w = q * scale, one scale per output channel (group_size 0) or per group."""
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native():
-            op = kernels.library().q8_linear
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], self.group_size):  # lossy
-                op = kernels.library().q8_linear_i8
-            return op(x, self._buffers["qweight"], self._buffers["scales"], self.group_size)
+    OP, OP_I8, OP_GROUPED = "q8_linear", "q8_linear_i8", True
+
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size == 0 and x.dtype == torch.bfloat16:
             s = self._buffer_as("scales", torch.bfloat16)
             return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)
@@ -826,6 +845,8 @@ class Q4KWeight(_DerivedQ4Weight):
     """Q4_K kept exactly: w = (d * sc) * q - dmin * m per group of 32 (see the top of the file)."""
 
     codes_offset = 0  # the dequantizing helpers of Q4Weight see the codes q, not q - 8
+    OP, OP_I8, OP_ARGS, OP_GROUPED = "q4k_linear", "q4k_linear_i8", ("qweight", "scales", "supers"), False
+    I8_GROUP = 32
 
     def __init__(self, kind: QuantKind, shape, buffers: dict[str, torch.Tensor]):
         # skips Q4Weight's int4 repack: torch's int4 kernel cannot take two-level scales (the fallback dequantizes)
@@ -835,13 +856,8 @@ class Q4KWeight(_DerivedQ4Weight):
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(Q4K, shape, buffers)
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        b = self._buffers
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 32):  # lossy
-                return kernels.library().q4k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
-            return kernels.library().q4k_linear(x, b["qweight"], b["scales"], b["supers"])
-        return kernels.blocked(self._dequant_matmul, x, b["qweight"].shape[0])
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(d * sc, -dmin * m), f32 [K/32, r1 - r0] each: w = q * scale + zero."""
@@ -853,16 +869,15 @@ class Q4KWeight(_DerivedQ4Weight):
 class Q8KWeight(Q8Weight):
     """Q6_K kept exactly: w = (d * sc) * (q - 32) per 16 values (see the top of the file)."""
 
+    # (the LOSSY int8 op quantizes x per 16 values)
+    OP, OP_I8, OP_ARGS, OP_GROUPED = "q8k_linear", "q8k_linear_i8", ("qweight", "scales", "supers"), False
+    I8_GROUP = 16
+
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(Q8K, shape, buffers)
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        b = self._buffers
-        if kernels.native():
-            if kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy: x per 16 values
-                return kernels.library().q8k_linear_i8(x, b["qweight"], b["scales"], b["supers"])
-            return kernels.library().q8k_linear(x, b["qweight"], b["scales"], b["supers"])
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
     def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
@@ -882,8 +897,8 @@ class _BlocksWeight(Q8Weight):
     KIND: QuantKind
     BLOCK: int  # bytes per block
     VALUES: int  # values per block
-    OP: str
-    OP_I8: str | None = None  # the LOSSY int8 op over the blocks, if any (x quantized per 16 values, as q8k)
+    # the ops over the blocks; the LOSSY int8 one, if any, quantizes x per 16 values, as q8k's
+    OP_I8, OP_ARGS, OP_GROUPED, I8_GROUP = None, ("qweight",), False, 16
 
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
@@ -893,12 +908,7 @@ class _BlocksWeight(Q8Weight):
         b = self._buffers["qweight"][rows]
         return b.view(b.shape[0], self.shape[1] // self.VALUES, self.BLOCK)
 
-    def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.native():
-            op = self.OP
-            if self.OP_I8 and kernels.int8_activations() and kernels.int8_supports(self.shape[1], 16):  # lossy
-                op = self.OP_I8
-            return getattr(kernels.library(), op)(x, self._buffers["qweight"])
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
 

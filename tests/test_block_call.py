@@ -1,0 +1,110 @@
+"""A dense decoder block as one native call (ops.dense_block, kernels/block.cpp) gives the bits of the calls
+DecoderModel.block makes one by one, on every native tier, for every weight kind the containers hold, exact and
+LOSSY, in a prefill and in decode steps; and the op refuses arguments that do not describe a block."""
+
+import pytest
+import torch
+
+import colibri
+import colibri.models.base as base
+from colibri import kernels
+from colibri.convert import pipeline as conv
+from colibri.convert.pipeline import cached_container
+from colibri.kernels import ops
+
+NATIVE = [t for t in kernels.runnable_tiers() if t != "torch"]
+IDS = [(7 * i + 3) % 384 for i in range(20)]
+
+
+def _one_call_and_plain(monkeypatch, path, ids, **options):
+    """(logits of a prefill, greedy tokens) with the block as one call, then with the calls one by one; and how
+    many one-call blocks ran."""
+    calls = []
+    real = ops.dense_block
+
+    def counted(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    out = []
+    with monkeypatch.context() as mp:
+        mp.setattr(ops, "dense_block", counted)
+        for plain in (False, True):
+            if plain:
+                mp.setattr(base.DecoderModel, "_block_call", lambda self, *a: None)
+            with colibri.load(path, **options) as m:
+                out.append((m.logits(ids), m.generate(ids, max_tokens=6, temperature=0).token_ids))
+    return out, calls
+
+
+def _check(monkeypatch, path, ids, layers, **options):
+    for tier in NATIVE:
+        kernels.use(tier)
+        try:
+            ((logits, tokens), (want_logits, want_tokens)), calls = _one_call_and_plain(monkeypatch, path, ids,
+                                                                                        **options)
+        finally:
+            kernels.use(None)
+            kernels.set_int8_activations(None)  # (a LOSSY load turns it on for the process)
+        assert torch.equal(logits, want_logits), f"{tier} {options}: the one-call block's logits differ"
+        assert tokens == want_tokens, f"{tier} {options}"
+        # every layer of the prefill and of the generation's prompt pass, and of its decode steps (one token, or a
+        # few where n-gram drafts are verified)
+        assert calls.count(len(ids)) == 2 * layers and len(calls) % layers == 0, (tier, calls)
+        assert calls.count(1) >= layers and all(t == len(ids) or t <= 8 for t in calls), (tier, calls)
+
+
+@pytest.mark.parametrize("fam,dtype", [("llama", "bfloat16"), ("mistral", "float32"), ("qwen2", "bfloat16")])
+def test_dense_families_one_call_is_the_calls_bits(tiny_model_dir, monkeypatch, fam, dtype):
+    """Dense weights (dense_linear); mistral's sliding window, qwen2's q / k / v biases."""
+    _check(monkeypatch, tiny_model_dir(fam), IDS, 2, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_quantized_one_call_is_the_calls_bits_exact_and_lossy(tiny_model_dir, tmp_path, monkeypatch, kind):
+    path = cached_container(tiny_model_dir("qwen2"), tmp_path, kind)
+    for lossy in (False, True):
+        _check(monkeypatch, path, IDS, 2, lossy_int8_activations=lossy)
+
+
+def test_k_quants_one_call_is_the_calls_bits_exact_and_lossy(tmp_path, monkeypatch):
+    """The GGUF kinds kept at their own size (q4k, q6k, q5_0, q5k, iq4_xs, q3k, iq4_nl, q2k, q5_1: test_kquant's
+    two-layer llama), f32 and bf16 activations, exact and LOSSY."""
+    from test_kquant import k_gguf
+
+    out = tmp_path / "c"
+    conv.convert(k_gguf(tmp_path / "k.gguf"), out, conv.ConvertOptions(quant="q4", page_size_mb=1))
+    ids = list(range(0, 2048, 97))
+    for dtype, lossy in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        _check(monkeypatch, out, ids, 2, dtype=dtype, lossy_int8_activations=lossy)
+
+
+def test_dense_block_refuses_what_is_not_a_block():
+    if not NATIVE:
+        pytest.skip("no native tier")
+    kernels.use(NATIVE[-1])
+    try:
+        lib = kernels.library()
+        x = torch.zeros(1, 64)
+        w = torch.zeros(64, 64)
+        block = [torch.zeros(1, 16, 16)]
+        args = dict(norms=[torch.ones(64)] * 2, cos=torch.ones(1, 16), sin=torch.zeros(1, 16), kb=block, vb=block,
+                    length=1, positions=torch.zeros(1, dtype=torch.int64), window=0, scale=0.25, softcap=0.0,
+                    eps=1e-6, piece=16384, bias=[])
+        dense = kernels.OPS.index("dense_linear")
+
+        def call(ops_, weights, counts):
+            return lib.dense_block(x, args["norms"], ops_, weights, counts, [0] * len(ops_), [64] * len(ops_),
+                                   args["bias"], args["cos"], args["sin"], block, block, 1, args["positions"], 0,
+                                   0.25, 0.0, 1e-6, 16384)
+
+        with pytest.raises(RuntimeError, match="seven linears"):
+            call([dense] * 6, [w] * 6, [1] * 6)
+        with pytest.raises(RuntimeError, match="add up"):
+            call([dense] * 7, [w] * 6, [1] * 7)
+        with pytest.raises(RuntimeError, match="not a linear op"):
+            call([kernels.OPS.index("rms_norm")] + [dense] * 6, [w] * 7, [1] * 7)
+        with pytest.raises(RuntimeError, match="tensors, its op takes"):
+            call([dense] * 7, [w] * 9, [2] + [1] * 5 + [2])
+    finally:
+        kernels.use(None)
