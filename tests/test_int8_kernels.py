@@ -111,6 +111,9 @@ def test_engine_config_turns_it_on(int8, tiny_model_dir, tmp_path):
     assert torch.equal(whole, chunked)
     assert not torch.equal(whole, exact)
     assert (whole - exact).abs().mean() / exact.abs().mean() < 0.05
+    with colibri.load(tmp_path / "q4") as m:  # the next model loaded without the option is exact again
+        assert not kernels.int8_activations()
+        assert torch.equal(m.logits(ids), exact)
 
 
 def test_a_model_it_cannot_apply_to_says_so(int8, tiny_model_dir, tmp_path, capsys):

@@ -175,8 +175,9 @@ class Model:
         self.closed = False
         if config.threads:
             torch.set_num_threads(int(config.threads))
-        if config.lossy_int8_activations:
-            kernels.set_int8_activations(True)
+        # (the mode is the process's: a model loaded without the option computes as COLIBRI_LOSSY_INT8 says, not as
+        # a model loaded before it asked)
+        kernels.set_int8_activations(True if config.lossy_int8_activations else None)
         self.path = config.model_path()
         self.checkpoint, self.args, self.decoder = open_model(self.path)
         ckpt = self.checkpoint
