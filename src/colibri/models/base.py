@@ -273,6 +273,9 @@ class DecoderModel:
         # layers may run as one native call (_block_call)
         self.one_call_blocks = not (args.sandwich_norm or args.gemma_norm or args.qk_norm or args.o_bias) and \
             args.clip_qkv is None and args.hidden_act in ("silu", "swish")
+        # per layer: its two norms' names, the q / k / v biases' (or None), the seven linears' (q, k, v, o, gate, up,
+        # down): what _block_call asks the store for
+        self.block_names = [self._block_names(i) for i in range(args.num_layers)]
         self.inv_freq = {t: inv_frequencies(args.rope[t], args.head_dim) for t in set(args.layer_types)}
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
 
@@ -390,23 +393,32 @@ class DecoderModel:
         h = self.moe(store, i, h, x) if a.moe_layers[i] else self.mlp(store, p + "mlp.", h, i)
         return x + h
 
+    def _block_names(self, i: int) -> tuple[list[str], list[str] | None, list[str]]:
+        p = self.layer_prefix(i)
+        att, mlp = p + "self_attn.", p + "mlp."
+        return ([p + "input_layernorm.weight", p + "post_attention_layernorm.weight"],
+                [att + n + "_proj.bias" for n in "qkv"] if self.args.attention_bias else None,
+                [att + n + "_proj.weight" for n in "qkvo"] + [mlp + n + "_proj.weight" for n in ("gate", "up", "down")])
+
     def _block_call(self, store, i, x, batch: "Batch", rope) -> torch.Tensor | None:
         """`block` for one sequence as one native call (ops.dense_block: the same bits as the calls `block` makes,
         which a decode step paid for with cold caches) where each of them has its native form; None otherwise."""
-        a, p = self.args, self.layer_prefix(i)
-        att, mlp = p + "self_attn.", p + "mlp."
+        a = self.args
         dt = x.dtype
         if x.dim() != 2 or not x.is_contiguous() or dt not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
             return None
-        norms = [store.get(p + "input_layernorm.weight"), store.get(p + "post_attention_layernorm.weight")]
-        bias = [store.get(att + n + "_proj.bias") for n in "qkv"] if a.attention_bias else None
+        norm_names, bias_names, names = self.block_names[i]
+        norms = [store.get(n) for n in norm_names]
+        bias = None if bias_names is None else [store.get(n) for n in bias_names]
         cos, sin = rope
-        if any(t.dtype != dt for t in (*norms, cos, sin)):
+        if norms[0].dtype != dt or norms[1].dtype != dt or cos.dtype != dt or sin.dtype != dt:
             return None
-        names = [att + n + "_proj.weight" for n in "qkvo"] + [mlp + n + "_proj.weight" for n in ("gate", "up", "down")]
-        linears = [ops.native_linear(x, store.get(n)) for n in names]
-        if None in linears:
-            return None
+        linears = []
+        for n in names:
+            call = ops.native_linear(x, store.get(n))
+            if call is None:
+                return None
+            linears.append(call)
         room = batch.kv[0].room(i, x.shape[0])
         if room is None or room[0].blocks[0].dtype != dt:  # (q8 blocks: `update` quantizes the rows)
             return None

@@ -249,6 +249,7 @@ class _QuantWeight:
         self.kind = kind
         self._buffers = {name: buffers[name] for name in buffer_layout(kind, self.shape)}
         self._cache: dict = {}  # derived small tensors (scales in another dtype or order), built on first use
+        self._native: dict[bool, tuple[str, tuple]] = {}  # native_op's answer by LOSSY mode, made on first use
 
     @property
     def group_size(self) -> int:
@@ -290,12 +291,15 @@ class _QuantWeight:
         fallback runs it."""
         if not kernels.native():
             return None
-        op = self.OP
-        group = self.group_size if self.I8_GROUP is None else self.I8_GROUP
-        if self.OP_I8 and kernels.int8_activations() and kernels.int8_supports(self.shape[1], group):  # lossy
-            op = self.OP_I8
-        args = tuple(self._buffers[name] for name in self.OP_ARGS)
-        return op, (args + (self.group_size,) if self.OP_GROUPED else args)
+        lossy = kernels.int8_activations()  # (every native tier has the same ops)
+        if lossy not in self._native:  # (asked for every linear of every pass: each answer made once)
+            op = self.OP
+            group = self.group_size if self.I8_GROUP is None else self.I8_GROUP
+            if lossy and self.OP_I8 and kernels.int8_supports(self.shape[1], group):
+                op = self.OP_I8
+            args = tuple(self._buffers[name] for name in self.OP_ARGS)
+            self._native[lossy] = op, (args + (self.group_size,) if self.OP_GROUPED else args)
+        return self._native[lossy]
 
     def _linear_2d(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] f32 / bf16 (contiguous) -> [T, N or more] in x's dtype."""
