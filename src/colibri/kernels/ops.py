@@ -62,11 +62,21 @@ def dense_block(x: torch.Tensor, norms: list[torch.Tensor], eps: float, linears:
         counts.append(len(tensors))
         groups.append(args[-1] if len(tensors) < len(args) else 0)
         cols.append(n)
-    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
-    bias = [] if bias is None else [b if b.dtype == x.dtype else b.to(x.dtype) for b in bias]
+    pos = _int64(positions)
+    bias = [] if bias is None else _as_dtype(bias, x.dtype)
     return kernels.library().dense_block(x, norms, ops, weights, counts, groups, cols, bias, cos, sin, keys.blocks,
                                          values.blocks, keys.length, pos, window or 0, float(scale),
                                          float(softcap or 0), float(eps), _GRAIN)
+
+
+def _int64(positions: torch.Tensor) -> torch.Tensor:
+    """Positions as the native ops take them (int64)."""
+    return positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+
+
+def _as_dtype(bias: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Biases in the activations' dtype, converted only where it differs (as add_bias converts them)."""
+    return [b if b.dtype == dtype else b.to(dtype) for b in bias]
 
 
 def add_bias(y: torch.Tensor, b: torch.Tensor) -> None:
@@ -214,7 +224,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | Paged, v: torch.Tensor | Paged, po
 
     f32 math: scores scaled, soft-capped (Gemma-2), softmaxed over exactly the visible keys, the weighted sum
     in key order. Query head h uses KV head h // (H / Hkv), without repeated copies."""
-    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+    pos = _int64(positions)
     paged = isinstance(k, Paged)
     q8 = paged and k.scales is not None
     if kernels.native() and (not q8 or _native_q8(k)):
@@ -247,10 +257,10 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if T == 0:  # (a sequence with no rows in this pass)
         return q.new_empty(0, q.shape[1:].numel())
     if bias is not None:
-        bias = [b if b.dtype == dt else b.to(dt) for b in bias]  # (as add_bias converts them)
+        bias = _as_dtype(bias, dt)
     if kernels.native() and dt in (torch.float32, torch.bfloat16) and k.dtype == v.dtype == cos.dtype == \
             sin.dtype == keys.blocks[0].dtype == dt:
-        pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+        pos = _int64(positions)
         return kernels.library().rope_attend_paged(q, k, v, bias or [], cos, sin, keys.blocks, values.blocks,
                                                    keys.length, pos, window or 0, float(scale), float(softcap or 0))
     if bias is not None:

@@ -424,6 +424,10 @@ class _DerivedQ4Weight(Q4Weight):
     """A q4-tiled kind whose (scale, zero) per group are derived from what it stores (`_scales_zeros_f32`, f32
     [G, rows] each) rather than stored as q4's pairs: q4_1, q4_0, q4k."""
 
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantized in row blocks: q4's int4 path reads stored pairs (q4_0 builds its own: Q40Weight)."""
+        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
+
     def _tile_params_f32(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As Q4Weight's, [tiles, K/g, 1, 64] each, built per dequantize step from the derived pairs."""
         (_, k), g = self.shape, self.group_size
@@ -445,9 +449,6 @@ class Q41Weight(_DerivedQ4Weight):
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         sm = self._buffers["scales_mins"][:, r0:r1].float()
         return sm[..., 0], sm[..., 1] + 8 * sm[..., 0]
-
-    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 
 
 class Q40Weight(_DerivedQ4Weight):
@@ -859,9 +860,6 @@ class Q4KWeight(_DerivedQ4Weight):
     @classmethod
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(Q4K, shape, buffers)
-
-    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.blocked(self._dequant_matmul, x, self._buffers["qweight"].shape[0])
 
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(d * sc, -dmin * m), f32 [K/32, r1 - r0] each: w = q * scale + zero."""
