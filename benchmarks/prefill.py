@@ -90,7 +90,9 @@ def main() -> None:
         best_pre, best_dec = max(best_pre, pre), max(best_dec, dec)
     from colibri import kernels
 
-    print(json.dumps({"model": args.model, "threads": args.threads, "int8_activations": kernels.int8_activations(),
+    with kernels.int8_mode(m.decoder.lossy_int8):  # the model's mode (its passes ran in it)
+        int8 = kernels.int8_activations()
+    print(json.dumps({"model": args.model, "threads": args.threads, "int8_activations": int8,
                       "draft_tokens": args.draft_tokens, "memory_limit": args.memory_limit,
                       "clock": "thread CPU" if args.cpu_time else "wall",
                       "prompt_tokens": len(ids),

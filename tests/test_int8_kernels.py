@@ -94,7 +94,9 @@ def test_off_by_default_and_unsupported_shapes_stay_exact(kind):
 
 def test_engine_config_turns_it_on(int8, tiny_model_dir, tmp_path):
     """`lossy_int8_activations=True` reaches the kernels; a q4 model in that mode gives the same logits in one
-    prefill pass as in 5-token chunks, and stays close to the exact mode."""
+    prefill pass as in 5-token chunks, and stays close to the exact mode. The mode is the model's own: a LOSSY model
+    and an exact one held in one process, in either order of loading, each compute as they would alone (the mode
+    was the process's, so the last load decided it for both)."""
     import colibri
     from colibri.convert.pipeline import ConvertOptions, convert
 
@@ -103,16 +105,26 @@ def test_engine_config_turns_it_on(int8, tiny_model_dir, tmp_path):
     kernels.set_int8_activations(None)
     with colibri.load(tmp_path / "q4") as m:
         exact = m.logits(ids)
-    assert not kernels.int8_activations()
     with colibri.load(tmp_path / "q4", lossy_int8_activations=True) as m:
-        assert kernels.int8_activations()
+        assert m.decoder.lossy_int8 and not kernels.int8_activations()  # (outside its passes: the process's)
         whole = m.logits(ids)
         chunked = torch.cat(list(m.engine.score(ids, chunk=5)))
     assert torch.equal(whole, chunked)
     assert not torch.equal(whole, exact)
     assert (whole - exact).abs().mean() / exact.abs().mean() < 0.05
-    with colibri.load(tmp_path / "q4") as m:  # the next model loaded without the option is exact again
-        assert not kernels.int8_activations()
+    for lossy_first in (True, False):
+        with colibri.load(tmp_path / "q4", lossy_int8_activations=lossy_first) as a, \
+                colibri.load(tmp_path / "q4", lossy_int8_activations=not lossy_first) as b:
+            lossy, plain = (a, b) if lossy_first else (b, a)
+            for _ in range(2):
+                assert torch.equal(plain.logits(ids), exact)
+                assert torch.equal(lossy.logits(ids), whole)
+    with colibri.load(tmp_path / "q4") as m:  # a model loaded without the option: the process's mode
+        kernels.set_int8_activations(True)
+        try:
+            assert torch.equal(m.logits(ids), whole)
+        finally:
+            kernels.set_int8_activations(None)
         assert torch.equal(m.logits(ids), exact)
 
 

@@ -39,12 +39,13 @@ class EngineConfig:
     cost; 0: off; N: N whenever an n-gram matches). ngram: the longest n-gram matched. ngram_cache_size: entries
     of the n-gram cache shared by all sequences (0: prompt lookup only). lookahead: MoE under a memory limit,
     predict the next layer's experts with its router and read them early (never changes tokens).
-    lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group
-    (every native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md);
-    process-wide once set (colibri.kernels). chat_template: a Jinja file that replaces the model's chat template
-    (None: the model's own). sparse_ffn: LOSSY, None (off) or the sparse-FFN sidecar of `colibri calibrate`
-    ("default": the container's own): a dense FFN neuron whose |act(gate)| is at or below its layer's calibrated
-    threshold is skipped for that token (runtime/sparsity.py; cost in docs/quality.md)."""
+    lossy_int8_activations: LOSSY, q4 / q8 / q4k / q8k linears quantize activations to int8 per row and group (every
+    native tier: AVX-512 VNNI, AVX2, portable; cost in docs/quality.md and docs/performance.md); this model's own
+    (its passes run in it; without it, COLIBRI_LOSSY_INT8 decides: colibri.kernels). chat_template: a Jinja file
+    that replaces the model's chat template (None: the model's own). sparse_ffn: LOSSY, None (off) or the sparse-FFN
+    sidecar of `colibri calibrate` ("default": the container's own): a dense FFN neuron whose |act(gate)| is at or
+    below its layer's calibrated threshold is skipped for that token (runtime/sparsity.py; cost in
+    docs/quality.md)."""
 
     model: str | os.PathLike | None = None
     memory_limit: int | str | None = None

@@ -38,13 +38,16 @@ two-level scales decoded per group, as stored), and q6k, q3k and iq4_xs through 
 to q8k's codes and scales), multiply activations quantized per row and per group (q8k: per 16) to int8 with int8 dot
 products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one:
 the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still batch-invariant;
-its quality cost is in docs/performance.md. Process-wide, like the kernel tier: once set, every model in the process
-uses it. Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need, a one-line notice says
+its quality cost is in docs/performance.md. A model's own: its passes run in the mode it was loaded with (`int8_mode`
+around each, so a LOSSY model and an exact one share a process); a model loaded without the option follows the
+process's setting (`set_int8_activations`, else COLIBRI_LOSSY_INT8). Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need, a one-line notice says
 so and the exact kernels run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import platform
@@ -260,6 +263,8 @@ def blocked(fn, x: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> to
 
 
 _int8_requested: bool | None = None  # set_int8_activations; None: COLIBRI_LOSSY_INT8 decides
+# the mode of the passes running in this thread (int8_mode); None: the process's
+_int8_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("colibri_int8_scope", default=None)
 
 
 def set_int8_activations(on: bool | None) -> None:
@@ -302,10 +307,23 @@ def _int8_usable() -> bool:
     return ok
 
 
+@contextlib.contextmanager
+def int8_mode(on: bool | None):
+    """The LOSSY int8-activation mode of the linears run inside, in this thread: a model's passes run in the mode
+    it was loaded with (DecoderModel.forward); None: the process's (set_int8_activations, else COLIBRI_LOSSY_INT8)."""
+    token = _int8_scope.set(on)
+    try:
+        yield
+    finally:
+        _int8_scope.reset(token)
+
+
 def int8_activations() -> bool:
-    """Whether q4 / q8 linears use the LOSSY int8-activation kernels now (requested, and the tier in use has
-    them for this CPU)."""
-    on = _int8_env() if _int8_requested is None else _int8_requested
+    """Whether q4 / q8 linears use the LOSSY int8-activation kernels now (requested, by the model running or the
+    process, and the tier in use has them for this CPU)."""
+    on = _int8_scope.get()
+    if on is None:
+        on = _int8_env() if _int8_requested is None else _int8_requested
     return on and _int8_usable()
 
 

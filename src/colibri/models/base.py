@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from colibri import kernels
 from colibri.core.errors import UnsupportedModelError
 from colibri.kernels import ops
 from colibri.kernels.ops import linear
@@ -265,6 +266,8 @@ class DecoderModel:
     """A pre-norm decoder-only transformer covering every supported family through ModelArgs flags."""
 
     ffn_hook: FFNHook | None = None  # the dense FFN layers' hidden product goes through it when set
+    # LOSSY int8 activations in this model's passes (kernels.int8_mode; None: the process's setting)
+    lossy_int8: bool | None = None
 
     def __init__(self, args: ModelArgs):
         self.args = args
@@ -354,6 +357,10 @@ class DecoderModel:
         weight is fetched once per pass whatever the number of sequences (for MoE, the union of the experts the
         tokens route to); attention runs per sequence over its own keys. Each sequence's KV must have room for
         its span reserved by the caller, who also commits the positions afterwards: the math keeps no state."""
+        with kernels.int8_mode(self.lossy_int8):
+            return self._forward(store, batch, hidden)
+
+    def _forward(self, store: "WeightStore", batch: "Batch", hidden: bool) -> torch.Tensor:
         a = self.args
         tokens, positions = batch.tokens, batch.positions
         store.begin_pass(tokens.shape[0], longest=max(b - s for s, b in batch.spans))

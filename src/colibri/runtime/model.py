@@ -175,16 +175,18 @@ class Model:
         self.closed = False
         if config.threads:
             torch.set_num_threads(int(config.threads))
-        # (the mode is the process's: a model loaded without the option computes as COLIBRI_LOSSY_INT8 says, not as
-        # a model loaded before it asked)
-        kernels.set_int8_activations(True if config.lossy_int8_activations else None)
         self.path = config.model_path()
         self.checkpoint, self.args, self.decoder = open_model(self.path)
+        # the model's own mode (its passes run in it, whatever other models of the process do); without the option,
+        # the process's setting (COLIBRI_LOSSY_INT8)
+        self.decoder.lossy_int8 = True if config.lossy_int8_activations else None
         ckpt = self.checkpoint
         self.dtype = resolve_dtype(config.dtype) or ckpt.default_dtype()
         shapes = self.decoder.weight_shapes()
         check_tensors(ckpt, shapes, self.path)
-        if kernels.int8_activations():  # requested and the tier has them (where not, kernels said why)
+        with kernels.int8_mode(self.decoder.lossy_int8):
+            lossy = kernels.int8_activations()  # requested and the tier has them (where not, kernels said why)
+        if lossy:
             why = int8_shortfall(ckpt, shapes)
             if why:
                 kernels.notice(f"lossy int8 activations {why}")
