@@ -300,11 +300,21 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
                            ContainerCheckpoint(out).load(q).dequantize())
 
 
+@pytest.mark.parametrize("tier", [None, "torch"])
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")])
-def test_one_table_is_read_by_rows(tmp_path, monkeypatch, qtype, kind):
+def test_one_table_is_read_by_rows(tmp_path, monkeypatch, qtype, kind, tier):
     """A tied table kept exactly (q4k: the lookup reads 64-row tiles, the head streams whole tiles in row blocks;
     q2k, q5_1: rows of blocks): the logits read that way equal the resident container's and, within the kernels'
-    tolerance, the GGUF's."""
+    tolerance, the GGUF's. On the torch fallback too, whose GEMMs over a block's few rows gave q5_1 other bits
+    (kernels.padded_linear)."""
+    kernels.use(tier)
+    try:
+        _read_by_rows(tmp_path, monkeypatch, qtype, kind)
+    finally:
+        kernels.use(None)
+
+
+def _read_by_rows(tmp_path, monkeypatch, qtype, kind):
     src = k_gguf(tmp_path / "t.gguf", one_table=qtype)
     out = tmp_path / "c"
     conv.convert(src, out, conv.ConvertOptions(quant="q4", page_size_mb=1))

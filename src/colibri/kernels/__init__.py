@@ -66,6 +66,7 @@ MODE_ENV = "COLIBRI_KERNELS"
 LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
 _GENERIC_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 BLOCK_ROWS = 16  # rows per call in the torch fallback: every GEMM it runs has exactly this many rows
+GEMM_COLS = 64  # and a multiple of this many weight rows (`padded_linear`)
 _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attention.cpp", "generic/int8.cpp",
                     "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "block.cpp", "registry.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/linear_steps.h", "generic/tiles.h",
@@ -244,6 +245,25 @@ def library():
     if not native():
         raise RuntimeError("the torch kernels are in use; they have no native ops")
     return _ops
+
+
+def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (x [T, K], w [N, K]) -> [T, N] with every GEMM over a multiple of GEMM_COLS rows of w (its
+    last rows zero-padded to one). torch's GEMMs take other kernels, with other roundings, for a handful of columns
+    (N <= 8 on MKL, f32), and a streamed table's row blocks or a weight's last dequantized chunk can leave that few:
+    the same row gave other bits there than in the resident weight. From 12 columns on, each column's bits are the
+    same whatever N (measured, f32 and bf16, MKL and oneDNN at AVX-512 and AVX2)."""
+    n = w.shape[0]
+    main = n - n % GEMM_COLS
+    if main == n:
+        return torch.nn.functional.linear(x, w)
+    tail = torch.zeros(GEMM_COLS, w.shape[1], dtype=w.dtype)
+    tail[:n - main] = w[main:]
+    y = torch.empty(x.shape[0], n, dtype=torch.promote_types(x.dtype, w.dtype))
+    if main:
+        y[:, :main] = torch.nn.functional.linear(x, w[:main])
+    y[:, main:] = torch.nn.functional.linear(x, tail)[:, :n - main]
+    return y
 
 
 def blocked(fn, x: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:

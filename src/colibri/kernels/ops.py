@@ -24,7 +24,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     if kernels.native() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
         y = kernels.library().dense_linear(x2.contiguous(), w.contiguous())
     else:
-        y = kernels.blocked(lambda blk: F.linear(blk, w), x2, n)
+        y = kernels.blocked(lambda blk: kernels.padded_linear(blk, w), x2, n)
     if b is not None:
         add_bias(y, b)
     return y.reshape(*x.shape[:-1], n)

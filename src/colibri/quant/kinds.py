@@ -389,7 +389,7 @@ class Q4Weight(_QuantWeight):
                     w = _scratch(x.dtype, c, k, _TILE).copy_(w)
                 yt[:, i:i + c].copy_(torch.matmul(x, w).transpose(0, 1))
         if nt * _TILE < np_:
-            y[:, nt * _TILE:] = x @ self._dequant_rows(nt * _TILE, np_).to(x.dtype).T
+            y[:, nt * _TILE:] = kernels.padded_linear(x, self._dequant_rows(nt * _TILE, np_).to(x.dtype))
         return y
 
     def _dequant_rows(self, r0: int, r1: int) -> torch.Tensor:
@@ -504,7 +504,7 @@ class Q8Weight(_QuantWeight):
             w.view(c, s.shape[1], -1).mul_(s.unsqueeze(-1))
             if x.dtype != torch.float32:
                 w = _scratch(x.dtype, c, k).copy_(w)
-            y[:, r:r + c] = x @ w.T
+            y[:, r:r + c] = kernels.padded_linear(x, w)
         return y
 
     def _codes(self, rows: slice | torch.Tensor) -> torch.Tensor:
@@ -1099,7 +1099,7 @@ class _MinBlocksWeight(_BlocksWeight):
         step = max(1, _CHUNK_BYTES // (k * 4))
         for r in range(0, n, step):
             w = self._values(slice(r, r + step))
-            y[:, r:r + w.shape[0]] = x @ w.to(x.dtype).T
+            y[:, r:r + w.shape[0]] = kernels.padded_linear(x, w.to(x.dtype))
         return y
 
 
