@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,54 @@ def test_damaged_cache_is_rebuilt(tiny_model_dir, tmp_path):
     assert again == path and len(said) == 1  # found damaged, converted again
     _, said = convert_once(src, tmp_path)
     assert said == []
+
+
+def test_containers_of_a_changed_or_gone_source_are_removed(tiny_model_dir, tmp_path):
+    """Each changed copy of a source (a fresh venv's packaged model, a re-downloaded file) got a container of its own
+    and none was removed: a conversion now removes those of a source by the same name that is gone or changed, and
+    keeps those whose source is still there as it was."""
+    import shutil
+
+    root = tmp_path / "models"
+    a, b = tmp_path / "a" / "tiny", tmp_path / "b" / "tiny"
+    shutil.copytree(tiny_model_dir("llama_tied"), a)
+    shutil.copytree(a, b)
+    first, _ = convert_once(a, root)
+    (a / "config.json").touch()  # a changed (its fingerprint: names, sizes and mtimes)
+    second, said = convert_once(a, root)
+    assert second != first and not first.exists() and not (root / f"{first.name}.lock").exists()
+    assert len(said) == 2 and "removed 1 older q8 container(s) of tiny" in said[1], said
+    other, said = convert_once(b, root)  # the same name, another source that is there as it was: both kept
+    assert other != second and second.is_dir() and len(said) == 1
+    shutil.rmtree(b)
+    (a / "config.json").touch()
+    third, said = convert_once(a, root)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [third.name] and "removed 2" in said[1], said
+    again, said = convert_once(a, root)
+    assert again == third and said == []
+
+
+def test_a_linked_source_still_there_is_kept(tmp_path):
+    """A file source given through a link (the hub cache links each file to a blob named by its hash; the manifest
+    records the link's target) is recognized as unchanged: its container stays when another file by that name is
+    converted, and goes once the file changes."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_kquant import k_gguf
+
+    (tmp_path / "blobs").mkdir()
+    blob = k_gguf(tmp_path / "blobs" / "0123abcd")
+    (tmp_path / "snap").mkdir()
+    linked = tmp_path / "snap" / "m.gguf"
+    linked.symlink_to(blob)
+    copy = tmp_path / "m.gguf"
+    copy.write_bytes(blob.read_bytes())
+    root = tmp_path / "models"
+    first, _ = convert_once(linked, root)
+    other, said = convert_once(copy, root)
+    assert other != first and first.is_dir() and len(said) == 1, said
+    os.utime(blob)  # the linked file changes
+    new, said = convert_once(linked, root)
+    assert not first.exists() and other.is_dir() and new.is_dir() and "removed 1" in said[1], said
 
 
 def test_two_processes_convert_once(tiny_model_dir, tmp_path):

@@ -121,13 +121,15 @@ class ConvertReport:
     seconds: float
 
 
-def source_fingerprint(src: Path, opts: ConvertOptions) -> str:
-    """Identity of (input files, options): a partial output is resumed only for the same fingerprint."""
+def source_fingerprint(src: Path, opts: ConvertOptions, name: str | None = None) -> str:
+    """Identity of (input files, options): a partial output is resumed only for the same fingerprint. name: a file
+    source's name as it was given (a link's: the hub cache links each file to a blob named by its hash), else its
+    own."""
     files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
     h = hashlib.sha256(f"{FORMAT}/{VERSION}/{asdict(opts)}".encode())
     for f in files:
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(f"{name if name and src.is_file() else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -507,7 +509,43 @@ def cached_container(src: Path, root: Path, kind: str, announce=None, label: str
         if announce:
             announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
         convert(src, dst, opts, force=True, progress=progress_lines(label))
+    gone = _remove_stale(src, root, kind, dst, opts)
+    if gone and announce:
+        announce(f"removed {len(gone)} older {kind} container(s) of {src.name} whose source is gone or changed"
+                 f" ({sum(gone) / 1e6:.0f} MB)")
     return dst
+
+
+def _remove_stale(src: Path, root: Path, kind: str, dst: Path, opts: ConvertOptions) -> list[int]:
+    """Delete the containers under `root` that cached_container made of a source by src's name whose source file is
+    now gone or changed (each fresh venv's copy of a packaged model, a re-downloaded file: each got a container of
+    its own, and none was ever removed); those whose source is still there as it was are kept, in use or not, and
+    so is one being converted (its lock is held). -> the bytes each removed one held."""
+    gone = []
+    for d in root.iterdir():
+        if d == dst or not d.name.startswith(f"{src.stem}-{kind}-") or not d.is_dir():
+            continue
+        try:
+            source = json.loads((d / MANIFEST).read_text()).get("source") or {}
+            path = Path(source["path"])  # (resolved: a link's target)
+            if path.exists() and source["fingerprint"] in (source_fingerprint(path, opts),
+                                                           source_fingerprint(path, opts, src.name)):
+                continue
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # no readable manifest (a damaged one, or a conversion's work): `colibri rm` is for those
+        with open(root / f"{d.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # being converted again right now
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+            if d.exists():
+                continue
+            (root / f"{d.name}.verified").unlink(missing_ok=True)
+            (root / f"{d.name}.lock").unlink(missing_ok=True)
+        gone.append(size)
+    return gone
 
 
 def _intact(path: Path) -> bool:
