@@ -109,6 +109,7 @@ def test_sparse_rows_do_not_depend_on_their_batch_mates(calibrated):
     with colibri.load(path, sparse_ffn=str(out)) as m:
         a, b = ids(m.args.vocab_size, 20, seed=5), ids(m.args.vocab_size, 13, seed=6)
 
+        @torch.inference_mode()  # as the engine runs it (the torch tier's KV writes need it)
         def forward(parts):
             caches = [m.new_cache() for _ in parts]
             for p, c in zip(parts, caches):

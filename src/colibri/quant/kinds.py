@@ -62,14 +62,16 @@ _local = threading.local()
 
 
 def _scratch(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-    """A reused buffer per thread and dtype: a fresh multi-MiB allocation per call costs page faults."""
+    """A reused buffer per thread and dtype: a fresh multi-MiB allocation per call costs page faults. Made at its
+    full size (a step's _CHUNK_BYTES of f32 elements) on first use: grown step by step, the smaller buffers it
+    dropped stayed in the heap, above what the budget reserves for it (SCRATCH_BYTES)."""
     n = 1
     for s in shape:
         n *= s
     bufs = _local.__dict__.setdefault("bufs", {})
     if dtype not in bufs or bufs[dtype].numel() < n:
         with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
-            bufs[dtype] = torch.empty(n, dtype=dtype)
+            bufs[dtype] = torch.empty(max(n, _CHUNK_BYTES // 4), dtype=dtype)
     return bufs[dtype][:n].view(shape)
 
 
