@@ -38,10 +38,10 @@ two-level scales decoded per group, as stored), and q6k, q3k and iq4_xs through 
 to q8k's codes and scales), multiply activations quantized per row and per group (q8k: per 16) to int8 with int8 dot
 products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one:
 the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still batch-invariant;
-its quality cost is in docs/performance.md. A model's own: its passes run in the mode it was loaded with (`int8_mode`
-around each, so a LOSSY model and an exact one share a process); a model loaded without the option follows the
-process's setting (`set_int8_activations`, else COLIBRI_LOSSY_INT8). Where the tier in use has no int8 ops (Tier.int8) or the CPU lacks what they need, a one-line notice says
-so and the exact kernels run.
+its quality cost is in docs/performance.md. A model's own: its passes run in the mode it was loaded with
+(`int8_mode` around each, so a LOSSY model and an exact one share a process); a model loaded without the option
+follows the process's setting (`set_int8_activations`, else COLIBRI_LOSSY_INT8). Where the tier in use has no int8
+ops (Tier.int8) or the CPU lacks what they need, a one-line notice says so and the exact kernels run.
 """
 
 from __future__ import annotations
@@ -249,10 +249,10 @@ def library():
 
 def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) (x [T, K], w [N, K]) -> [T, N] with every GEMM over a multiple of GEMM_COLS rows of w (its
-    last rows zero-padded to one). torch's GEMMs take other kernels, with other roundings, for a handful of columns
-    (N <= 8 on MKL, f32), and a streamed table's row blocks or a weight's last dequantized chunk can leave that few:
-    the same row gave other bits there than in the resident weight. From 12 columns on, each column's bits are the
-    same whatever N (measured, f32 and bf16, MKL and oneDNN at AVX-512 and AVX2)."""
+    last rows zero-padded to one). torch's GEMMs take other kernels, with other roundings, for a handful of columns,
+    and a streamed table's row blocks or a weight's last dequantized chunk can leave that few: the same row gave other
+    bits there than in the resident weight. With more, each column's bits are the same whatever N (measured:
+    docs/performance.md, "What the LOSSY decode's linears are bound by; the fallback's and the cache's fixes")."""
     n = w.shape[0]
     main = n - n % GEMM_COLS
     if main == n:
