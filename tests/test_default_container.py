@@ -12,9 +12,9 @@ from colibri.convert.pipeline import cached_container
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def convert_once(src: Path, root: Path) -> tuple[Path, list[str]]:
+def convert_once(src: Path, root: Path, prune: bool = True) -> tuple[Path, list[str]]:
     said: list[str] = []
-    return cached_container(src, root, "q8", said.append), said
+    return cached_container(src, root, "q8", said.append, prune=prune), said
 
 
 def test_converted_once_then_reused(tiny_model_dir, tmp_path):
@@ -39,9 +39,9 @@ def test_damaged_cache_is_rebuilt(tiny_model_dir, tmp_path):
 
 
 def test_containers_of_a_changed_or_gone_source_are_removed(tiny_model_dir, tmp_path):
-    """Each changed copy of a source (a fresh venv's packaged model, a re-downloaded file) got a container of its own
-    and none was removed: a conversion now removes those of a source by the same name that is gone or changed, and
-    keeps those whose source is still there as it was."""
+    """Each changed copy of the default model (a fresh venv's packaged file) got a container of its own and none was
+    removed: a conversion now removes those of a source by the same name that is gone or changed, and keeps those
+    whose source is still there as it was. A user's GGUF (no pruning) keeps them all."""
     import shutil
 
     root = tmp_path / "models"
@@ -61,6 +61,9 @@ def test_containers_of_a_changed_or_gone_source_are_removed(tiny_model_dir, tmp_
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [third.name] and "removed 2" in said[1], said
     again, said = convert_once(a, root)
     assert again == third and said == []
+    (a / "config.json").touch()  # a user's model (no pruning): its older containers stay for `colibri rm`
+    fourth, said = convert_once(a, root, prune=False)
+    assert third.is_dir() and fourth.is_dir() and len(said) == 1, said
 
 
 def test_a_linked_source_still_there_is_kept(tmp_path):

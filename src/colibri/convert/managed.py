@@ -1,7 +1,7 @@
 """Models by name: the containers Colibri manages (`cache_dir()/models`, where the default model's container is
 converted on first use), listed and removed by name (`colibri list`, `colibri rm`), and `--model` read as a path,
-a listed name or a Hugging Face hub id. A conversion on first use also removes the containers of a source by the same
-name that is gone or changed since (pipeline.cached_container).
+a listed name or a Hugging Face hub id. The default model's conversion on first use also removes the containers of
+earlier copies of its file that are gone or changed (pipeline.cached_container's prune).
 
 A hub id (`Qwen/Qwen2.5-0.5B-Instruct`, or `org/repo:Q4_K_M` for one GGUF file of a GGUF repository) resolves
 through huggingface_hub's cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub): what is cached is

@@ -491,12 +491,15 @@ def _check_space(parent: Path, total: int, work: Path) -> None:
 DEFAULT_KIND = "q4"  # the container kind of the default model (docs/quality.md, "The default model")
 
 
-def cached_container(src: Path, root: Path, kind: str, announce=None, label: str = "the default model") -> Path:
+def cached_container(src: Path, root: Path, kind: str, announce=None, label: str = "the default model",
+                     prune: bool = False) -> Path:
     """A container of `src` under `root`, converted on first use and reused while `src` is unchanged.
 
     Safe against two processes at once (the second waits on a lock, then finds the first's container) and
     against a damaged cache (a container that fails its checksums is converted again). `announce(text)` is told
-    before a conversion starts."""
+    before a conversion starts. prune: a conversion also removes the containers of a source by src's name that is
+    gone or changed (_remove_stale): for the default model, a package's file; a user's GGUF keeps its containers,
+    which may be all that is left of a file deleted on purpose (`colibri rm` removes them)."""
     opts = ConvertOptions(quant=kind)
     root.mkdir(parents=True, exist_ok=True)
     dst = root / f"{src.stem}-{kind}-{source_fingerprint(src, opts)}"
@@ -509,7 +512,7 @@ def cached_container(src: Path, root: Path, kind: str, announce=None, label: str
         if announce:
             announce(f"converting {src.name} to a {kind} container in {dst} (first use only)")
         convert(src, dst, opts, force=True, progress=progress_lines(label))
-    gone = _remove_stale(src, root, kind, dst, opts)
+    gone = _remove_stale(src, root, kind, dst, opts) if prune else []
     if gone and announce:
         announce(f"removed {len(gone)} older {kind} container(s) of {src.name} whose source is gone or changed"
                  f" ({sum(gone) / 1e6:.0f} MB)")
@@ -594,4 +597,4 @@ def progress_lines(label: str) -> Progress:
 
 def default_container(announce=None) -> Path:
     """The embedded default model as a container under cache_dir() (converted on first use)."""
-    return cached_container(default_model_path(), cache_dir() / "models", DEFAULT_KIND, announce)
+    return cached_container(default_model_path(), cache_dir() / "models", DEFAULT_KIND, announce, prune=True)
