@@ -492,7 +492,7 @@ class Q8Weight(_QuantWeight):
         if self.group_size == 0 and x.dtype == torch.bfloat16:
             s = self._buffer_as("scales", torch.bfloat16)
             return torch.ops.aten._weight_int8pack_mm(x, self._buffers["qweight"], s)
-        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
+        return super()._torch_linear(x)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T in x's dtype, dequantizing a few MiB of rows at a time (in f32, then rounded for bf16)."""
@@ -881,9 +881,6 @@ class Q8KWeight(Q8Weight):
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(Q8K, shape, buffers)
 
-    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
-
     def _scales_f32(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """d * sc of `rows` (a slice, or row ids), f32 [rows, K/16] (exact)."""
         sup = self._buffers["supers"][rows].float().repeat_interleave(SUPER // 16, dim=1)
@@ -911,9 +908,6 @@ class _BlocksWeight(Q8Weight):
     def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._buffers["qweight"][rows]
         return b.view(b.shape[0], self.shape[1] // self.VALUES, self.BLOCK)
-
-    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.blocked(self._dequant_matmul, x, self.shape[0])
 
 
 class _KBlocksWeight(_BlocksWeight):
