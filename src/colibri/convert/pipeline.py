@@ -125,11 +125,11 @@ def source_fingerprint(src: Path, opts: ConvertOptions, name: str | None = None)
     """Identity of (input files, options): a partial output is resumed only for the same fingerprint. name: a file
     source's name as it was given (a link's: the hub cache links each file to a blob named by its hash), else its
     own."""
-    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    files = [(name or src.name, src)] if src.is_file() else [(p.name, p) for p in sorted(src.iterdir()) if p.is_file()]
     h = hashlib.sha256(f"{FORMAT}/{VERSION}/{asdict(opts)}".encode())
-    for f in files:
+    for given, f in files:
         st = f.stat()
-        h.update(f"{name if name and src.is_file() else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(f"{given}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
