@@ -45,7 +45,6 @@ def _check(monkeypatch, path, ids, layers, **options):
                                                                                         **options)
         finally:
             kernels.use(None)
-            kernels.set_int8_activations(None)  # (a LOSSY load turns it on for the process)
         assert torch.equal(logits, want_logits), f"{tier} {options}: the one-call block's logits differ"
         assert tokens == want_tokens, f"{tier} {options}"
         # every layer of the prefill and of the generation's prompt pass, and of its decode steps (one token, or a
