@@ -302,8 +302,9 @@ constexpr int64_t kTileAhead = 3 * kStreamAhead;
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
 // steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
 // zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
-// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi): group gi's 64 scales,
-// then its 64 zeros (a table's row, or q4k's decoded where they are used: Q4kDirectParams).
+// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi, f): calls f(v, h, s, z)
+// with group gi's scales s and zeros z of columns 16 v + 8 h .. + 7, for each of the 8 (a table's row, or q4k's
+// decoded where they are used: Q4kDirectParams).
 template <class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
@@ -311,7 +312,6 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
   const u8x32 nib = u8x32{} + 15;
   alignas(32) float zt[64] = {};
   for (int64_t gi = 0; gi < groups; ++gi) {
-    const float* prm = params(gi);  // (decoded before the group's integer sums, which do not wait for it)
     i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
       i16x16 c[4] = {};  // interleave h, low / high nibbles
@@ -340,13 +340,11 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
     }
     const f8 dv = simd::set1(d[gi]), xv = simd::set1(xs[gi]);
     const i32x8 base = i32x8{} + qs[gi];
-    for (int h = 0; h < 2; ++h)
-      for (int v = 0; v < 4; ++v) {
-        const int64_t col = 16 * v + 8 * h;
-        simd::store(tot + col, int8_step<lanes::Lanes8>(simd::load(tot + col), acc[4 * h + v] + base, dv,
-                                                        simd::load(prm + col)));
-        simd::store(zt + col, simd::fma(simd::load(prm + 64 + col), xv, simd::load(zt + col)));
-      }
+    params(gi, [&](int v, int h, f8 sv, f8 zv) {
+      const int64_t col = 16 * v + 8 * h;
+      simd::store(tot + col, int8_step<lanes::Lanes8>(simd::load(tot + col), acc[4 * h + v] + base, dv, sv));
+      simd::store(zt + col, simd::fma(zv, xv, simd::load(zt + col)));
+    });
   }
   for (int64_t col = 0; col < 64; col += 8) simd::store(tot + col, simd::load(tot + col) + simd::load(zt + col));
 }
@@ -354,22 +352,37 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
 // q4_direct_by over a table: prm holds group 0's 64 scales, then its 64 zeros (group stride lds).
 inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq, const float* d,
                       const int32_t* qs, const float* xs, const float* prm, int64_t lds, float* tot) {
-  q4_direct_by(tile, groups, xg, xq, d, qs, xs, [prm, lds](int64_t gi) { return prm + gi * lds; }, tot);
+  q4_direct_by(tile, groups, xg, xq, d, qs, xs,
+               [prm, lds](int64_t gi, auto&& f) {
+                 const float* p = prm + gi * lds;
+                 for (int c = 0; c < 64; c += 8) f(c / 16, c / 8 % 2, simd::load(p + c), simd::load(p + 64 + c));
+               },
+               tot);
 }
 
-// q4k's (scale, zero) of one group of the tile at n0, decoded as q4_direct_by asks for them (q4k_params, the values
-// a tile's table holds: the same bits), into 128 floats of its own: a decode pass skips the table's 24 KiB a tile
-// (48 groups of K = 1536), written and read back once. sc, packed, sup, np: the weight's (check_q4k_layout).
+// q4k's (scale, zero) of one group of the tile at n0 for q4_direct_by, decoded 8 columns at a time where they are
+// used (q4k_params' steps, the values a tile's table holds: the same bits): a decode pass skips the table's 24 KiB a
+// tile (48 groups of K = 1536), written and read back once, and the 128 floats a group it stored and loaded again.
+// sc, packed, sup, np: the weight's (check_q4k_layout).
 struct Q4kDirectParams {
   const uint8_t* sc;
   bool packed;
   const uint16_t* sup;
   int64_t np, n0;
-  alignas(64) float buf[2 * 64];
   Q4kSupers ds;
-  const float* operator()(int64_t gi) {
-    q4k_params(sc, packed, sup, np, gi, n0, true, buf, buf + 64, ds);
-    return buf;
+  template <class F>
+  void operator()(int64_t gi, F&& f) {
+    using S = lanes::Lanes8;
+    const uint8_t* pc = q4k_code_row(sc, packed, np, gi, n0);
+    if (gi % 8 == 0) q4k_supers<S>(sup, np, gi, n0, kTile, ds);
+#pragma GCC unroll 8
+    for (int c = 0; c < kTile; c += 8) {
+      S::U sc8, m8;
+      q4k_group_codes<S>(pc, packed, c, sc8, m8);
+      S::V s, z;
+      q4k_scale_zero<S>(ds, c, sc8, m8, true, s, z);
+      f(c / 16, c / 8 % 2, s, z);
+    }
   }
 };
 

@@ -92,14 +92,58 @@ struct Q4kSupers {
 
 // q4k: the (sc, m) codes of columns [c, c + L) (c % L == 0) of a group's packed row p (args.h: 24 bytes per 16
 // columns, their v's low bytes, then 8 bytes whose low nibbles are columns 0-7's v >> 8 and high nibbles 8-15's).
-inline void q4k_codes(const uint8_t* p, int64_t c, lanes::Lanes::U& sc, lanes::Lanes::U& m) {
-  using S = lanes::Lanes;
+template <class S = lanes::Lanes>
+inline void q4k_codes(const uint8_t* p, int64_t c, typename S::U& sc, typename S::U& m) {
   const uint8_t* unit = p + c / 16 * 24;
-  const S::U lo = S::load_u8(unit + c % 16);
-  const S::U nib = S::load_u8_twice(unit + 16);  // lane i: byte i % 8, its nibble (c % 16 + i) / 8
-  const S::U hi = (nib >> (((S::lane_index() + static_cast<uint32_t>(c % 16)) >> 3) << 2)) & 15u;
+  const typename S::U lo = S::load_u8(unit + c % 16);
+  const typename S::U nib = S::load_u8_twice(unit + 16);  // lane i: byte i % 8, its nibble (c % 16 + i) / 8
+  const typename S::U hi = (nib >> (((S::lane_index() + static_cast<uint32_t>(c % 16)) >> 3) << 2)) & 15u;
   sc = lo & 63u;
   m = (lo >> 6) | (hi << 2);
+}
+
+// q4k: the codes of columns [c, c + L) of a group's row at pc (packed, or (sc | m << 8) a column: args.h).
+template <class S = lanes::Lanes>
+inline void q4k_group_codes(const uint8_t* pc, bool packed, int64_t c, typename S::U& sc, typename S::U& m) {
+  if (packed) {
+    q4k_codes<S>(pc, c, sc, m);
+    return;
+  }
+  const typename S::U codes = S::load_u16(reinterpret_cast<const uint16_t*>(pc) + c);
+  sc = codes & 0xffu;
+  m = codes >> 8;
+}
+
+// q4k: the first code row of group gi's codes for the tile at n0, and its next tile's prefetched (a page away from
+// the next group's row: fetched a tile ahead of its use).
+inline const uint8_t* q4k_code_row(const uint8_t* sc, bool packed, int64_t np, int64_t gi, int64_t n0) {
+  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
+  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
+  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
+  prefetch_span(pc + tile_bytes, tile_bytes);
+  return pc;
+}
+
+// q4k: the f32 (d, dmin) of columns [0, cols) of the tile at n0 in the super-block of group gi (sup: the f16 (d,
+// dmin) [G/8, Np, 2]).
+template <class S = lanes::Lanes>
+inline void q4k_supers(const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, int64_t cols, Q4kSupers& ds) {
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
+  prefetch_span(pd + kTile, 4 * kTile);
+  for (int64_t j = 0; j < cols; j += S::L) {
+    const typename S::U halves = S::load_u32(pd + j);
+    S::store(ds.d + j, S::f16_lo(halves));
+    S::store(ds.dmin + j, S::f16_lo(halves >> 16));
+  }
+}
+
+// q4k: (s, z) of columns [j, j + L) from their codes: s = d * sc; z = 8 s - dmin m (signed_codes) or 0 - dmin m.
+template <class S = lanes::Lanes>
+inline void q4k_scale_zero(const Q4kSupers& ds, int64_t j, typename S::U c, typename S::U mc, bool signed_codes,
+                           typename S::V& s, typename S::V& z) {
+  s = S::load(ds.d + j) * S::to_f(c);
+  const typename S::V mm = S::load(ds.dmin + j) * S::to_f(mc);
+  z = signed_codes ? S::set1(8.f) * s - mm : S::zero() - mm;
 }
 
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
@@ -110,20 +154,8 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
                        bool signed_codes, float* s, float* z, Q4kSupers& ds) {
   using S = lanes::Lanes;
   const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
-  // the next tile's codes of this group (a page away from the next group's): fetched a tile ahead of their use
-  const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
-  prefetch_span(pc + tile_bytes, tile_bytes);
-  if (gi % 8 == 0) {
-    const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
-    prefetch_span(pd + kTile, 4 * kTile);
-    for (int64_t j = 0; j < cols; j += S::L) {
-      const S::U halves = S::load_u32(pd + j);
-      S::store(ds.d + j, S::f16_lo(halves));
-      S::store(ds.dmin + j, S::f16_lo(halves >> 16));
-    }
-  }
+  const uint8_t* pc = q4k_code_row(sc, packed, np, gi, n0);
+  if (gi % 8 == 0) q4k_supers(sup, np, gi, n0, cols, ds);
   for (int64_t j = 0; j < kTile; j += S::L) {
     if (j >= cols) {
       S::store(s + j, S::zero());
@@ -131,17 +163,11 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
       continue;
     }
     S::U c, mc;
-    if (packed) {
-      q4k_codes(pc, j, c, mc);
-    } else {
-      const S::U codes = S::load_u16(reinterpret_cast<const uint16_t*>(pc) + j);  // (sc | m << 8) per column
-      c = codes & 0xffu;
-      mc = codes >> 8;
-    }
-    const S::V sv = S::load(ds.d + j) * S::to_f(c);
-    const S::V mm = S::load(ds.dmin + j) * S::to_f(mc);
+    q4k_group_codes(pc, packed, j, c, mc);
+    S::V sv, zv;
+    q4k_scale_zero(ds, j, c, mc, signed_codes, sv, zv);
     S::store(s + j, sv);
-    S::store(z + j, signed_codes ? S::set1(8.f) * sv - mm : S::zero() - mm);
+    S::store(z + j, zv);
   }
 }
 
