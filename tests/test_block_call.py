@@ -1,4 +1,4 @@
-"""A dense decoder block as one native call (ops.dense_block, kernels/block.cpp) gives the bits of the calls
+"""A dense decoder block as one native call (ops.DenseBlock, kernels/block.cpp) gives the bits of the calls
 DecoderModel.block makes one by one, on every native tier, for every weight kind the containers hold, exact and
 LOSSY, in a prefill and in decode steps; and the op refuses arguments that do not describe a block."""
 
@@ -20,15 +20,15 @@ def _one_call_and_plain(monkeypatch, path, ids, **options):
     """(logits of a prefill, greedy tokens) with the block as one call, then with the calls one by one; and how
     many one-call blocks ran."""
     calls = []
-    real = ops.dense_block
+    real = ops.DenseBlock.__call__
 
-    def counted(*a, **k):
-        calls.append(a[0].shape[0])
-        return real(*a, **k)
+    def counted(self, x, *a):
+        calls.append(x.shape[0])
+        return real(self, x, *a)
 
     out = []
     with monkeypatch.context() as mp:
-        mp.setattr(ops, "dense_block", counted)
+        mp.setattr(ops.DenseBlock, "__call__", counted)
         for plain in (False, True):
             if plain:
                 mp.setattr(base.DecoderModel, "_block_call", lambda self, *a: None)
@@ -107,3 +107,29 @@ def test_dense_block_refuses_what_is_not_a_block():
             call([dense] * 7, [w] * 9, [2] + [1] * 5 + [2])
     finally:
         kernels.use(None)
+
+
+def test_a_layers_block_is_made_once_where_the_store_keeps_its_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """All in RAM each layer's DenseBlock is made once and used by every pass (a decode step does no work per weight
+    in Python); a streaming store makes one per layer and pass (a kept block would hold its pages), and a weight a
+    RAM store's tensors replace makes a new one, used from the next pass on."""
+    if not NATIVE:
+        pytest.skip("no native tier")
+    from test_streaming import limit_for
+
+    path = cached_container(tiny_model_dir("qwen2"), tmp_path, "q4")
+    made = []
+    real = base.DecoderModel._dense_block
+    monkeypatch.setattr(base.DecoderModel, "_dense_block", lambda self, *a: made.append(1) or real(self, *a))
+    with colibri.load(path) as m:
+        tokens = m.generate(IDS, max_tokens=6, temperature=0).token_ids
+        assert len(made) == 2, made  # two layers, one pass of the prompt and five decode steps
+        name = m.decoder.block_names[1][2][6]  # layer 1's down weight, replaced by a copy of layer 0's
+        m.store.tensors[name] = m.store.get(m.decoder.block_names[0][2][6])
+        assert m.generate(IDS, max_tokens=6, temperature=0).token_ids != tokens
+        assert len(made) == 3
+    made.clear()
+    with colibri.load(path, memory_limit=limit_for(path, 0.0)) as m:
+        assert m.store.placement.streamed
+        assert m.generate(IDS, max_tokens=6, temperature=0).token_ids == tokens
+        assert len(made) == 2 * 6, made

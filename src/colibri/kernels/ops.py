@@ -42,31 +42,49 @@ def native_linear(x: torch.Tensor, w) -> tuple[str, tuple, int] | None:
     return None if call is None else (*call, w.shape[0])
 
 
-_OP_INDEX = {name: i for i, name in enumerate(kernels.OPS)}  # the library's ops by their position (dense_block)
+_OP_INDEX = {name: i for i, name in enumerate(kernels.OPS)}  # the library's ops by their position (DenseBlock)
 
 
-def dense_block(x: torch.Tensor, norms: list[torch.Tensor], eps: float, linears: list[tuple[str, tuple, int]],
-                bias: list[torch.Tensor] | None, cos: torch.Tensor, sin: torch.Tensor, keys: Paged, values: Paged,
-                positions: torch.Tensor, window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
-    """A dense decoder block in one native call (kernels/block.cpp): rms_norm(x, norms[0]); the q, k, v linears;
-    `rope_attend` (its bias, cos ... softcap); the o linear and the residual; rms_norm(., norms[1]); gate, up; silu
-    (through `pointwise`) times up; down and the residual. linears: `native_linear`'s answer for q, k, v, o, gate,
-    up, down. The same bits as those calls one by one, which a decode step made from Python with cold caches (the
-    caller checks that each has its native form: x, the norms, bias, cos, sin and the blocks of one dtype, f32 or
-    bf16, the blocks not q8)."""
-    ops, weights, counts, groups, cols = [], [], [], [], []
-    for op, args, n in linears:
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
-        ops.append(_OP_INDEX[op])
-        weights += tensors
-        counts.append(len(tensors))
-        groups.append(args[-1] if len(tensors) < len(args) else 0)
-        cols.append(n)
-    pos = _int64(positions)
-    bias = [] if bias is None else _as_dtype(bias, x.dtype)
-    return kernels.library().dense_block(x, norms, ops, weights, counts, groups, cols, bias, cos, sin, keys.blocks,
-                                         values.blocks, keys.length, pos, window or 0, float(scale),
-                                         float(softcap or 0), float(eps), _GRAIN)
+@dataclass(frozen=True)
+class DenseBlock:
+    """A dense decoder block's weights as one native call takes them (kernels/block.cpp), made once per layer where
+    the store keeps its weights (WeightStore.derived): a decode step's call then does no work per weight in Python.
+
+    Calling it runs the block: rms_norm(x, norms[0]); the q, k, v linears; `rope_attend` (its bias, cos ... softcap);
+    the o linear and the residual; rms_norm(., norms[1]); gate, up; silu (through `pointwise`) times up; down and
+    the residual. The same bits as those calls one by one, which a decode step made from Python with cold caches."""
+
+    norms: list[torch.Tensor]
+    eps: float
+    ops: list[int]  # per linear (q, k, v, o, gate, up, down): its op's index in the library
+    weights: list[torch.Tensor]  # the linears' tensors, in order
+    counts: list[int]  # how many of them each linear takes
+    groups: list[int]  # each linear's group size argument (0: none)
+    cols: list[int]  # each linear's output columns
+    bias: list[torch.Tensor]  # q, k, v biases in the activations' dtype (empty: none)
+
+    @classmethod
+    def of(cls, norms: list[torch.Tensor], eps: float, linears: list[tuple[str, tuple, int]],
+           bias: list[torch.Tensor] | None, dtype: torch.dtype) -> "DenseBlock":
+        """linears: `native_linear`'s answer for q, k, v, o, gate, up, down. The caller checks that each has its
+        native form: the norms, bias and the activations (`dtype`) of one dtype, f32 or bf16, the blocks not q8."""
+        ops, weights, counts, groups, cols = [], [], [], [], []
+        for op, args, n in linears:
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            ops.append(_OP_INDEX[op])
+            weights += tensors
+            counts.append(len(tensors))
+            groups.append(args[-1] if len(tensors) < len(args) else 0)
+            cols.append(n)
+        return cls(norms, float(eps), ops, weights, counts, groups, cols,
+                   [] if bias is None else _as_dtype(bias, dtype))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: Paged, values: Paged,
+                 positions: torch.Tensor, window: int | None, scale: float, softcap: float | None) -> torch.Tensor:
+        return kernels.library().dense_block(x, self.norms, self.ops, self.weights, self.counts, self.groups,
+                                             self.cols, self.bias, cos, sin, keys.blocks, values.blocks, keys.length,
+                                             _int64(positions), window or 0, float(scale), float(softcap or 0),
+                                             self.eps, _GRAIN)
 
 
 def _int64(positions: torch.Tensor) -> torch.Tensor:

@@ -408,30 +408,39 @@ class DecoderModel:
                 [att + n + "_proj.weight" for n in "qkvo"] + [mlp + n + "_proj.weight" for n in ("gate", "up", "down")])
 
     def _block_call(self, store, i, x, batch: "Batch", rope) -> torch.Tensor | None:
-        """`block` for one sequence as one native call (ops.dense_block: the same bits as the calls `block` makes,
+        """`block` for one sequence as one native call (ops.DenseBlock: the same bits as the calls `block` makes,
         which a decode step paid for with cold caches) where each of them has its native form; None otherwise."""
         a = self.args
         dt = x.dtype
         if x.dim() != 2 or not x.is_contiguous() or dt not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
             return None
-        norm_names, bias_names, names = self.block_names[i]
-        norms = [store.get(n) for n in norm_names]
-        bias = None if bias_names is None else [store.get(n) for n in bias_names]
         cos, sin = rope
-        if norms[0].dtype != dt or norms[1].dtype != dt or cos.dtype != dt or sin.dtype != dt:
+        if cos.dtype != dt or sin.dtype != dt:
             return None
-        linears = []
-        for n in names:
-            call = ops.native_linear(x, store.get(n))
-            if call is None:
-                return None
-            linears.append(call)
+        norm_names, bias_names, names = self.block_names[i]
+        used = [store.get(n) for n in norm_names + names + (bias_names or [])]
+        # the weights' identities in the key, the weights kept beside the block (so no other object takes an id
+        # while it is kept): tensors a store replaces (tests, calibration) make a new block
+        key = ("dense_block", i, dt, kernels.tier(), kernels.int8_activations(), *map(id, used))
+        _, block = store.derived(key, lambda: (used, self._dense_block(used, bias_names is not None, x)))
+        if block is None:
+            return None
         room = batch.kv[0].room(i, x.shape[0])
         if room is None or room[0].blocks[0].dtype != dt:  # (q8 blocks: `update` quantizes the rows)
             return None
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        return ops.dense_block(x, norms, a.rms_norm_eps, linears, bias, cos, sin, *room, batch.positions, window,
-                               self.scale, a.attn_softcap)
+        return block(x, cos, sin, *room, batch.positions, window, self.scale, a.attn_softcap)
+
+    def _dense_block(self, used: list, bias: bool, x: torch.Tensor) -> ops.DenseBlock | None:
+        """A layer's weights (`used`: its two norms, q, k, v, o, gate, up, down, then the q, k, v biases where
+        `bias`) as one native call takes them for activations like x; None where one lacks its native form."""
+        norms, weights = used[:2], used[2:9]
+        if norms[0].dtype != x.dtype or norms[1].dtype != x.dtype:
+            return None
+        linears = [ops.native_linear(x, w) for w in weights]
+        if any(call is None for call in linears):
+            return None
+        return ops.DenseBlock.of(norms, self.args.rms_norm_eps, linears, used[9:] if bias else None, x.dtype)
 
     def attention(self, store, i, x, batch: "Batch", rope) -> torch.Tensor:
         a = self.args

@@ -1,15 +1,15 @@
 """Weight stores: where the model math gets its tensors from.
 
-The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses. That
-contract lets a streaming store load a layer's pages just before `layer(i)` is entered and release them after.
-`RamStore` is the simplest store: everything resident in the compute dtype. Every store has the whole protocol
+The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses (what it
+derives from them, `derived` keeps where the store can). That contract lets a streaming store load a layer's pages
+just before `layer(i)` is entered and release them after. `RamStore` is the simplest store: everything resident in the compute dtype. Every store has the whole protocol
 (the RAM store's budget and I/O methods are trivial), so callers never probe a store for a capability.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from colibri.core.errors import ModelLoadError
 if TYPE_CHECKING:
     from colibri.formats.container import ContainerCheckpoint
     from colibri.weights.placement import Placement
+
+T = TypeVar("T")
 
 
 class WeightStore(Protocol):
@@ -54,6 +56,11 @@ class WeightStore(Protocol):
 
     def peek(self, name: str) -> torch.Tensor | None:
         """A tensor outside its scope if it is resident already (pinned, or its page read), else None."""
+
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        """make(): a value made from this store's weights (the compute's arguments for a layer, say), kept under
+        `key` where the weights it reads stay the same objects for the store's life, made again otherwise: a kept
+        value holds its weights' memory."""
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         """A guess of layer i's routing (as `route`'s arguments), made before layer i runs: read ahead."""
@@ -93,6 +100,7 @@ class RamStore:
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
         self.tensors = tensors
         self.dtype = dtype
+        self._derived: dict = {}
 
     @classmethod
     def load(cls, names: Iterable[str], read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> "RamStore":
@@ -159,6 +167,13 @@ class RamStore:
     def peek(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = make()  # (every weight stays for the store's life)
+            return value
+
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         pass
 
@@ -179,3 +194,4 @@ class RamStore:
 
     def close(self) -> None:
         self.tensors = {}
+        self._derived = {}

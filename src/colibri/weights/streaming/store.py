@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -36,6 +36,8 @@ from colibri.weights.streaming.rows import RowTables
 from colibri.weights.streaming.staging import Staging, fault_in
 from colibri.weights.streaming.stats import PageState, StreamStats
 from colibri.weights.usage import USAGE_FILE, ExpertUsage
+
+T = TypeVar("T")
 
 
 class StreamingStore:
@@ -179,6 +181,11 @@ class StreamingStore:
 
     def wants_lookahead(self, i: int) -> bool:
         return self.lookahead.wants(i)
+
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        """Made again on every call: a layer's weights are other objects from one scope to the next (pinned ones
+        may be unpinned), and a kept value would hold their pages."""
+        return make()
 
     def peek(self, name: str):
         """A tensor before its scope when its bytes are here: pinned, held, or its page's read done (the page
