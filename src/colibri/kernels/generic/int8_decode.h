@@ -299,6 +299,14 @@ inline void scale_codes(const uint8_t* const* rows, int64_t off, i32x8 out[4]) {
 // faster from DRAM than kStreamAhead into L1 (docs/performance.md).
 constexpr int64_t kTileAhead = 3 * kStreamAhead;
 
+// Lanes 8 h .. 8 h + 7 of a vector of floats of any width (the avx512 tier's 16 lanes, or 8: h = 0, itself).
+template <class V>
+inline f8 part8(const V& v, int h) {
+  f8 r;
+  std::memcpy(&r, reinterpret_cast<const char*>(&v) + 32 * h, 32);
+  return r;
+}
+
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
 // steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
 // zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
@@ -372,16 +380,16 @@ struct Q4kDirectParams {
   Q4kSupers ds;
   template <class F>
   void operator()(int64_t gi, F&& f) {
-    using S = lanes::Lanes8;
+    using S = lanes::Lanes;  // (the tier's widest: the avx512 tier decodes 16 columns an operation)
     const uint8_t* pc = q4k_code_row(sc, packed, np, gi, n0);
     if (gi % 8 == 0) q4k_supers<S>(sup, np, gi, n0, kTile, ds);
 #pragma GCC unroll 8
-    for (int c = 0; c < kTile; c += 8) {
-      S::U sc8, m8;
-      q4k_group_codes<S>(pc, packed, c, sc8, m8);
+    for (int c = 0; c < kTile; c += S::L) {
+      S::U codes, mins;
+      q4k_group_codes<S>(pc, packed, c, codes, mins);
       S::V s, z;
-      q4k_scale_zero<S>(ds, c, sc8, m8, true, s, z);
-      f(c / 16, c / 8 % 2, s, z);
+      q4k_scale_zero<S>(ds, c, codes, mins, true, s, z);
+      for (int h = 0; h < S::L / 8; ++h) f((c + 8 * h) / 16, (c + 8 * h) / 8 % 2, part8(s, h), part8(z, h));
     }
   }
 };
