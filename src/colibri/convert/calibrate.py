@@ -183,7 +183,7 @@ class _LayerStore(RamStore):
     def release(self) -> None:
         self.loaded, self.override = {}, {}
 
-    def derived(self, key, make):
+    def derived(self, key, make, current):
         return make()  # (a layer's tensors are dropped by `release`: nothing derived from them is kept)
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:

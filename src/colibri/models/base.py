@@ -419,10 +419,10 @@ class DecoderModel:
             return None
         norm_names, bias_names, names = self.block_names[i]
         used = [store.get(n) for n in norm_names + names + (bias_names or [])]
-        # the weights' identities in the key, the weights kept beside the block (so no other object takes an id
-        # while it is kept): tensors a store replaces (tests, calibration) make a new block
-        key = ("dense_block", i, dt, kernels.tier(), kernels.int8_activations(), *map(id, used))
-        _, block = store.derived(key, lambda: (used, self._dense_block(used, bias_names is not None, x)))
+        # kept with the weights it was made of: a tensor the store's were replaced by (tests) makes a new block
+        _, block = store.derived(("dense_block", i, dt, kernels.tier(), kernels.int8_activations()),
+                                 lambda: (used, self._dense_block(used, bias_names is not None, x)),
+                                 lambda kept: all(a is b for a, b in zip(kept[0], used)))
         if block is None:
             return None
         room = batch.kv[0].room(i, x.shape[0])

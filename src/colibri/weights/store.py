@@ -2,8 +2,9 @@
 
 The model asks for tensors by HF checkpoint name, layer by layer, and keeps no reference between uses (what it
 derives from them, `derived` keeps where the store can). That contract lets a streaming store load a layer's pages
-just before `layer(i)` is entered and release them after. `RamStore` is the simplest store: everything resident in the compute dtype. Every store has the whole protocol
-(the RAM store's budget and I/O methods are trivial), so callers never probe a store for a capability.
+just before `layer(i)` is entered and release them after. `RamStore` is the simplest store: everything resident in
+the compute dtype. Every store has the whole protocol (the RAM store's budget and I/O methods are trivial), so
+callers never probe a store for a capability.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class WeightStore(Protocol):
     def peek(self, name: str) -> torch.Tensor | None:
         """A tensor outside its scope if it is resident already (pinned, or its page read), else None."""
 
-    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+    def derived(self, key: Hashable, make: Callable[[], T], current: Callable[[T], bool]) -> T:
         """make(): a value made from this store's weights (the compute's arguments for a layer, say), kept under
-        `key` where the weights it reads stay the same objects for the store's life, made again otherwise: a kept
-        value holds its weights' memory."""
+        `key` where the weights stay resident for the store's life (a kept value holds their memory), made again
+        otherwise; current(kept): whether a kept value still holds (its weights are the ones the store has now),
+        made again and kept in its place where not."""
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         """A guess of layer i's routing (as `route`'s arguments), made before layer i runs: read ahead."""
@@ -87,6 +89,7 @@ class WeightStore(Protocol):
     def close(self) -> None: ...
 
 
+_NONE = object()  # no value kept (RamStore.derived)
 _NOTHING = contextlib.nullcontext()  # reusable: a layer or expert scope of a store with nothing to do
 
 
@@ -167,12 +170,11 @@ class RamStore:
     def peek(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
-    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
-        try:
-            return self._derived[key]
-        except KeyError:
-            value = self._derived[key] = make()  # (every weight stays for the store's life)
-            return value
+    def derived(self, key: Hashable, make: Callable[[], T], current: Callable[[T], bool]) -> T:
+        value = self._derived.get(key, _NONE)
+        if value is _NONE or not current(value):
+            value = self._derived[key] = make()
+        return value
 
     def predict(self, i: int, uses: dict[int, int], names: dict[int, list[str]]) -> None:
         pass

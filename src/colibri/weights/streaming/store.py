@@ -182,7 +182,7 @@ class StreamingStore:
     def wants_lookahead(self, i: int) -> bool:
         return self.lookahead.wants(i)
 
-    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+    def derived(self, key: Hashable, make: Callable[[], T], current: Callable[[T], bool]) -> T:
         """Made again on every call: a layer's weights are other objects from one scope to the next (pinned ones
         may be unpinned), and a kept value would hold their pages."""
         return make()
