@@ -310,9 +310,9 @@ inline f8 part8(const V& v, int h) {
 // One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
 // steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
 // zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
-// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi, f): calls f(v, h, s, z)
-// with group gi's scales s and zeros z of columns 16 v + 8 h .. + 7, for each of the 8 (a table's row, or q4k's
-// decoded where they are used: Q4kDirectParams).
+// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi, f): calls f(c, s, z)
+// with group gi's scales s and zeros z of columns c .. c + 7, for c = 0, 8, .. 56 (a table's row, or q4k's decoded
+// where they are used: Q4kDirectParams).
 template <class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
@@ -348,10 +348,9 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
     }
     const f8 dv = simd::set1(d[gi]), xv = simd::set1(xs[gi]);
     const i32x8 base = i32x8{} + qs[gi];
-    params(gi, [&](int v, int h, f8 sv, f8 zv) {
-      const int64_t col = 16 * v + 8 * h;
-      simd::store(tot + col, int8_step<lanes::Lanes8>(simd::load(tot + col), acc[4 * h + v] + base, dv, sv));
-      simd::store(zt + col, simd::fma(zv, xv, simd::load(zt + col)));
+    params(gi, [&](int c, f8 sv, f8 zv) {
+      simd::store(tot + c, int8_step<lanes::Lanes8>(simd::load(tot + c), acc[4 * (c / 8 % 2) + c / 16] + base, dv, sv));
+      simd::store(zt + c, simd::fma(zv, xv, simd::load(zt + c)));
     });
   }
   for (int64_t col = 0; col < 64; col += 8) simd::store(tot + col, simd::load(tot + col) + simd::load(zt + col));
@@ -363,7 +362,7 @@ inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int
   q4_direct_by(tile, groups, xg, xq, d, qs, xs,
                [prm, lds](int64_t gi, auto&& f) {
                  const float* p = prm + gi * lds;
-                 for (int c = 0; c < 64; c += 8) f(c / 16, c / 8 % 2, simd::load(p + c), simd::load(p + 64 + c));
+                 for (int c = 0; c < 64; c += 8) f(c, simd::load(p + c), simd::load(p + 64 + c));
                },
                tot);
 }
@@ -389,7 +388,7 @@ struct Q4kDirectParams {
       q4k_group_codes<S>(pc, packed, c, codes, mins);
       S::V s, z;
       q4k_scale_zero<S>(ds, c, codes, mins, true, s, z);
-      for (int h = 0; h < S::L / 8; ++h) f((c + 8 * h) / 16, (c + 8 * h) / 8 % 2, part8(s, h), part8(z, h));
+      for (int h = 0; h < S::L / 8; ++h) f(c + 8 * h, part8(s, h), part8(z, h));
     }
   }
 };
