@@ -78,6 +78,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lossy-int8-activations", action="store_true")
     a = ap.parse_args()
+    for what, path in (("--model", a.model), ("--gguf", a.gguf), ("--llama-bench", a.llama_bench)):
+        if not os.path.exists(path):
+            raise SystemExit(f"{what} {path}: no such file or directory")
     step_bytes = weight_bytes(a.model)
     rows, tokens = [], []
     for r in range(a.rounds):
