@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
-from colibri.quant.kinds import from_gguf, q4k_codes
+from colibri.quant.kinds import from_gguf, q4k_codes, q4k_supers
 
 from test_kquant import k_blocks
 from test_tier_int8 import _int8_tiers
@@ -40,7 +40,7 @@ def _weights(n: int, k: int) -> dict[str, dict[str, torch.Tensor]]:
 def _q4_scales_zeros(b: dict[str, torch.Tensor]) -> torch.Tensor:
     """(s, z) f32 [K/32, Np, 2] as the kernel computes them, each f32 step rounded."""
     sc, mn = q4k_codes(b["scales"], 0, b["qweight"].shape[0])
-    sup = b["supers"].float().repeat_interleave(8, dim=0)
+    sup = q4k_supers(b["supers"], 0, b["qweight"].shape[0]).float().repeat_interleave(8, dim=0)
     s = sup[..., 0] * sc.float()
     z = s * 8 - sup[..., 1] * mn.float()
     return torch.stack([s, z], dim=-1).contiguous()

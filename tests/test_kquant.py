@@ -200,7 +200,7 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
 
     src, out, _ = k_container
     m = json.loads((out / "manifest.json").read_text())
-    assert m["version"] == 4  # q4k's packed scale codes (and 3's required checksums)
+    assert m["version"] == 5  # q4k's tile-major scale codes and supers (and 3's required checksums)
     kinds = {t["name"]: t["kind"] for t in m["tensors"]}
     assert "lm_head.weight" not in kinds and kinds["model.embed_tokens.weight"] == "q6k"  # output.weight's Q6_K
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "q6k"
@@ -219,33 +219,40 @@ def test_k_quant_gguf_converts_exactly_with_one_table(k_container):
     assert container_bytes < sum(int(t.n_bytes) for t in g._reader.tensors) + 64 * 4096  # table once; alignment
 
 
-def test_a_container_made_before_q4k_packed_its_codes_reads_the_same(tmp_path, monkeypatch):
-    """Containers of format version 3 hold q4k's (sc, m) codes a byte each ([K/32, Np, 2]): written here as the
-    converter wrote them then, they read (no repack) and give the version-4 container's logits bit for bit, the
-    table read by tiles from disk included."""
+@pytest.mark.parametrize("version", [3, 4])
+def test_a_container_made_before_q4k_tiled_its_codes_reads_the_same(tmp_path, monkeypatch, version):
+    """Containers of format version 4 hold q4k's packed codes and supers group-major ([K/32, Np/16, 24], [K/256,
+    Np, 2]); those of version 3 the (sc, m) codes a byte each ([K/32, Np, 2]): written here as the converter wrote
+    them then, they read (no repack) and give the version-5 container's logits bit for bit, the table read by tiles
+    from disk included."""
     from colibri.formats import container as cont
     from colibri.quant import kinds
 
     src = k_gguf(tmp_path / "t.gguf", one_table=QT.Q4_K)
     new = tmp_path / "new"
     conv.convert(src, new, conv.ConvertOptions(quant="q4", page_size_mb=1))
-    with monkeypatch.context() as mp:  # the writer before version 4
+    assert json.loads((new / "manifest.json").read_text())["version"] == 5
+    with monkeypatch.context() as mp:  # the writer before version 5
         legacy = kinds._k_buffer_layout
 
-        def bytes_each(kind, n, k):
+        def old_layout(kind, n, k):
             layout = legacy(kind, n, k)
             if kind.name == "q4k":
-                layout["scales"] = (torch.uint8, kinds.q4k_legacy_scales((n, k)))
+                scales, supers = kinds.q4k_legacy_scales((n, k))[4 - version]
+                layout["scales"], layout["supers"] = (torch.uint8, scales), (torch.float16, supers)
             return layout
 
-        mp.setattr(kinds, "_k_buffer_layout", bytes_each)
-        mp.setattr(kinds, "q4k_pack_codes", lambda sc, m: torch.stack([sc, m], dim=-1).contiguous())
-        mp.setattr(cont, "version_for", lambda kinds: 3)
+        mp.setattr(kinds, "_k_buffer_layout", old_layout)
+        mp.setattr(kinds, "q4k_tiled", lambda scales, supers: (scales, supers))
+        if version == 3:
+            mp.setattr(kinds, "q4k_pack_codes", lambda sc, m: torch.stack([sc, m], dim=-1).contiguous())
+        mp.setattr(cont, "version_for", lambda kinds: version)
         conv.convert(src, tmp_path / "old", conv.ConvertOptions(quant="q4", page_size_mb=1))
     old = tmp_path / "old"
     m = json.loads((old / "manifest.json").read_text())
     q = next(t for t in m["tensors"] if t["name"] == "model.embed_tokens.weight")
-    assert m["version"] == 3 and q["kind"] == "q4k" and q["parts"]["scales"]["shape"][-1] == 2
+    assert m["version"] == version and q["kind"] == "q4k"
+    assert q["parts"]["scales"]["shape"][-1] == (2 if version == 3 else 24) and len(q["parts"]["supers"]["shape"]) == 3
     name = "model.layers.0.self_attn.q_proj.weight"
     old_w, new_w = ContainerCheckpoint(old).load(name), ContainerCheckpoint(new).load(name)
     assert torch.equal(old_w.dequantize(), new_w.dequantize())

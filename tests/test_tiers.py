@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize as gguf_quantize
 
 from colibri import kernels
-from colibri.quant.kinds import from_gguf, q4k_codes, quantize
+from colibri.quant.kinds import from_gguf, q4k_codes, q4k_group_major, quantize
 from test_kquant import k_blocks
 from test_tier_int8 import _int8_tiers
 
@@ -61,19 +61,29 @@ def _linear_cases(n: int, k: int):
     return cases
 
 
+def q4k_group_major_buffers(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q4k buffers with the packed codes and the supers group-major: the layout of format version 4."""
+    scales, supers = q4k_group_major(b["scales"], b["supers"])
+    return {**b, "scales": scales.contiguous(), "supers": supers.contiguous()}
+
+
 def q4k_legacy_buffers(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q4k buffers with the (sc, m) codes a byte each, [K/32, Np, 2]: the layout before format version 4."""
+    """q4k buffers with the (sc, m) codes a byte each, [K/32, Np, 2], the supers group-major: the layout before
+    format version 4."""
     sc, mn = q4k_codes(b["scales"], 0, b["qweight"].shape[0])
-    return {**b, "scales": torch.stack([sc, mn], dim=-1).contiguous()}
+    return {**q4k_group_major_buffers(b), "scales": torch.stack([sc, mn], dim=-1).contiguous()}
 
 
-def test_q4k_packed_codes_give_the_bits_of_a_byte_each(tier_ops):
-    """The packed (sc, m) codes of format version 4 and the byte-each layout before it: the same rows on every tier,
-    in both modes (exact and LOSSY int8), at every pass size, for full and tail tiles."""
+def test_q4k_layouts_give_the_same_bits(tier_ops):
+    """q4k's tile-major codes and supers (format version 5), the group-major packed ones of version 4 and the
+    byte-each codes before it: the same rows on every tier, in both modes (exact and LOSSY int8), at every pass
+    size, for full and tail tiles."""
     n, k = 200, 512
     b = from_gguf(k_blocks(QT.Q4_K, n, k, seed=3), QT.Q4_K, (n, k))._buffers
-    old = q4k_legacy_buffers(b)
-    assert b["scales"].shape == (k // 32, 13, 24) and old["scales"].shape == (k // 32, 208, 2)
+    v4, old = q4k_group_major_buffers(b), q4k_legacy_buffers(b)
+    assert b["scales"].shape == (13, k // 32 * 24) and b["supers"].shape == (13, k // 256 * 32)
+    assert v4["scales"].shape == (k // 32, 13, 24) and v4["supers"].shape == (k // 256, 208, 2)
+    assert old["scales"].shape == (k // 32, 208, 2)
     int8 = set(_int8_tiers())
     for tier, o in tier_ops.items():
         ops = [o.q4k_linear] + ([o.q4k_linear_i8] if tier in int8 else [])
@@ -82,7 +92,9 @@ def test_q4k_packed_codes_give_the_bits_of_a_byte_each(tier_ops):
                 x = _randn(64, k, seed=4).to(dtype)
                 for t in ROWS:
                     new = op(x[:t], b["qweight"], b["scales"], b["supers"])
-                    assert torch.equal(new, op(x[:t], old["qweight"], old["scales"], old["supers"])), (tier, op, t)
+                    for prev in (v4, old):
+                        assert torch.equal(new, op(x[:t], prev["qweight"], prev["scales"], prev["supers"])), \
+                            (tier, op, t)
 
 
 # 200 rows: q4 pads to 208 (a 16-column tail tile); K = 96: a dot-form tail; K = 2304: past a 1024-column chunk

@@ -26,10 +26,12 @@ FORMAT = "colibri-container"
 # Version 3: the manifest's own checksum and the checksums of the tokenizer and chat template files are required,
 # so damage cannot switch a check off by renaming its key. Version 4: version 3 with q4k's scale codes packed (12
 # bits a group and row, GGUF Q4_K's size; colibri.quant.kinds), written only for a container that holds a q4k
-# tensor (else 3), so an older Colibri refuses by version what it would misread. Versions 1 (no K-quant kinds) and
-# 2 (K-quant kinds) are still read; their checks apply where the field is present.
-VERSION = 4
-READS = (1, 2, 3, 4)
+# tensor (else 3), so an older Colibri refuses by version what it would misread. Version 5: q4k's scale codes and
+# super-scales written a tile of its codes after the other (a tile's pass reads them as one run of bytes), again
+# only where a q4k tensor is. Versions 1 (no K-quant kinds) and 2 (K-quant kinds) are still read; their checks
+# apply where the field is present.
+VERSION = 5
+READS = (1, 2, 3, 4, 5)
 ALIGN = 4096
 PART_ALIGN = 64
 MANIFEST = "manifest.json"
@@ -396,9 +398,9 @@ def _parts_problem(e: dict) -> str | None:
         except ValueError as err:
             return f"kind {kind} cannot hold it ({err})"
         want = {n: (str(dt).removeprefix("torch."), list(s)) for n, (dt, s) in layout.items()}
-        legacy = list(quant.q4k_legacy_scales(tuple(shape))) if kind == "q4k" else None
-        if legacy and e["parts"].get("scales", {}).get("shape") == legacy:
-            want["scales"] = ("uint8", legacy)  # made before version 4: (sc, m) a byte each
+        sides = tuple(tuple(e["parts"].get(n, {}).get("shape", ())) for n in ("scales", "supers"))
+        if kind == "q4k" and sides in quant.q4k_legacy_scales(tuple(shape)):  # made before version 5
+            want["scales"], want["supers"] = ("uint8", list(sides[0])), ("float16", list(sides[1]))
     else:
         return None  # a kind this Colibri does not know: tensor_from_bytes says so, naming it
     parts = e["parts"]
@@ -418,8 +420,8 @@ def _parts_problem(e: dict) -> str | None:
 
 
 def version_for(kinds) -> int:
-    """The format version a converter writes for a container of tensors of these kinds: 4 where q4k's packed
-    scale codes are in it, else 3 (every reader since version 3 reads it)."""
+    """The format version a converter writes for a container of tensors of these kinds: 5 where q4k's tile-major
+    scale codes and super-scales are in it, else 3 (every reader since version 3 reads it)."""
     return VERSION if "q4k" in kinds else 3
 
 

@@ -51,28 +51,54 @@ inline void check_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
               x.size(1) % (g ? g : x.size(1)) == 0, "q8_linear: shapes do not match the stored layout");
 }
 
-// q4k: the q4 tiles, supers f16 [K/256, Np, 2] (d, dmin), and the 6-bit (sc, m) codes of each group of 32 and
-// row either packed, u8 [K/32, Np/16, 24] (12 bits v = sc | m << 6 a row, GGUF Q4_K's 12 bits a group: per 16 rows
-// the low bytes of their v, then 8 bytes whose low nibbles hold rows 0-7's v >> 8 and high nibbles rows 8-15's;
-// containers of format version 4), or a byte each, u8 [K/32, Np, 2] (containers made before). Returns whether they
-// are packed.
-inline bool check_q4k_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& supers,
-                             int64_t k, const char* op) {
+// q4k: the q4 tiles, and the 6-bit (sc, m) codes of each group of 32 and row with the f16 (d, dmin) of each 256
+// values and row in one of three layouts, told apart by their shapes (colibri/quant/kinds.py writes kTiles):
+//   kTiles (containers of format version 5): scales u8 [Np/16, K/32 * 24], supers f16 [Np/16, K/256 * 32], each
+//     written a tile after the other (64 rows; the last tile 16, 32 or 48): per group of the tile its rows'
+//     packed codes (below), per 256 values its rows' (d, dmin) pairs. Everything a tile's pass reads beside its
+//     codes is then one run of bytes, where the group-major layouts spread it over a row per group.
+//   kPacked (version 4): scales u8 [K/32, Np/16, 24], supers f16 [K/256, Np, 2]: group (super-block) major.
+//   kBytes (before): scales u8 [K/32, Np, 2], (sc, m) a byte each; supers as kPacked.
+// Packed codes: 12 bits v = sc | m << 6 a row (GGUF Q4_K's 12 bits a group); per 16 rows the low bytes of their v,
+// then 8 bytes whose low nibbles hold rows 0-7's v >> 8 and high nibbles rows 8-15's.
+enum class Q4kLayout { kBytes, kPacked, kTiles };
+
+struct Q4kScales {
+  const uint8_t* sc;
+  const uint16_t* sup;
+  int64_t np, groups;  // rows (Np), groups of 32 (K / 32)
+  Q4kLayout layout;
+  bool packed() const { return layout != Q4kLayout::kBytes; }
+};
+
+inline Q4kScales check_q4k_layout(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& supers,
+                                  int64_t k, const char* op) {
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && supers.is_contiguous(), op,
               ": the q4k parts must be contiguous");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
               supers.scalar_type() == at::kHalf, op, ": u8 codes and scale codes, f16 supers");
-  const int64_t np = qweight.size(0);
-  const bool packed = scales.dim() == 3 && scales.size(2) == 24;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0 &&
-              scales.dim() == 3 && scales.size(0) == k / 32 && scales.size(1) == (packed ? np / 16 : np) &&
-              (packed || scales.size(2) == 2) && supers.dim() == 3 && supers.size(0) == k / 256 &&
-              supers.size(1) == np && supers.size(2) == 2, op, ": shapes do not match the stored layout");
-  return packed;
+  const int64_t np = qweight.size(0), g = k / 32;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * 2 == k && k % 256 == 0 && np % 16 == 0, op,
+              ": shapes do not match the stored layout");
+  Q4kLayout layout;
+  if (scales.dim() == 2) {
+    layout = Q4kLayout::kTiles;
+    TORCH_CHECK(scales.size(0) == np / 16 && scales.size(1) == g * 24 && supers.dim() == 2 &&
+                supers.size(0) == np / 16 && supers.size(1) == k / 256 * 32, op,
+                ": shapes do not match the stored layout");
+  } else {
+    layout = scales.dim() == 3 && scales.size(2) == 24 ? Q4kLayout::kPacked : Q4kLayout::kBytes;
+    const bool packed = layout == Q4kLayout::kPacked;
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == g && scales.size(1) == (packed ? np / 16 : np) &&
+                (packed || scales.size(2) == 2) && supers.dim() == 3 && supers.size(0) == k / 256 &&
+                supers.size(1) == np && supers.size(2) == 2, op, ": shapes do not match the stored layout");
+  }
+  return Q4kScales{scales.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), np, g,
+                   layout};
 }
 
-inline bool check_q4k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const at::Tensor& supers) {
+inline Q4kScales check_q4k(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const at::Tensor& supers) {
   check_x(x, "q4k_linear");
   return check_q4k_layout(qweight, scales, supers, x.size(1), "q4k_linear");
 }

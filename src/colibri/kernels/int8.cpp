@@ -199,8 +199,7 @@ __attribute__((noinline)) void group_dot(Src&& src, int64_t steps, const int8_t*
 // (tiles.h), q4k's with the codes counted from 8 as the q4 quads are.
 void q4_params(const Weight& w, int64_t gi, int64_t n0, __m512 prm[8], Q4kSupers& ds) {
   if (w.sup)
-    return q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, gi, n0, true, lanes_of(prm),
-                      lanes_of(prm + 4), ds);
+    return q4k_params(w.q4k, gi, n0, true, lanes_of(prm), lanes_of(prm + 4), ds);
   q4_pairs_params(Q4{w.qw, static_cast<const uint8_t*>(w.sc), w.st, w.cols, w.k, w.g}, w.pairs, gi, n0, lanes_of(prm),
                   lanes_of(prm + 4));
 }
@@ -341,7 +340,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
         }
         if (q4k_row)
           q4_direct_by(tp, groups, xg, a.q, a.d, qoff.data(), a.xs,
-                       Q4kDirectParams{static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, n0}, tot);
+                       Q4kDirectParams{w.q4k, n0}, tot);
         else if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
           q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, reinterpret_cast<const float*>(prm.data()), 2 * kCols,
                     tot);

@@ -148,13 +148,15 @@ def buffer_layout(kind: QuantKind | str, shape: tuple[int, int],
 def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> None:
     if kind.scale_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{kind.name} scales must be bf16, f16 or f32, got {kind.scale_dtype}")
+    sides = tuple(tuple(getattr(buffers.get(n), "shape", ())) for n in ("scales", "supers"))
+    legacy = kind.name == "q4k" and sides in q4k_legacy_scales(shape)
     for name, (dtype, want) in buffer_layout(kind, shape).items():
         t = buffers.get(name)
         if t is None:
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
         exact_dtype = name == "qweight" or kind.name in K_KINDS
-        if kind.name == "q4k" and name == "scales" and tuple(t.shape) == q4k_legacy_scales(shape):
-            want = tuple(t.shape)  # read from a container made before the codes were packed
+        if name != "qweight" and legacy:
+            want = tuple(t.shape)  # read from a container made before version 5 (q4k_legacy_scales)
         if tuple(t.shape) != want or (exact_dtype and t.dtype != dtype) or not t.is_contiguous():
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
                              f"expected contiguous {dtype} {want}")
@@ -755,12 +757,15 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #
 # q4k (N out, K in, K % 256 == 0, Np = N rounded up to 16): 4.5 bits per weight, Q4_K's
 #   qweight  uint8 [Np, K/2]        codes q in [0, 15] in the q4 tile layout (colibri.quant.kinds, top of the file)
-#   scales   uint8 [K/32, Np/16, 24]  the 6-bit (sc, m) per group of 32 and row as 12 bits v = sc | m << 6: per 16
+#   scales   uint8 [Np/16, K/32 * 24]  the 6-bit (sc, m) per group of 32 and row as 12 bits v = sc | m << 6: per 16
 #                                   rows their v & 255, then 8 bytes of v >> 8 (rows 0-7 low nibbles, 8-15 high),
-#                                   so 8 or 16 rows decode with two zero-extending loads (containers of format
-#                                   version 4; those made before hold uint8 [K/32, Np, 2], (sc, m) a byte each,
-#                                   4.625 bits per weight: read still, see q4k_legacy_scales)
-#   supers   f16    [K/256, Np, 2]  (d, dmin) per 256 values and row
+#                                   so 8 or 16 rows decode with two zero-extending loads
+#   supers   f16    [Np/16, K/256 * 32]  (d, dmin) per 256 values and row
+#   Both side parts are written a tile of the codes after the other (64 rows; the last tile 16, 32 or 48): per
+#   group of 32 (scales) or 256 (supers) the tile's rows, so a tile's pass reads them as one run of bytes
+#   (containers of format version 5). Version 4 held them group-major, scales [K/32, Np/16, 24] and supers
+#   [K/256, Np, 2]; those made before, scales [K/32, Np, 2] ((sc, m) a byte each, 4.625 bits per weight). Both
+#   are read still (q4k_legacy_scales).
 #   w = (d * sc) * q - dmin * m, in f32: d * sc and dmin * m are exact (11 + 6 bits), so is their product by q;
 #   one rounding, in the subtraction, as gguf's dequantize.
 # q6k: 6.5625 bits per weight, Q6_K's own blocks as the file stores them
@@ -803,22 +808,61 @@ _K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["
            **{k.name: k for k in GGUF_K_EXACT.values()}}
 
 
-def q4k_legacy_scales(shape: tuple[int, int]) -> tuple[int, int, int]:
-    """The shape of a q4k weight's `scales` in containers made before version 4: (sc, m) a byte each."""
+def q4k_legacy_scales(shape: tuple[int, int]) -> list[tuple[int, ...]]:
+    """The shapes of a q4k weight's (scales, supers) that older containers hold: version 4's group-major ones and
+    those of the versions before ((sc, m) a byte each)."""
     n, k = shape
-    return (k // 32, _round16(n), 2)
+    np_ = _round16(n)
+    return [((k // 32, np_ // 16, 24), (k // SUPER, np_, 2)), ((k // 32, np_, 2), (k // SUPER, np_, 2))]
 
 
 def q4k_pack_codes(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """6-bit (sc, m) codes, uint8 [G, Np] each (Np % 16 == 0) -> the packed q4k scales, uint8 [G, Np/16, 24]: per
-    16 rows the low bytes of v = sc | m << 6, then 8 bytes whose low / high nibbles hold rows 0-7's / 8-15's v >> 8."""
+    """6-bit (sc, m) codes, uint8 [G, Np] each (Np % 16 == 0) -> the packed q4k codes group-major, uint8
+    [G, Np/16, 24]: per 16 rows the low bytes of v = sc | m << 6, then 8 bytes whose low / high nibbles hold rows
+    0-7's / 8-15's v >> 8."""
     v = (sc.to(torch.int32) | (m.to(torch.int32) << 6)).view(sc.shape[0], -1, 16)
     hi = v >> 8
     return torch.cat([v & 0xFF, hi[..., :8] | (hi[..., 8:] << 4)], dim=-1).to(torch.uint8)
 
 
+def _tile_spans(units: int) -> list[tuple[int, int]]:
+    """The q4 tiles of a weight of `units` 16-row units as (first unit, units): 4 each, the last 1 to 4."""
+    return [(u, min(_TILE // 16, units - u)) for u in range(0, units, _TILE // 16)]
+
+
+def q4k_tiled(scales: torch.Tensor, supers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-major packed scales [G, Np/16, 24] and supers [K/256, Np, 2] -> the tile-major parts containers hold
+    (version 5): scales [Np/16, G * 24], supers [Np/16, K/256 * 32] (the top of this section)."""
+    g, units, _ = scales.shape
+    nb = supers.shape[0]
+    sc = [scales[:, u:u + n].reshape(-1) for u, n in _tile_spans(units)]
+    sup = [supers[:, 16 * u:16 * (u + n)].reshape(-1) for u, n in _tile_spans(units)]
+    return torch.cat(sc).view(units, g * 24), torch.cat(sup).view(units, nb * 32)
+
+
+def _untile(part: torch.Tensor, r0: int, r1: int, shape) -> tuple[torch.Tensor, int]:
+    """A tile-major q4k part [Np/16, ...] over the whole tiles holding rows [r0, r1), group-major, and the first row
+    it holds. shape(n): a tile's of n units as group-major (scales: (G, n, 24); supers: (K/256, 16 n, 2))."""
+    spans = [(u, n) for u, n in _tile_spans(part.shape[0]) if 16 * u < r1 and 16 * (u + n) > r0]
+    if not spans:
+        return part[:0].reshape(shape(0)), r0
+    return torch.cat([part[u:u + n].reshape(shape(n)) for u, n in spans], dim=1), 16 * spans[0][0]
+
+
+def q4k_group_major(scales: torch.Tensor, supers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q4k weight's tile-major scales and supers in version 4's group-major layout: [G, Np/16, 24] and
+    [K/256, Np, 2]."""
+    r1 = 16 * scales.shape[0]
+    g, nb = scales.shape[1] // 24, supers.shape[1] // 32
+    return (_untile(scales, 0, r1, lambda n: (g, n, 24))[0], _untile(supers, 0, r1, lambda n: (nb, 16 * n, 2))[0])
+
+
 def q4k_codes(scales: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sc, m) uint8 [G, r1 - r0] each of rows [r0, r1) from a q4k weight's scales, packed or not."""
+    """(sc, m) uint8 [G, r1 - r0] each of rows [r0, r1) from a q4k weight's scales, of any layout."""
+    if scales.dim() == 2:  # tile-major: the tiles holding the rows, group-major
+        g = scales.shape[1] // 24
+        scales, first = _untile(scales, r0, r1, lambda n: (g, n, 24))
+        r0, r1 = r0 - first, r1 - first
     if scales.shape[-1] == 2:  # a byte each (containers before version 4)
         return scales[:, r0:r1, 0], scales[:, r0:r1, 1]
     u = scales[:, r0 // 16:(r1 + 15) // 16].to(torch.int32)  # the 16-row units holding the rows
@@ -827,9 +871,20 @@ def q4k_codes(scales: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, tor
     return (v & 63).to(torch.uint8), (v >> 6).to(torch.uint8)
 
 
+def q4k_supers(supers: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """(d, dmin) f16 [K/256, r1 - r0, 2] of rows [r0, r1) from a q4k weight's supers, of any layout."""
+    if supers.dim() == 2:
+        nb = supers.shape[1] // 32
+        supers, first = _untile(supers, r0, r1, lambda n: (nb, 16 * n, 2))
+        r0, r1 = r0 - first, r1 - first
+    return supers[:, r0:r1]
+
+
 def tile_side_rows(kind: str, part: str, v: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) (whole tiles) of a tiled kind's side part ([G, Np, ...], or q4k's packed scales
-    [G, Np/16, 24]), contiguous."""
+    """Rows [r0, r1) (whole tiles) of a tiled kind's side part ([G, Np, ...], q4k's packed scales [G, Np/16, 24] or
+    its tile-major parts [Np/16, ...]), contiguous."""
+    if kind == "q4k" and v.dim() == 2:  # tile-major: a run of whole units
+        return v[r0 // 16:(r1 + 15) // 16]
     if kind == "q4k" and part == "scales" and v.shape[-1] == 24:
         return v[:, r0 // 16:(r1 + 15) // 16].contiguous()
     return v[:, r0:r1].contiguous()
@@ -838,8 +893,8 @@ def tile_side_rows(kind: str, part: str, v: torch.Tensor, r0: int, r1: int) -> t
 def _k_buffer_layout(kind: QuantKind, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     if kind.name == "q4k":
         np_ = _round16(n)
-        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (k // 32, np_ // 16, 24)),
-                "supers": (torch.float16, (k // SUPER, np_, 2))}
+        return {"qweight": (torch.uint8, (np_, k // 2)), "scales": (torch.uint8, (np_ // 16, k // 32 * 24)),
+                "supers": (torch.float16, (np_ // 16, k // SUPER * 32))}
     if kind.name in ("q6k", "q3k", "iq4_xs", "q5k", "q2k"):
         per_block = {"q6k": Q6K_BLOCK, "q3k": Q3K_BLOCK, "iq4_xs": IQ4XS_BLOCK, "q5k": Q5K_BLOCK,
                      "q2k": Q2K_BLOCK}[kind.name]
@@ -866,7 +921,7 @@ class Q4KWeight(_DerivedQ4Weight):
     def _scales_zeros_f32(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(d * sc, -dmin * m), f32 [K/32, r1 - r0] each: w = q * scale + zero."""
         sc, mn = q4k_codes(self._buffers["scales"], r0, r1)
-        sup = self._buffers["supers"][:, r0:r1].float().repeat_interleave(SUPER // 32, dim=0)
+        sup = q4k_supers(self._buffers["supers"], r0, r1).float().repeat_interleave(SUPER // 32, dim=0)
         return sup[..., 0] * sc.float(), -(sup[..., 1] * mn.float())
 
 
@@ -1169,9 +1224,9 @@ def _k_from_gguf(raw: np.ndarray, name: str, n: int, k: int) -> Q4KWeight | Q8KW
         qp[:n] = torch.from_numpy(q)
         codes = torch.zeros(2, k // 32, np_, dtype=torch.uint8)  # (sc, m) [G, Np]
         codes[:, :, :n] = torch.from_numpy(np.stack([sc, mn]).reshape(2, n, k // 32).transpose(0, 2, 1).copy())
-        scales = q4k_pack_codes(codes[0], codes[1])
         supers = torch.zeros(nb, np_, 2, dtype=torch.float16)
         supers[:, :n] = torch.from_numpy(dd.transpose(1, 0, 2).copy())
+        scales, supers = q4k_tiled(q4k_pack_codes(codes[0], codes[1]), supers)
         return Q4KWeight(Q4K, (n, k), {"qweight": _pack_q4(qp), "scales": scales, "supers": supers})
     if name in ("Q6_K", "Q3_K", "IQ4_XS", "Q5_K", "Q2_K"):  # the blocks as they are
         cls = {"Q6_K": Q6KWeight, "Q3_K": Q3KWeight, "IQ4_XS": IQ4XSWeight, "Q5_K": Q5KWeight, "Q2_K": Q2KWeight}[name]
@@ -1253,7 +1308,7 @@ def _q4k_blocks(b: dict[str, torch.Tensor], n: int, k: int) -> np.ndarray:
     value 64 j + i in byte 32 j + i's low nibble (i < 32) or byte 32 j + i - 32's high nibble."""
     nb = k // SUPER
     out = np.empty((n, nb, 144), dtype=np.uint8)
-    out[..., 0:4] = b["supers"][:, :n].transpose(0, 1).contiguous().view(torch.uint8).numpy()  # [N, nb, 4]
+    out[..., 0:4] = q4k_supers(b["supers"], 0, n).transpose(0, 1).contiguous().view(torch.uint8).numpy()  # [N, nb, 4]
     sc, mn = (c.transpose(0, 1).reshape(n, nb, 8).numpy() for c in q4k_codes(b["scales"], 0, n))  # [N, nb, 8]
     out[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     out[..., 8:12] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)

@@ -240,8 +240,7 @@ void tile_params(const Weight& w, int64_t groups, int64_t n0, int64_t cols, floa
     for (int64_t gi = 0; gi < groups; ++gi) {
       float* o = prm + gi * 2 * kCols;
       if (w.sup) {
-        q4k_params(static_cast<const uint8_t*>(w.sc), w.packed, static_cast<const uint16_t*>(w.sup), w.cols, gi, n0,
-                   true, o, o + kCols, ds);
+        q4k_params(w.q4k, gi, n0, true, o, o + kCols, ds);
       } else {
         q4_pairs_params(q4, w.pairs, gi, n0, o, o + kCols);
       }
@@ -294,7 +293,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             const uint8_t* tp = w.qw + n0 * (k / 2);
             if (q4k_direct)
               q4_direct_by(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups,
-                           Q4kDirectParams{static_cast<const uint8_t*>(w.sc), w.packed, w.sup, w.cols, n0}, tr);
+                           Q4kDirectParams{w.q4k, n0}, tr);
             else
               q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups, prm.data(), 2 * kCols,
                         tr);

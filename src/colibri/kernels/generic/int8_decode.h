@@ -370,22 +370,20 @@ inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int
 // q4k's (scale, zero) of one group of the tile at n0 for q4_direct_by, decoded 8 columns at a time where they are
 // used (q4k_params' steps, the values a tile's table holds: the same bits): a decode pass skips the table's 24 KiB a
 // tile (48 groups of K = 1536), written and read back once, and the 128 floats a group it stored and loaded again.
-// sc, packed, sup, np: the weight's (check_q4k_layout).
+// w: the weight's codes and supers (check_q4k_layout).
 struct Q4kDirectParams {
-  const uint8_t* sc;
-  bool packed;
-  const uint16_t* sup;
-  int64_t np, n0;
+  Q4kScales w;
+  int64_t n0;
   Q4kSupers ds;
   template <class F>
   void operator()(int64_t gi, F&& f) {
     using S = lanes::Lanes;  // (the tier's widest: the avx512 tier decodes 16 columns an operation)
-    const uint8_t* pc = q4k_code_row(sc, packed, np, gi, n0);
-    if (gi % 8 == 0) q4k_supers<S>(sup, np, gi, n0, kTile, ds);
+    const uint8_t* pc = q4k_code_row(w, gi, n0);
+    if (gi % 8 == 0) q4k_supers<S>(w, gi, n0, kTile, ds);
 #pragma GCC unroll 8
     for (int c = 0; c < kTile; c += S::L) {
       S::U codes, mins;
-      q4k_group_codes<S>(pc, packed, c, codes, mins);
+      q4k_group_codes<S>(pc, w.packed(), c, codes, mins);
       S::V s, z;
       q4k_scale_zero<S>(ds, c, codes, mins, true, s, z);
       for (int h = 0; h < S::L / 8; ++h) f(c + 8 * h, part8(s, h), part8(z, h));

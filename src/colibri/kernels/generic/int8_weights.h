@@ -19,12 +19,12 @@ struct Weight {
   const void* sc;     // q4 (scale, zero) [G, Np, 2]; q8 scales [N] or [N, G]
   at::ScalarType st;
   int64_t cols, k, g;  // cols: output columns (q4: Np); g: the x group (q8 per channel: 64)
-  // GGUF K-quants: sc holds the stored scale codes (q4k: (sc, m) packed or a byte each, see `packed` and args.h;
-  // q8k: int8 [N, K/16]) and sup their f16 super-scales (q4k: (d, dmin) [K/256, Np, 2]; q8k: [N, K/256]), decoded
+  // GGUF K-quants: q8k: sc holds the stored int8 scale codes [N, K/16] and sup their f16 super-scales [N, K/256];
+  // q4k: sup is set, and q4k says where its codes and supers lie (args.h: check_q4k_layout). Both decoded
   // where the kernels read a group's scales: q4k s = d * sc, z = 8 * s - dmin * m; q8k s = d * sc (each step one f32
   // rounding), the bits of the q4 / q8 (group 16) ops given those scales in f32. Null: sc holds the scales.
   const uint16_t* sup = nullptr;
-  bool packed = false;  // q4k: the (sc, m) codes 12 bits a column (args.h, check_q4k_layout)
+  Q4kScales q4k{};  // q4k: its (sc, m) codes and (d, dmin) supers
   Q4Pairs pairs = Q4Pairs::kStored;  // q4 without sup: what sc holds (args.h; Q4_1's (d, m), Q4_0's d)
 };
 
@@ -98,15 +98,14 @@ inline Weight q4_0_weight(const at::Tensor& x, const at::Tensor& qweight, const 
   return w;
 }
 
-// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tile codes (group 32), the (sc, m) codes (args.h), (d, dmin)
-// f16 [K/256, Np, 2].
+// GGUF Q4_K as stored (colibri.quant.kinds q4k): the q4 tile codes (group 32), the (sc, m) codes and (d, dmin)
+// supers (args.h: check_q4k_layout).
 inline Weight q4k_weight(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& supers) {
   const int64_t np = qweight.size(0), k = qweight.size(1) * 2;
   check_x(x, k, "q4k_linear_i8");
-  const bool packed = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
-  return Weight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), at::kByte, np, k, 32,
-                reinterpret_cast<const uint16_t*>(supers.data_ptr()), packed};
+  const Q4kScales sc = check_q4k_layout(qweight, scales, supers, k, "q4k_linear_i8");
+  return Weight{qweight.data_ptr<uint8_t>(), sc.sc, at::kByte, np, k, 32, sc.sup, sc};
 }
 
 // GGUF Q6_K as stored (colibri.quant.kinds q8k): int8 codes [N, K], int8 scale codes [N, K/16], f16 d [N, K/256].

@@ -114,22 +114,31 @@ inline void q4k_group_codes(const uint8_t* pc, bool packed, int64_t c, typename 
   m = codes >> 8;
 }
 
-// q4k: the first code row of group gi's codes for the tile at n0, and its next tile's prefetched (a page away from
-// the next group's row: fetched a tile ahead of its use).
-inline const uint8_t* q4k_code_row(const uint8_t* sc, bool packed, int64_t np, int64_t gi, int64_t n0) {
-  const int64_t at = gi * np + n0;  // the tile's first column in the group's row of codes
-  const uint8_t* pc = sc + (packed ? at / 16 * 24 : at * 2);
+// q4k: the first code row of group gi's codes for the tile at n0, and the same of the next tile prefetched (in the
+// group-major layouts a page away from the next group's row; in kTiles a tile's run of codes ahead).
+inline const uint8_t* q4k_code_row(const Q4kScales& w, int64_t gi, int64_t n0) {
+  if (w.layout == Q4kLayout::kTiles) {
+    const int64_t row = std::min<int64_t>(kTile, w.np - n0) / 16 * 24;  // one group's bytes in this tile
+    const uint8_t* pc = w.sc + n0 / 16 * 24 * w.groups + gi * row;
+    prefetch_span(pc + kTile / 16 * 24 * w.groups, row);
+    return pc;
+  }
+  const bool packed = w.packed();
+  const int64_t at = gi * w.np + n0;  // the tile's first column in the group's row of codes
+  const uint8_t* pc = w.sc + (packed ? at / 16 * 24 : at * 2);
   const int64_t tile_bytes = packed ? kTile / 16 * 24 : 2 * kTile;
   prefetch_span(pc + tile_bytes, tile_bytes);
   return pc;
 }
 
-// q4k: the f32 (d, dmin) of columns [0, cols) of the tile at n0 in the super-block of group gi (sup: the f16 (d,
-// dmin) [G/8, Np, 2]).
+// q4k: the f32 (d, dmin) of columns [0, cols) of the tile at n0 in the super-block of group gi.
 template <class S = lanes::Lanes>
-inline void q4k_supers(const uint16_t* sup, int64_t np, int64_t gi, int64_t n0, int64_t cols, Q4kSupers& ds) {
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(sup) + (gi / 8) * np + n0;  // (d | dmin << 16) a column
-  prefetch_span(pd + kTile, 4 * kTile);
+inline void q4k_supers(const Q4kScales& w, int64_t gi, int64_t n0, int64_t cols, Q4kSupers& ds) {
+  const uint32_t* sup = reinterpret_cast<const uint32_t*>(w.sup);  // (d | dmin << 16) a column
+  const int64_t nb = w.groups / 8;
+  const uint32_t* pd = w.layout == Q4kLayout::kTiles ? sup + n0 * nb + (gi / 8) * std::min<int64_t>(kTile, w.np - n0)
+                                                     : sup + (gi / 8) * w.np + n0;
+  prefetch_span(pd + (w.layout == Q4kLayout::kTiles ? kTile * nb : kTile), 4 * kTile);
   for (int64_t j = 0; j < cols; j += S::L) {
     const typename S::U halves = S::load_u32(pd + j);
     S::store(ds.d + j, S::f16_lo(halves));
@@ -148,14 +157,14 @@ inline void q4k_scale_zero(const Q4kSupers& ds, int64_t j, typename S::U c, type
 
 // q4k: (s, z) of group gi for the 64 columns of the tile at n0 (0 past the last column): s = d * sc; signed_codes:
 // z for w ~ (q - 8) * s + z (the bf16 path and the int8 mode) = 8 s - dmin m, else z = 0 - dmin m for
-// w = q * s + z (the f32 path, exact). sc: the scale codes, packed or a byte each (args.h, check_q4k_layout); sup:
-// the f16 (d, dmin) [G/8, Np, 2], decoded into ds when gi % 8 == 0.
-inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int64_t np, int64_t gi, int64_t n0,
-                       bool signed_codes, float* s, float* z, Q4kSupers& ds) {
+// w = q * s + z (the f32 path, exact). w: the weight's codes and supers (args.h, check_q4k_layout), the supers
+// decoded into ds when gi % 8 == 0.
+inline void q4k_params(const Q4kScales& w, int64_t gi, int64_t n0, bool signed_codes, float* s, float* z,
+                       Q4kSupers& ds) {
   using S = lanes::Lanes;
-  const int64_t cols = std::min<int64_t>(kTile, np - n0);
-  const uint8_t* pc = q4k_code_row(sc, packed, np, gi, n0);
-  if (gi % 8 == 0) q4k_supers(sup, np, gi, n0, cols, ds);
+  const int64_t cols = std::min<int64_t>(kTile, w.np - n0);
+  const uint8_t* pc = q4k_code_row(w, gi, n0);
+  if (gi % 8 == 0) q4k_supers(w, gi, n0, cols, ds);
   for (int64_t j = 0; j < kTile; j += S::L) {
     if (j >= cols) {
       S::store(s + j, S::zero());
@@ -163,7 +172,7 @@ inline void q4k_params(const uint8_t* sc, bool packed, const uint16_t* sup, int6
       continue;
     }
     S::U c, mc;
-    q4k_group_codes(pc, packed, j, c, mc);
+    q4k_group_codes(pc, w.packed(), j, c, mc);
     S::V sv, zv;
     q4k_scale_zero(ds, j, c, mc, signed_codes, sv, zv);
     S::store(s + j, sv);

@@ -45,16 +45,14 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 // decoded per tile from the (sc, m) codes and the f16 (d, dmin); bf16 x counts the codes from 8, f32 x from 0.
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const at::Tensor& supers) {
-  const bool packed = check_q4k(x, qweight, scales, supers);
+  const Q4kScales sc = check_q4k(x, qweight, scales, supers);
   const int64_t k = x.size(1), np = qweight.size(0);
   const Q4 w{qweight.data_ptr<uint8_t>(), nullptr, at::kHalf, np, k, 32};
-  const uint8_t* sc = scales.data_ptr<uint8_t>();
-  const uint16_t* sup = reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>());
   auto bf = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers& ds) {
-    q4k_params(sc, packed, sup, np, gi, n0, true, s, z, ds);
+    q4k_params(sc, gi, n0, true, s, z, ds);
   };
   auto f32 = [&](int64_t gi, int64_t n0, float* s, float* z, Q4kSupers& ds) {
-    q4k_params(sc, packed, sup, np, gi, n0, false, s, z, ds);
+    q4k_params(sc, gi, n0, false, s, z, ds);
   };
   return q4_tiles_linear(x, w, bf, f32, 0);
 }
