@@ -84,7 +84,7 @@ def test_int8_kquants_equal_the_materialized_scales(tier_ops, shape, dtype):
 def test_int8_kquants_do_not_depend_on_the_thread_count(tier_ops):
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):  # 3 on a 2-core machine: threads run out unevenly and take each other's tiles
             torch.set_num_threads(n)
             _check(tier_ops, 200, 1536, (1, 6, 37), [torch.bfloat16], f" threads={n}")
     finally:

@@ -84,17 +84,22 @@ def test_int8_tiers_agree_on_other_scale_dtypes_and_tails(tier_ops):
 
 
 def test_int8_tiers_do_not_depend_on_the_thread_count(tier_ops):
+    """The same rows on 1, 2 and 3 threads, whichever thread runs which tiles (parallel.h: a thread that runs out
+    takes half of another's; 3 threads on a 2-core machine make them run out unevenly), q4 tiles and q6k blocks."""
     w = quantize(_randn(320, 1024, seed=7) * 0.1, "q4", 64)._buffers
-    x = _randn(37, 1024, seed=8).bfloat16()
-    fn = lambda o, t: o.q4_linear_i8(x[:t], w["qweight"], w["scales_zeros"], 64)  # noqa: E731
-    ref = fn(tier_ops["portable"], 37)
+    q6 = from_gguf(k_blocks(QT.Q6_K, 1000, 512, seed=9), QT.Q6_K, (1000, 512))._buffers["qweight"]
+    x, x6 = _randn(37, 1024, seed=8).bfloat16(), _randn(37, 512, seed=10).bfloat16()
+    fns = {"q4": lambda o, t: o.q4_linear_i8(x[:t], w["qweight"], w["scales_zeros"], 64),
+           "q6k": lambda o, t: o.q6k_linear_i8(x6[:t], q6)}
+    refs = {name: fn(tier_ops["portable"], 37) for name, fn in fns.items()}
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             for tier, o in tier_ops.items():
-                for t in (1, 6, 37):
-                    assert torch.equal(fn(o, t), ref[:t]), f"{tier} T={t} threads={n}"
+                for name, fn in fns.items():
+                    for t in (1, 1, 1, 6, 37):
+                        assert torch.equal(fn(o, t), refs[name][:t]), f"{name} {tier} T={t} threads={n}"
     finally:
         torch.set_num_threads(threads)
 

@@ -110,6 +110,27 @@ def test_linear_tiers_agree_at_every_pass_size(tier_ops, shape):
                     assert torch.equal(y, ref[:t]), f"{name} {dtype} T={t}: {tier} differs from portable"
 
 
+def test_linear_tiers_do_not_depend_on_the_thread_count(tier_ops):
+    """Every stored kind's exact op gives the same rows on 1, 2 and 3 threads, whichever thread runs which tiles or
+    row blocks (parallel.h: a thread that runs out takes half of another's; 3 threads on a 2-core machine run out
+    unevenly). 1000 rows: many tiles and blocks to deal."""
+    shape = (1000, 256)
+    x = _randn(37, shape[1], seed=2)
+    threads = torch.get_num_threads()
+    try:
+        for name, dtypes, fn in _linear_cases(*shape):
+            for dtype in dtypes:
+                ref = fn(tier_ops["portable"], x.to(dtype))
+                for n in (1, 2, 3):
+                    torch.set_num_threads(n)
+                    for tier, o in tier_ops.items():
+                        for t in (1, 1, 6, 37):
+                            assert torch.equal(fn(o, x[:t].to(dtype)), ref[:t]), f"{name} {dtype} {tier} T={t} n={n}"
+                torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # The avx2 tier's passes of 32 rows or more take the lane form (generic/tiles.h), shorter ones the dot form: the same
 # rows on every tier on both sides of that line, with K off the 32-element steps (its tail laid out element by
 # element) and on them, for the register blocks of 6 and 5 rows (T = 33, 70) and a group of 16 weight rows cut short

@@ -71,13 +71,14 @@ _GENERIC_SOURCES = ("generic/linear.cpp", "generic/kquant.cpp", "generic/attenti
                     "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "block.cpp", "registry.cpp")
 _GENERIC_HEADERS = ("generic/simd.h", "generic/lanes.h", "generic/linear_steps.h", "generic/tiles.h",
                     "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h",
-                    "args.h", "library.h", "stream.h")
+                    "args.h", "library.h", "stream.h", "parallel.h")
 TIERS: dict[str, Tier] = {t.name: t for t in (
     Tier("avx512", "colibri_avx512", ("linear.cpp", "generic/attention.cpp", "int8.cpp", "kquant.cpp",
                                      "pointwise.cpp", "norm.cpp", "rows.cpp", "attend_pass.cpp", "block.cpp",
                                      "registry.cpp"),
-         ("tiles.h", "args.h", "library.h", "stream.h", "generic/simd.h", "generic/lanes.h", "generic/linear_steps.h",
-          "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h", "generic/gguf_blocks.h"),
+         ("tiles.h", "args.h", "library.h", "stream.h", "parallel.h", "generic/simd.h", "generic/lanes.h",
+          "generic/linear_steps.h", "generic/int8_decode.h", "generic/int8_weights.h", "generic/q4_ops.h",
+          "generic/gguf_blocks.h"),
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c"),
          ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"),

@@ -300,12 +300,12 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   // q4_direct's offset term of A per (row, group): -8 * the sum of the x codes
   std::vector<int32_t> qoff(K == kQ4 && t == 1 ? groups : 0);
   for (size_t i = 0; i < qoff.size(); ++i) qoff[i] = -8 * a.qs[i];
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_items(tiles, [&](auto&& next) {
     static thread_local std::vector<__m512i> quads;  // a tile's quads for all of K (K * 64 bytes: in L2 while the
                                                      // row blocks pass), kept for the thread's next call
     std::vector<__m512> prm(groups * 8);
     Q4kSupers ds;  // q4k: a super-block's (d, dmin), for q4_params
-    for (int64_t tile = b; tile < e; ++tile) {
+    for (int64_t tile; (tile = next()) >= 0;) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       // q4 quads straight from the tile for passes of at most 4 rows (above, the unpacking repeated in every
       // register block costs more than laying the quads out once); the same codes either way
@@ -391,10 +391,10 @@ at::Tensor q8_linear_dot(const at::Tensor& x, const Weight& w) {
   const Activations a = quantize_rows(x, w.g);
   const std::vector<int8_t> zrow(k);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
-  at::parallel_for(0, (w.cols + 15) / 16, 1, [&](int64_t b, int64_t e) {
+  parallel_items((w.cols + 15) / 16, [&](auto&& next) {
     std::vector<float> acc(t * 16), prm(K == kQ8Grouped ? a.groups * 16 : 0);
     const int8_t* rows[16];
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * 16, cols = std::min<int64_t>(16, w.cols - n0);
       for (int j = 0; j < 16; ++j) rows[j] = j < cols ? qw + (n0 + j) * k : zrow.data();  // zero codes past the end
       if constexpr (K == kQ8Grouped) q8_scale_table(w, n0, cols, a.groups, prm.data(), 16, 16);
@@ -429,10 +429,10 @@ at::Tensor q8_decode(const at::Tensor& x, const Weight& w) {
   const Activations a = quantize_rows(x, xg);
   const int8_t* qw = reinterpret_cast<const int8_t*>(w.qw);
   const int8_t* sc = w.sup ? static_cast<const int8_t*>(w.sc) : nullptr;
-  at::parallel_for(0, (w.cols + kCols - 1) / kCols, 1, [&](int64_t b, int64_t e) {
+  parallel_items((w.cols + kCols - 1) / kCols, [&](auto&& next) {
     alignas(64) float acc[kDirectRows * kCols];
     std::vector<float> prm(w.sup ? 0 : groups * kCols);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * kCols, cols = std::min(kCols, w.cols - n0);
       if (!w.sup) q8_scale_table(w, n0, cols, groups, prm.data());
       std::fill(acc, acc + t * kCols, 0.f);

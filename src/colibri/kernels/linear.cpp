@@ -29,9 +29,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
   const int64_t nb = block_rows(k, w.element_size());
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + nb - 1) / nb, [&](auto&& next) {
     std::vector<float> acc(t * nb);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       if (bf) {
         auto xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -109,10 +109,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   at::Tensor y = at::empty({t, n}, x.options());
   const int64_t nb = buffered_rows(k);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + nb - 1) / nb, [&](auto&& next) {
     std::vector<float> acc(t * nb);
     std::vector<uint16_t> wb(nb * k);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       if (t <= kRows) {
         dot_block_stored<uint16_t, int8_t>(xb, t, qw + n0 * k, k, cols, acc.data(), nb);

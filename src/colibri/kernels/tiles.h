@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include "args.h"
 #include "library.h"
+#include "parallel.h"
 #include "stream.h"
 #include "generic/linear_steps.h"
 #include <immintrin.h>
@@ -171,13 +172,13 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
   for (int64_t r = 0; bf && r < t; ++r)
     for (int64_t gi = 0; gi < groups; ++gi) xs[r * groups + gi] = group_sum(xb + r * k + gi * g, g);
   const QPairTables tb;
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_items(tiles, [&](auto&& next) {
     std::vector<float> acc(t * kTile + 16);
     alignas(64) static thread_local float buf[kChunk * kTile];  // 64 KiB: f32 weights or (2x) bf16 code pairs
     alignas(64) static thread_local __m512 params[kChunk / 32][8];
     Q4kSupers ds;
     auto pf = [&](int64_t gi, int64_t n0, float* sv, float* zv) { params_f32(gi, n0, sv, zv, ds); };
-    for (int64_t tile = b; tile < e; ++tile) {
+    for (int64_t tile; (tile = next()) >= 0;) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
       if (bf) std::fill(acc.begin(), acc.end(), 0.f);
@@ -401,9 +402,9 @@ at::Tensor decode_rows(const at::Tensor& x, int64_t n, int64_t groups, Scales&& 
   const float* xf = bf ? nullptr : x.data_ptr<float>();
   at::Tensor y = at::empty({t, n}, x.options());
   constexpr int64_t rb = 16;
-  at::parallel_for(0, (n + rb - 1) / rb, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + rb - 1) / rb, [&](auto&& next) {
     std::vector<float> acc(t * rb), s(rb * groups);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * rb, cols = std::min(rb, n - n0);
       for (int64_t j = 0; j < cols; ++j) scales(n0 + j, s.data() + j * groups);
       const auto src = source(n0, s.data());
@@ -434,10 +435,10 @@ at::Tensor buffered_linear(const at::Tensor& x, int64_t n, Dequant&& dequant) {
   const int64_t t = x.size(0), k = x.size(1), nb = buffered_rows(k);
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({t, n}, x.options());
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + nb - 1) / nb, [&](auto&& next) {
     std::vector<float> acc(t * nb);
     std::vector<float> wbuf(nb * k);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       dequant(n0, cols, bf, static_cast<void*>(wbuf.data()));
       if (bf)

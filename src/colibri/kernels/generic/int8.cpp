@@ -264,7 +264,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   std::vector<int32_t> qoff(t * groups);
   for (size_t i = 0; i < qoff.size(); ++i) qoff[i] = (K == kQ4 ? -8 : -128) * a.qs[i];
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_items(tiles, [&](auto&& next) {
     // a K chunk of the tile's quads (64-byte aligned: each step of a pair is one cache line), kept for the
     // thread's next call
     static thread_local std::vector<uint8_t> buf;
@@ -279,7 +279,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
                            : K == kQ8Channel      ? kCols
                                                   : groups * (K == kQ4 ? 2 : 1) * kCols);
     std::vector<float> tot(t * kCols);
-    for (int64_t tile = b; tile < e; ++tile) {
+    for (int64_t tile; (tile = next()) >= 0;) {
       const int64_t n0 = tile * kCols, cols = std::min(kCols, w.cols - n0);
       const bool direct = t <= kDirectRows && (K != kQ4 || cols == kCols);
       if (!q8k_direct && !q4k_direct) tile_params<K>(w, groups, n0, cols, prm.data());

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "../parallel.h"
 #include "../stream.h"
 #include "gguf_blocks.h"
 #include "lanes.h"
@@ -574,11 +575,11 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
     for (int j = 0; j < 16; ++j) s += a.q[16 * i + j];
     xoff[i] = 32 * s;
   }
-  at::parallel_for(0, (n + unit - 1) / unit, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + unit - 1) / unit, [&](auto&& next) {
     std::vector<float> acc(t * unit);
     std::vector<int8_t> codes(fused ? 0 : 8 * k), sc(fused ? 0 : 8 * groups);
     std::vector<uint16_t> sup(fused ? 0 : 8 * nb);
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * unit, cols = std::min(unit, n - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (fused) {

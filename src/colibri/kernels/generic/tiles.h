@@ -22,6 +22,7 @@
 
 #include "../args.h"
 #include "../library.h"
+#include "../parallel.h"
 #include "../stream.h"
 #include "simd.h"
 #include "linear_steps.h"
@@ -175,7 +176,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         widen_bf16(xb + r * k + gi * g, g, dst);
       }
   });
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_items(tiles, [&](auto&& next) {
     std::vector<float> acc(t * kTile);
     // a group's codes or weights [g][64], where a pass does not read a tile directly; not value-initialized (every
     // element is written before it is read: zeroing 64 KiB per call and thread took 8 % of a 192 x 576 decode call)
@@ -183,7 +184,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     alignas(32) float s[kTile], z[kTile], xsum[kRows];
     Q4kSupers ds;
     const simd::NibbleTables nt = simd::nibble_tables();
-    for (int64_t tile = b; tile < e; ++tile) {
+    for (int64_t tile; (tile = next()) >= 0;) {
       const int64_t n0 = tile * kTile;
       const bool full = np - n0 >= kTile;
       if (!bf) {
@@ -594,10 +595,10 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
   at::Tensor y = at::empty({t, n}, x.options());
   if (t >= kLaneMinRows) {  // the lane form, a group of kLaneCols weight rows a task
     const std::vector<float> xl = lay_lanes_x(x);
-    at::parallel_for(0, (n + kLaneCols - 1) / kLaneCols, 1, [&](int64_t b, int64_t e) {
+    parallel_items((n + kLaneCols - 1) / kLaneCols, [&](auto&& next) {
       std::unique_ptr<float[]> acc(new float[t * kLaneCols]), raw(new float[kLaneCols * k]),
           wl(new float[kLaneCols * kp]);
-      for (int64_t blk = b; blk < e; ++blk) {
+      for (int64_t blk; (blk = next()) >= 0;) {
         const int64_t n0 = blk * kLaneCols, cols = std::min(kLaneCols, n - n0);
         fill(n0, cols, bf, raw.get());
         lay_lanes(raw.get(), cols, k, kp, bf, wl.get());
@@ -619,13 +620,13 @@ at::Tensor dot_linear(const at::Tensor& x, int64_t n, Fill&& fill, Post&& post, 
   const int64_t fit = (64 << 10) / kp;
   const bool chunk_outer = fit < 16 && t > kDirectRows;
   const int64_t nb = chunk_outer ? 63 : std::max<int64_t>(2, std::min<int64_t>(64, fit / 2 * 2));
-  at::parallel_for(0, (n + nb - 1) / nb, 1, [&](int64_t b, int64_t e) {
+  parallel_items((n + nb - 1) / nb, [&](auto&& next) {
     // not value-initialized: every element is written before it is read (fresh zeroed pages of a few hundred
     // KiB per call cost as much as a decode row's arithmetic)
     std::unique_ptr<float[]> acc(new float[t * nb]), raw(direct ? nullptr : new float[nb * k]),
         wl(new float[(direct ? 2 : nb) * kp]);
     std::vector<f16> partials;  // dot_rows' lane partials
-    for (int64_t blk = b; blk < e; ++blk) {
+    for (int64_t blk; (blk = next()) >= 0;) {
       const int64_t n0 = blk * nb, cols = std::min(nb, n - n0);
       if constexpr (has_pairs) {
         if (direct) {
