@@ -238,7 +238,7 @@ def test_a_container_made_before_q4k_tiled_its_codes_reads_the_same(tmp_path, mo
         def old_layout(kind, n, k):
             layout = legacy(kind, n, k)
             if kind.name == "q4k":
-                scales, supers = kinds.q4k_legacy_scales((n, k))[4 - version]
+                scales, supers = kinds.q4k_legacy_layouts((n, k))[4 - version]
                 layout["scales"], layout["supers"] = (torch.uint8, scales), (torch.float16, supers)
             return layout
 

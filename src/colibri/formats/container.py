@@ -399,7 +399,7 @@ def _parts_problem(e: dict) -> str | None:
             return f"kind {kind} cannot hold it ({err})"
         want = {n: (str(dt).removeprefix("torch."), list(s)) for n, (dt, s) in layout.items()}
         sides = tuple(tuple(e["parts"].get(n, {}).get("shape", ())) for n in ("scales", "supers"))
-        if kind == "q4k" and sides in quant.q4k_legacy_scales(tuple(shape)):  # made before version 5
+        if kind == "q4k" and sides in quant.q4k_legacy_layouts(tuple(shape)):  # made before version 5
             want["scales"], want["supers"] = ("uint8", list(sides[0])), ("float16", list(sides[1]))
     else:
         return None  # a kind this Colibri does not know: tensor_from_bytes says so, naming it

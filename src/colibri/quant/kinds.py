@@ -149,14 +149,14 @@ def _check_buffers(kind: QuantKind, shape, buffers: dict[str, torch.Tensor]) -> 
     if kind.scale_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{kind.name} scales must be bf16, f16 or f32, got {kind.scale_dtype}")
     sides = tuple(tuple(getattr(buffers.get(n), "shape", ())) for n in ("scales", "supers"))
-    legacy = kind.name == "q4k" and sides in q4k_legacy_scales(shape)
+    legacy = kind.name == "q4k" and sides in q4k_legacy_layouts(shape)
     for name, (dtype, want) in buffer_layout(kind, shape).items():
         t = buffers.get(name)
         if t is None:
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is missing")
         exact_dtype = name == "qweight" or kind.name in K_KINDS
         if name != "qweight" and legacy:
-            want = tuple(t.shape)  # read from a container made before version 5 (q4k_legacy_scales)
+            want = tuple(t.shape)  # read from a container made before version 5 (q4k_legacy_layouts)
         if tuple(t.shape) != want or (exact_dtype and t.dtype != dtype) or not t.is_contiguous():
             raise ValueError(f"{kind.name} weight {tuple(shape)}: buffer {name!r} is {t.dtype} {tuple(t.shape)}, "
                              f"expected contiguous {dtype} {want}")
@@ -765,7 +765,7 @@ def from_buffers(kind: str, shape, group_size: int, buffers: dict[str, torch.Ten
 #   group of 32 (scales) or 256 (supers) the tile's rows, so a tile's pass reads them as one run of bytes
 #   (containers of format version 5). Version 4 held them group-major, scales [K/32, Np/16, 24] and supers
 #   [K/256, Np, 2]; those made before, scales [K/32, Np, 2] ((sc, m) a byte each, 4.625 bits per weight). Both
-#   are read still (q4k_legacy_scales).
+#   are read still (q4k_legacy_layouts).
 #   w = (d * sc) * q - dmin * m, in f32: d * sc and dmin * m are exact (11 + 6 bits), so is their product by q;
 #   one rounding, in the subtraction, as gguf's dequantize.
 # q6k: 6.5625 bits per weight, Q6_K's own blocks as the file stores them
@@ -808,7 +808,7 @@ _K_KIND = {"q4k": Q4K, "q8k": Q8K, "q6k": Q6K, "q5_0": Q50, "q4_1": GGUF_EXACT["
            **{k.name: k for k in GGUF_K_EXACT.values()}}
 
 
-def q4k_legacy_scales(shape: tuple[int, int]) -> list[tuple[int, ...]]:
+def q4k_legacy_layouts(shape: tuple[int, int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The shapes of a q4k weight's (scales, supers) that older containers hold: version 4's group-major ones and
     those of the versions before ((sc, m) a byte each)."""
     n, k = shape
