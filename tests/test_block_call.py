@@ -1,6 +1,7 @@
-"""A dense decoder block as one native call (ops.DenseBlock, kernels/block.cpp) gives the bits of the calls
-DecoderModel.block makes one by one, on every native tier, for every weight kind the containers hold, exact and
-LOSSY, in a prefill and in decode steps; and the op refuses arguments that do not describe a block."""
+"""A dense decoder block as one native call (ops.DenseBlock, kernels/block.cpp), and every layer of the model as one
+(ops.DenseLayers), give the bits of the calls DecoderModel.block makes one by one, on every native tier, for every
+weight kind the containers hold, exact and LOSSY, in a prefill and in decode steps; and the ops refuse arguments
+that do not describe blocks."""
 
 import pytest
 import torch
@@ -17,20 +18,27 @@ IDS = [(7 * i + 3) % 384 for i in range(20)]
 
 
 def _one_call_and_plain(monkeypatch, path, ids, **options):
-    """(logits of a prefill, greedy tokens) with the block as one call, then with the calls one by one; and how
-    many one-call blocks ran."""
-    calls = []
-    real = ops.DenseBlock.__call__
+    """(logits of a prefill, greedy tokens) with all layers as one call, then each block as one call, then the
+    calls one by one; and the pass sizes of the one-call blocks that ran, per way."""
+    calls = {"layers": [], "block": []}
+    real_block, real_layers = ops.DenseBlock.__call__, ops.DenseLayers.__call__
 
-    def counted(self, x, *a):
-        calls.append(x.shape[0])
-        return real(self, x, *a)
+    def block(self, x, *a):
+        calls["block"].append(x.shape[0])
+        return real_block(self, x, *a)
+
+    def layers(self, x, ropes, *a):
+        calls["layers"] += [x.shape[0]] * len(ropes)
+        return real_layers(self, x, ropes, *a)
 
     out = []
     with monkeypatch.context() as mp:
-        mp.setattr(ops.DenseBlock, "__call__", counted)
-        for plain in (False, True):
-            if plain:
+        mp.setattr(ops.DenseBlock, "__call__", block)
+        mp.setattr(ops.DenseLayers, "__call__", layers)
+        for way in ("layers", "block", "plain"):
+            if way == "block":
+                mp.setattr(base.DecoderModel, "_blocks_call", lambda self, *a: None)
+            if way == "plain":
                 mp.setattr(base.DecoderModel, "_block_call", lambda self, *a: None)
             with colibri.load(path, **options) as m:
                 out.append((m.logits(ids), m.generate(ids, max_tokens=6, temperature=0).token_ids))
@@ -41,16 +49,17 @@ def _check(monkeypatch, path, ids, layers, **options):
     for tier in NATIVE:
         kernels.use(tier)
         try:
-            ((logits, tokens), (want_logits, want_tokens)), calls = _one_call_and_plain(monkeypatch, path, ids,
-                                                                                        **options)
+            (*ways, (want_logits, want_tokens)), calls = _one_call_and_plain(monkeypatch, path, ids, **options)
         finally:
             kernels.use(None)
-        assert torch.equal(logits, want_logits), f"{tier} {options}: the one-call block's logits differ"
-        assert tokens == want_tokens, f"{tier} {options}"
+        for way, (logits, tokens) in zip(("all layers", "each block"), ways):
+            assert torch.equal(logits, want_logits), f"{tier} {options}: the logits of {way} as one call differ"
+            assert tokens == want_tokens, f"{tier} {options}: {way} as one call"
         # every layer of the prefill and of the generation's prompt pass, and of its decode steps (one token, or a
-        # few where n-gram drafts are verified)
-        assert calls.count(len(ids)) == 2 * layers and len(calls) % layers == 0, (tier, calls)
-        assert calls.count(1) >= layers and all(t == len(ids) or t <= 8 for t in calls), (tier, calls)
+        # few where n-gram drafts are verified), each way
+        for way, sizes in calls.items():
+            assert sizes.count(len(ids)) == 2 * layers and len(sizes) % layers == 0, (tier, way, sizes)
+            assert sizes.count(1) >= layers and all(t == len(ids) or t <= 8 for t in sizes), (tier, way, sizes)
 
 
 @pytest.mark.parametrize("fam,dtype", [("llama", "bfloat16"), ("mistral", "float32"), ("qwen2", "bfloat16")])
@@ -78,7 +87,7 @@ def test_k_quants_one_call_is_the_calls_bits_exact_and_lossy(tmp_path, monkeypat
         _check(monkeypatch, out, ids, 2, dtype=dtype, lossy_int8_activations=lossy)
 
 
-def test_dense_block_refuses_what_is_not_a_block():
+def test_dense_block_and_layers_refuse_what_is_not_blocks():
     if not NATIVE:
         pytest.skip("no native tier")
     kernels.use(NATIVE[-1])
@@ -105,6 +114,22 @@ def test_dense_block_refuses_what_is_not_a_block():
             call([kernels.OPS.index("rms_norm")] + [dense] * 6, [w] * 7, [1] * 7)
         with pytest.raises(RuntimeError, match="tensors, its op takes"):
             call([dense] * 7, [w] * 9, [2] + [1] * 5 + [2])
+
+        kv = torch.zeros(16, 64)  # k and v: one KV head of 16, as the blocks hold
+
+        def layers(n, weights, kb, kv_counts, windows):  # n layers of dense weights
+            return lib.dense_blocks(x, args["norms"] * n, [dense] * 7 * n, weights, [1] * 7 * n, [0] * 7 * n,
+                                    [64, 16, 16, 64, 64, 64, 64] * n, [], [args["cos"]] * n, [args["sin"]] * n, kb,
+                                    kb, kv_counts, [1] * n, args["positions"], windows, 0.25, 0.0, 1e-6, 16384)
+
+        two = [w, kv, kv, w, w, w, w] * 2
+        assert layers(2, two, block * 2, [1, 1], [0, 0]).shape == (1, 64)
+        with pytest.raises(RuntimeError, match="per layer two norms"):
+            layers(2, two, block * 2, [1, 1], [0, 0, 0])
+        with pytest.raises(RuntimeError, match="run past their lists"):
+            layers(2, two, block * 2, [1, 2], [0, 0])
+        with pytest.raises(RuntimeError, match="add up to the weights and KV blocks"):
+            layers(2, two + [w], block * 2, [1, 1], [0, 0])
     finally:
         kernels.use(None)
 

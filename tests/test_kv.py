@@ -346,6 +346,24 @@ def test_room_and_rope_attend_write_what_update_writes(monkeypatch, native):
     assert got.shape == (0, 64)
 
 
+def test_rooms_are_every_layers_room_or_none():
+    """`rooms` (a pass of all layers in one call) gives each layer's `room`: the same blocks and length; None for q8
+    blocks and where a visible block is not in RAM (its rows would be read back a layer at a time)."""
+    assert KVCache(KVLayout(3, 2, 32, torch.float32, 4, "q8"), 64).rooms(1) is None
+    cache = KVCache(KVLayout(3, 2, 16, torch.float32, 4), 64)
+    with torch.inference_mode():
+        cache.reserve(6)
+        cache.advance(6)
+        rooms = cache.rooms(3)
+        assert len(rooms) == 3
+        for i, pair in enumerate(rooms):
+            for got, want in zip(pair, cache.room(i, 3)):
+                assert got.length == want.length == 9
+                assert [b.data_ptr() for b in got.blocks] == [b.data_ptr() for b in want.blocks]
+        cache.table[0].data = None  # as when the block is in the swap file
+        assert cache.rooms(1) is None
+
+
 def _room_passes(gen):
     for dt in (torch.float32, torch.bfloat16):
         lay = KVLayout(2, 2, 16, dt, 4)

@@ -129,6 +129,9 @@ class _Cache:
     def room(self, i: int, T: int) -> None:  # no blocks: update gets the rows
         return None
 
+    def rooms(self, T: int) -> None:
+        return None
+
 
 def _one_sequence(ids: list[int]) -> Batch:
     """A Batch of one sequence from position 0 (no logits are computed: the caller runs blocks only)."""

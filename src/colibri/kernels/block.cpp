@@ -50,4 +50,46 @@ at::Tensor dense_block(const at::Tensor& x, at::TensorList norms, at::IntArrayRe
   return at::add(x1, linear(6, at::mul(a, u)));
 }
 
+// Every layer of a dense model in one call: layer j is dense_block over its slice of each list (norms: 2 a layer;
+// ops, counts, groups, cols: 7; weights: the sum of its 7 counts; bias: 3 or none at all; cos, sin, lengths,
+// windows: 1; kb, vb: kv_counts[j] blocks each), the output of one the input of the next. models/base.py's
+// DecoderModel makes one dense_block call a layer from Python; between two of them the weights' stream has
+// evicted the interpreter's code and data, so the Python of a layer ran cold (docs/performance.md, "All layers in
+// one call"). The same calls in the same order on the same tensors: the same bits.
+at::Tensor dense_blocks(const at::Tensor& x, at::TensorList norms, at::IntArrayRef ops, at::TensorList weights,
+                        at::IntArrayRef counts, at::IntArrayRef groups, at::IntArrayRef cols, at::TensorList bias,
+                        at::TensorList cos, at::TensorList sin, at::TensorList kb, at::TensorList vb,
+                        at::IntArrayRef kv_counts, at::IntArrayRef lengths, const at::Tensor& positions,
+                        at::IntArrayRef windows, double scale, double softcap, double eps, int64_t piece) {
+  const char* op = "dense_blocks";
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  const auto sized = [layers](size_t n, int64_t per) { return static_cast<int64_t>(n) == layers * per; };
+  TORCH_CHECK(layers > 0 && sized(norms.size(), 2) && sized(ops.size(), 7) && sized(counts.size(), 7) &&
+                  sized(groups.size(), 7) && sized(cols.size(), 7) && (bias.empty() || sized(bias.size(), 3)) &&
+                  sized(cos.size(), 1) && sized(sin.size(), 1) && sized(kv_counts.size(), 1) &&
+                  sized(lengths.size(), 1),
+              op, ": per layer two norms, seven linears, three biases or none, one cos, sin, KV count, length and "
+              "window");
+  int64_t w0 = 0, b0 = 0;  // layer j's first weight and first KV block
+  at::Tensor h = x;
+  for (int64_t j = 0; j < layers; ++j) {
+    int64_t nw = 0;
+    for (int64_t l = 0; l < 7; ++l) nw += counts[7 * j + l];
+    const int64_t nb = kv_counts[j];
+    TORCH_CHECK(nw >= 0 && nb >= 0 && w0 + nw <= static_cast<int64_t>(weights.size()) &&
+                    b0 + nb <= static_cast<int64_t>(kb.size()) && b0 + nb <= static_cast<int64_t>(vb.size()),
+                op, ": layer ", j, "'s weights or KV blocks run past their lists");
+    h = dense_block(h, norms.slice(2 * j, 2), ops.slice(7 * j, 7), weights.slice(w0, nw), counts.slice(7 * j, 7),
+                    groups.slice(7 * j, 7), cols.slice(7 * j, 7), bias.empty() ? bias : bias.slice(3 * j, 3), cos[j],
+                    sin[j], kb.slice(b0, nb), vb.slice(b0, nb), lengths[j], positions, windows[j], scale, softcap,
+                    eps, piece);
+    w0 += nw;
+    b0 += nb;
+  }
+  TORCH_CHECK(w0 == static_cast<int64_t>(weights.size()) && b0 == static_cast<int64_t>(kb.size()) &&
+                  b0 == static_cast<int64_t>(vb.size()),
+              op, ": the counts must add up to the weights and KV blocks");
+  return h;
+}
+
 }  // namespace

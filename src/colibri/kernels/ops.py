@@ -87,6 +87,46 @@ class DenseBlock:
                                              self.eps, _GRAIN)
 
 
+@dataclass(frozen=True)
+class DenseLayers:
+    """Every layer's DenseBlock as one native call takes them (kernels/block.cpp's dense_blocks): their lists laid
+    end to end, made once where the store keeps its weights. Calling it runs layer after layer, each as its block
+    would, the output of one the input of the next: the same bits as the blocks' calls. Between two of those calls
+    from Python the weights' stream had evicted the interpreter's code and data, so each layer's Python ran cold."""
+
+    norms: list[torch.Tensor]
+    eps: float
+    ops: list[int]
+    weights: list[torch.Tensor]
+    counts: list[int]
+    groups: list[int]
+    cols: list[int]
+    bias: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, blocks: list[DenseBlock]) -> "DenseLayers | None":
+        """None where the blocks differ in what the call takes once for all: the norms' eps, having biases."""
+        if len({b.eps for b in blocks}) != 1 or len({bool(b.bias) for b in blocks}) != 1:
+            return None
+        def flat(field: str) -> list:
+            return [v for b in blocks for v in getattr(b, field)]
+
+        return cls(flat("norms"), blocks[0].eps, flat("ops"), flat("weights"), flat("counts"), flat("groups"),
+                   flat("cols"), flat("bias"))
+
+    def __call__(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                 rooms: list[tuple[Paged, Paged]], positions: torch.Tensor, windows: list[int | None], scale: float,
+                 softcap: float | None) -> torch.Tensor:
+        """ropes, rooms, windows: per layer, its (cos, sin), (keys, values) and window, as a block takes them."""
+        kb = [b for keys, _ in rooms for b in keys.blocks]
+        vb = [b for _, values in rooms for b in values.blocks]
+        return kernels.library().dense_blocks(x, self.norms, self.ops, self.weights, self.counts, self.groups,
+                                              self.cols, self.bias, [c for c, _ in ropes], [s for _, s in ropes], kb,
+                                              vb, [len(k.blocks) for k, _ in rooms], [k.length for k, _ in rooms],
+                                              _int64(positions), [w or 0 for w in windows], float(scale),
+                                              float(softcap or 0), self.eps, _GRAIN)
+
+
 def _int64(positions: torch.Tensor) -> torch.Tensor:
     """Positions as the native ops take them (int64)."""
     return positions if positions.dtype == torch.int64 else positions.to(torch.int64)

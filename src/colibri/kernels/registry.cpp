@@ -41,7 +41,10 @@
   X(iq4_xs_linear_i8, "Tensor x, Tensor blocks")                                                                  \
   X(dense_block, "Tensor x, Tensor[] norms, int[] ops, Tensor[] weights, int[] counts, int[] groups, int[] cols, "  \
                  "Tensor[] bias, Tensor cos, Tensor sin, Tensor[] kb, Tensor[] vb, int length, Tensor positions, "  \
-                 "int window, float scale, float softcap, float eps, int piece")
+                 "int window, float scale, float softcap, float eps, int piece")                                 \
+  X(dense_blocks, "Tensor x, Tensor[] norms, int[] ops, Tensor[] weights, int[] counts, int[] groups, int[] cols, " \
+                  "Tensor[] bias, Tensor[] cos, Tensor[] sin, Tensor[] kb, Tensor[] vb, int[] kv_counts, "           \
+                  "int[] lengths, Tensor positions, int[] windows, float scale, float softcap, float eps, int piece")
 
 #include "library.h"
 

@@ -193,6 +193,20 @@ class KVCache:
                 return self.room(i, T)
         return self._read(i, self._room_for(T))
 
+    def rooms(self, T: int) -> list[tuple[Paged, Paged]] | None:
+        """`room` of every layer at once, for a pass that runs all its layers in one call; None for q8 blocks and
+        where a visible block is in the swap file (read back into a staging buffer that holds two layers' at a
+        time)."""
+        if self.layout.quant:
+            return None
+        if not torch.is_inference_mode_enabled():  # (see update)
+            with torch.inference_mode():
+                return self.rooms(T)
+        end = self._room_for(T)
+        if not all(b.in_ram for b in self.table[:-(-end // self.layout.block)]):
+            return None
+        return [self._read(i, end) for i in range(self.layout.num_layers)]
+
     def _room_for(self, T: int) -> int:
         """The end of a pass of T positions (length + T), its positions made writable (reserved here for callers
         that skip reserve(): a bare forward)."""

@@ -216,6 +216,10 @@ class SequenceKV(Protocol):
         """K and V of every position so far and this pass's `tokens` more, as `ops.Paged` blocks whose rows of the
         new positions the caller writes (`ops.rope_attend`); None where the rows go through `update` instead."""
 
+    def rooms(self, tokens: int) -> list[tuple[ops.Paged, ops.Paged]] | None:
+        """`room` of every layer at once (for a pass that runs all layers in one call); None where the layers'
+        rooms cannot all be held at once, or `room` gives None."""
+
 
 @dataclass
 class Batch:
@@ -368,9 +372,13 @@ class DecoderModel:
         if a.embed_scale is not None:
             x = x * torch.tensor(a.embed_scale, dtype=x.dtype)
         rope = {t: rope_cos_sin(f, positions, x.dtype) for t, f in self.inv_freq.items()}  # [T, Dh] each
-        for i in range(a.num_layers):
-            with store.layer(i):
-                x = self.block(store, i, x, batch, rope[a.layer_types[i]])
+        y = self._blocks_call(store, x, batch, rope)
+        if y is not None:
+            x = y
+        else:
+            for i in range(a.num_layers):
+                with store.layer(i):
+                    x = self.block(store, i, x, batch, rope[a.layer_types[i]])
         x = x[batch.logit_rows]  # [R, D]
         with store.layer(a.num_layers):  # the head's scope
             x = self.norm(x, store, "model.norm.weight")
@@ -410,7 +418,41 @@ class DecoderModel:
     def _block_call(self, store, i, x, batch: "Batch", rope) -> torch.Tensor | None:
         """`block` for one sequence as one native call (ops.DenseBlock: the same bits as the calls `block` makes,
         which a decode step paid for with cold caches) where each of them has its native form; None otherwise."""
+        block = self._layer_block(store, i, x, rope)
+        if block is None:
+            return None
+        room = batch.kv[0].room(i, x.shape[0])
+        if room is None or room[0].blocks[0].dtype != x.dtype:  # (q8 blocks: `update` quantizes the rows)
+            return None
+        window = self.args.sliding_window if self.args.layer_types[i] == SLIDING else None
+        return block(x, *rope, *room, batch.positions, window, self.scale, self.args.attn_softcap)
+
+    def _blocks_call(self, store, x, batch: "Batch", rope: dict) -> torch.Tensor | None:
+        """Every layer for one sequence as one native call (ops.DenseLayers: the same bits as `block`'s calls, layer
+        after layer) where each layer has its one-call block, the store keeps every weight resident (no layer's
+        scope has work to do) and the KV has every layer's room at once; None otherwise. A layer's Python between
+        two native calls ran after the weights' stream had evicted it; here all of it runs first, at once."""
         a = self.args
+        if (not self.one_call_blocks or store.placement is not None or len(batch.kv) != 1 or any(a.moe_layers)
+                or self.ffn_hook is not None):
+            return None
+        ropes = [rope[t] for t in a.layer_types]
+        blocks = [self._layer_block(store, i, x, ropes[i]) for i in range(a.num_layers)]
+        if any(b is None for b in blocks):
+            return None
+        # kept while the store's blocks are the ones it was made of (they are kept with their weights)
+        _, layers = store.derived(("dense_layers", x.dtype, kernels.tier(), kernels.int8_activations()),
+                                  lambda: (blocks, ops.DenseLayers.of(blocks)),
+                                  lambda kept: all(a is b for a, b in zip(kept[0], blocks)))
+        rooms = batch.kv[0].rooms(x.shape[0]) if layers is not None else None
+        if rooms is None or rooms[0][0].blocks[0].dtype != x.dtype:
+            return None
+        windows = [a.sliding_window if t == SLIDING else None for t in a.layer_types]
+        return layers(x, ropes, rooms, batch.positions, windows, self.scale, a.attn_softcap)
+
+    def _layer_block(self, store, i: int, x: torch.Tensor, rope) -> ops.DenseBlock | None:
+        """Layer i's DenseBlock for activations like x, made once where the store keeps its weights; None where the
+        layer has no one-call form for them."""
         dt = x.dtype
         if x.dim() != 2 or not x.is_contiguous() or dt not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
             return None
@@ -423,13 +465,7 @@ class DecoderModel:
         _, block = store.derived(("dense_block", i, dt, kernels.tier(), kernels.int8_activations()),
                                  lambda: (used, self._dense_block(used, bias_names is not None, x)),
                                  lambda kept: all(a is b for a, b in zip(kept[0], used)))
-        if block is None:
-            return None
-        room = batch.kv[0].room(i, x.shape[0])
-        if room is None or room[0].blocks[0].dtype != dt:  # (q8 blocks: `update` quantizes the rows)
-            return None
-        window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        return block(x, cos, sin, *room, batch.positions, window, self.scale, a.attn_softcap)
+        return block
 
     def _dense_block(self, used: list, bias: bool, x: torch.Tensor) -> ops.DenseBlock | None:
         """A layer's weights (`used`: its two norms, q, k, v, o, gate, up, down, then the q, k, v biases where
