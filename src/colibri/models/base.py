@@ -8,6 +8,7 @@ D = hidden size, H / Hkv = query / key-value heads, Dh = head dim, S = cached po
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -283,6 +284,8 @@ class DecoderModel:
         # per layer: its two norms' names, the q / k / v biases' (or None), the seven linears' (q, k, v, o, gate, up,
         # down): what _block_call asks the store for
         self.block_names = [self._block_names(i) for i in range(args.num_layers)]
+        # ... and all of them, layer after layer: what _blocks_call checks its kept blocks against
+        self.layers_names = [n for norms, bias, names in self.block_names for n in norms + names + (bias or [])]
         self.inv_freq = {t: inv_frequencies(args.rope[t], args.head_dim) for t in set(args.layer_types)}
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
 
@@ -434,30 +437,38 @@ class DecoderModel:
         two native calls ran after the weights' stream had evicted it; here all of it runs first, at once."""
         a = self.args
         if (not self.one_call_blocks or store.placement is not None or len(batch.kv) != 1 or any(a.moe_layers)
-                or self.ffn_hook is not None):
+                or self.ffn_hook is not None or not self._one_call_input(x, rope.values())):
             return None
         ropes = [rope[t] for t in a.layer_types]
-        blocks = [self._layer_block(store, i, x, ropes[i]) for i in range(a.num_layers)]
-        if any(b is None for b in blocks):
-            return None
-        # kept while the store's blocks are the ones it was made of (they are kept with their weights)
+        used = [store.get(n) for n in self.layers_names]
+        # kept with the weights it was made of, as each layer's block (a tensor the store's were replaced by makes
+        # new blocks); one check of every weight, not a layer's block looked up at a time
         _, layers = store.derived(("dense_layers", x.dtype, kernels.tier(), kernels.int8_activations()),
-                                  lambda: (blocks, ops.DenseLayers.of(blocks)),
-                                  lambda kept: all(a is b for a, b in zip(kept[0], blocks)))
+                                  lambda: (used, self._dense_layers(store, x, ropes)),
+                                  lambda kept: all(map(operator.is_, kept[0], used)))
         rooms = batch.kv[0].rooms(x.shape[0]) if layers is not None else None
         if rooms is None or rooms[0][0].blocks[0].dtype != x.dtype:
             return None
         windows = [a.sliding_window if t == SLIDING else None for t in a.layer_types]
         return layers(x, ropes, rooms, batch.positions, windows, self.scale, a.attn_softcap)
 
+    def _dense_layers(self, store, x: torch.Tensor, ropes: list) -> ops.DenseLayers | None:
+        """Every layer's block laid end to end for one call; None where a layer has no one-call form."""
+        blocks = [self._layer_block(store, i, x, ropes[i]) for i in range(self.args.num_layers)]
+        return None if any(b is None for b in blocks) else ops.DenseLayers.of(blocks)
+
+    @staticmethod
+    def _one_call_input(x: torch.Tensor, ropes) -> bool:
+        """Whether activations x ([T, D], T > 0) and the (cos, sin) pairs `ropes` are what the one-call blocks take."""
+        dt = x.dtype
+        return (x.dim() == 2 and x.is_contiguous() and dt in (torch.float32, torch.bfloat16) and x.shape[0] > 0
+                and all(c.dtype == dt and s.dtype == dt for c, s in ropes))
+
     def _layer_block(self, store, i: int, x: torch.Tensor, rope) -> ops.DenseBlock | None:
         """Layer i's DenseBlock for activations like x, made once where the store keeps its weights; None where the
         layer has no one-call form for them."""
         dt = x.dtype
-        if x.dim() != 2 or not x.is_contiguous() or dt not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
-            return None
-        cos, sin = rope
-        if cos.dtype != dt or sin.dtype != dt:
+        if not self._one_call_input(x, [rope]):
             return None
         norm_names, bias_names, names = self.block_names[i]
         used = [store.get(n) for n in norm_names + names + (bias_names or [])]
