@@ -307,6 +307,31 @@ def test_k_quant_container_logits_and_streamed_table(k_container, monkeypatch):
                            ContainerCheckpoint(out).load(q).dequantize())
 
 
+def test_block_kinds_rows_are_the_same_natively(k_container, monkeypatch):
+    """Rows of a table of 256-value blocks (a K-quant model's token embedding) decoded by the native `kquant_rows`
+    on every native tier are the torch path's bits; a row outside the table is refused."""
+    tiers = [t for t in kernels.runnable_tiers() if t != "torch"]
+    if not tiers:
+        pytest.skip("no native tier")
+    c = ContainerCheckpoint(k_container[1])
+    kinds = {"q6k", "q3k", "iq4_xs", "q5k", "q2k"}
+    weights = {e.kind: c.load(name) for name, e in c.tensors.items() if e.kind in kinds}
+    assert set(weights) == kinds
+    for kind, w in weights.items():
+        ids = torch.tensor([0, w.shape[0] - 1, 5, 0, w.shape[0] // 2])
+        with monkeypatch.context() as mp:
+            mp.setattr(kernels, "native", lambda: False)
+            want = w.rows(ids)
+        for tier in tiers:
+            kernels.use(tier)
+            try:
+                assert torch.equal(w.rows(ids), want), (kind, tier)
+                with pytest.raises(RuntimeError, match="is not in the table"):
+                    w.rows(torch.tensor([w.shape[0]]))
+            finally:
+                kernels.use(None)
+
+
 @pytest.mark.parametrize("tier", [None, "torch"])
 @pytest.mark.parametrize("qtype,kind", [(QT.Q4_K, "q4k"), (QT.Q2_K, "q2k"), (QT.Q5_1, "q5_1")])
 def test_one_table_is_read_by_rows(tmp_path, monkeypatch, qtype, kind, tier):

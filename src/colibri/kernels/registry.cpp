@@ -28,6 +28,7 @@
                        "Tensor[] vb, int length, Tensor positions, int window, float scale, float softcap")      \
   X(pointwise, "Tensor x, str fn, int piece")                                                                     \
   X(write_rows, "Tensor[] dst, Tensor[] src, int offset")                                                         \
+  X(kquant_rows, "Tensor blocks, Tensor ids, str op")                                                             \
   X(rms_norm, "Tensor x, Tensor w, float eps, bool gemma")                                                        \
   X(rope, "Tensor x, Tensor cos, Tensor sin")                                                                     \
   X(q4_linear_i8, "Tensor x, Tensor qweight, Tensor scales_zeros, int group_size")                                \

@@ -960,15 +960,27 @@ class _BlocksWeight(Q8Weight):
     def from_buffers(cls, shape, group_size: int, buffers: dict[str, torch.Tensor]):
         return cls(cls.KIND, shape, buffers)
 
+    NATIVE_ROWS = False  # rows of its table decoded by the native `kquant_rows` (the kinds of 256-value blocks)
+
     def _blocks(self, rows: slice | torch.Tensor) -> torch.Tensor:
         b = self._buffers["qweight"][rows]
         return b.view(b.shape[0], self.shape[1] // self.VALUES, self.BLOCK)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """f32 [len(ids), K]: rows of a lookup table (token embedding), the same values natively or in torch (a
+        decode step's one row took about twenty torch ops, run cold)."""
+        if self.NATIVE_ROWS and kernels.native():
+            return kernels.library().kquant_rows(self._buffers["qweight"], ids.to(torch.int64), self.OP)
+        return self._torch_rows(ids)
+
+    def _torch_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().rows(ids)
 
 
 class _KBlocksWeight(_BlocksWeight):
     """Blocks of 256 values with q8k's values (codes times d * sc per 16 values)."""
 
-    VALUES = SUPER
+    VALUES, NATIVE_ROWS = SUPER, True
 
     def _scale_codes(self, b: torch.Tensor) -> torch.Tensor:
         """int8 [rows, K/16] scale codes of blocks b [rows, K/256, BLOCK]."""
@@ -1141,7 +1153,7 @@ class _MinBlocksWeight(_BlocksWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._values(slice(0, self.shape[0])).to(dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def _torch_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self._values(ids)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -1161,6 +1173,7 @@ class Q5KWeight(_MinBlocksWeight):
     (see _BlocksWeight)."""
 
     KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q5_K"], Q5K_BLOCK, SUPER, "q5k_linear"
+    NATIVE_ROWS = True
 
     def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self._blocks(rows)
@@ -1179,6 +1192,7 @@ class Q2KWeight(_MinBlocksWeight):
     section): q5k's form with its offsets per 16 (q2k_linear); the LOSSY int8 mode leaves it exact."""
 
     KIND, BLOCK, VALUES, OP = GGUF_K_EXACT["Q2_K"], Q2K_BLOCK, SUPER, "q2k_linear"
+    NATIVE_ROWS = True
 
     def _terms(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = self._blocks(rows)
