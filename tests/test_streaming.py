@@ -121,6 +121,53 @@ def test_tight_budgets_read_ahead_as_far_as_they_fit(containers):
     assert set(depths) == set(range(max(depths) + 1)) and max(depths) >= 2
 
 
+def test_automatic_depth_counts_the_pages_left_streaming():
+    """The automatic prefetch depth is a layer's streamed pages plus one, counted after pinning: once every
+    attention page is pinned, a layer streams one page and two pages of read-ahead do; the slot a depth of three
+    would take pins one FFN page more, and the FFN pins are spread over the layers."""
+    from colibri.formats.container import PageEntry
+
+    mib, pages = 1 << 20, []
+    for layer in range(28):  # the 1.5B's shape: a 3 MiB attention page and a 25 MiB FFN page a layer
+        for kind, size in (("attention", 3 * mib), ("ffn", 25 * mib)):
+            pages.append(PageEntry(len(pages), kind, layer, None, [], 0, len(pages) * 32 * mib, size))
+    table = placement.WeightTable(pages, {}, 28, False)
+    auto = placement.plan(table, 500 * mib, None)
+    deeper = placement.plan(table, 500 * mib, 3)
+    assert (auto.prefetch_depth, deeper.prefetch_depth) == (2, 3)
+    assert auto.slots == 3 and auto.pinned_bytes == deeper.pinned_bytes + 25 * mib
+    ffn = sorted(pages[i].layer for i in auto.pinned if pages[i].kind == "ffn")
+    assert all(pages[i].kind == "ffn" for i in auto.streamed) and len(ffn) == 13
+    assert all(2 <= b - a <= 4 for a, b in zip(ffn, ffn[1:])), ffn  # never two side by side
+    assert placement.plan(table, 150 * mib, None).prefetch_depth == 3  # two pages a layer stream: 3 still
+
+
+def test_pins_spread_over_the_pass_by_kind():
+    """Pins go by kind (attention before the FFN) and, within a kind, spread over the layers: a contiguous run of
+    pinned layers computes while the disk has only the prefetch depth's pages to read. Pins grow and shrink at
+    the end of one order, so every count of pins is spread: up to half of the layers never two side by side, up
+    to three quarters in runs of at most three (a prefix of file order: runs of all of them)."""
+    from colibri.formats.container import PageEntry
+
+    for n in (2, 3, 24, 28, 36, 48, 64, 80, 94):
+        pages = []
+        for layer in range(n):
+            for kind in ("ffn", "attention"):
+                pages.append(PageEntry(len(pages), kind, layer, None, [], 0, len(pages) * 4096, 4096))
+        order = placement.pin_order(pages, reversed(range(len(pages))))
+        assert sorted(order) == list(range(len(pages)))
+        assert {pages[i].kind for i in order[:n]} == {"attention"} and {pages[i].kind for i in order[n:]} == {"ffn"}
+        ffn = [pages[i].layer for i in order[n:]]
+        assert ffn[0] == 0
+        for k in range(1, n):
+            pinned, run, longest = set(ffn[:k]), 0, 0
+            for layer in range(n):
+                run = run + 1 if layer in pinned else 0
+                longest = max(longest, run)
+            assert longest <= (1 if 2 * k <= n else 3 if 4 * k <= 3 * n else n), (n, k, sorted(pinned))
+    assert placement.pin_order(pages[:1], [0]) == [0] and placement.pin_order(pages, []) == []
+
+
 def test_memory_limit_needs_a_container(tiny_model_dir):
     with pytest.raises(colibri.UnsupportedModelError, match="colibri convert"):
         colibri.load(tiny_model_dir("llama"), memory_limit="1G")

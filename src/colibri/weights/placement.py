@@ -36,6 +36,23 @@ ROW_KINDS = ("f32", "bf16", "f16", "q8", "q4", "q4_1", "q4_0", "q8k", "q6k", "q3
 LEARNED_PIN_SHARE = 0.75  # of the budget left for experts, how much usage.json's hottest experts may pin
 
 
+def pin_order(pages: list[PageEntry], ids: Iterable[int]) -> list[int]:
+    """Pages in the order to pin them: by kind (PIN_ORDER), and within a kind spread over the pass rather than
+    from its start: the k-th of a kind's n pages (in file order) goes at the bit-reversed position of k, so any
+    prefix of the order (pins grow and shrink at its end) leaves the streamed pages evenly apart. A run of
+    pinned layers computes with only the prefetch depth's pages to read; spread runs are short, so the disk never
+    waits on compute (docs/performance.md, "Pins spread over the pass")."""
+    kinds: dict[int, list[int]] = {}
+    for pid in sorted(ids, key=lambda i: pages[i].offset):
+        kinds.setdefault(PIN_ORDER.get(pages[pid].kind, 9), []).append(pid)
+    out = []
+    for _, group in sorted(kinds.items()):
+        bits = max(1, (len(group) - 1).bit_length())
+        spread = (int(format(k, f"0{bits}b")[::-1], 2) for k in range(1 << bits))
+        out += [group[r] for r in spread if r < len(group)]
+    return out
+
+
 def fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -317,28 +334,34 @@ def plan(weights: WeightTable, memory_limit: int | None, prefetch_depth: int | N
                          f"{fmt_bytes(minimum - reserve)} staging for its largest layer); raise --memory-limit"
                          " or lower --ctx-length / --batch-size")
     room = memory_limit - reserve
-    streamed = set(ids)
-    pinned_cost = 0  # pinned pages' bytes plus what their weights derive
-    if prefetch_depth is None:  # auto: a whole layer ahead, plus one page
-        prefetch_depth = auto_depth(pages, [i for i in ids if i not in costs.rows])
-    # a budget too small for that many prefetch slots reads ahead as far as it can, rather than not at all:
-    # depth 0 serializes reads and compute (docs/performance.md, "Figures moved from source comments")
-    while prefetch_depth > 0 and costs.need(streamed, prefetch_depth) > room:
-        prefetch_depth -= 1
-
-    def try_pin(pid: int, depth: int) -> bool:
-        nonlocal pinned_cost
-        rest = streamed - {pid}
-        if pinned_cost + cost[pid] + costs.need(rest, depth) <= room:
-            streamed.discard(pid)
-            pinned_cost += cost[pid]
-            return True
-        return False
-
     untied_lookup = {i for i in costs.rows if pages[i].kind == "embedding" and not weights.tied}
     dense = [i for i in ids if pages[i].kind != "expert" and i not in untied_lookup]  # rows are cheap to read
-    for pid in sorted(dense, key=lambda i: (PIN_ORDER.get(pages[i].kind, 9), pages[i].offset)):
-        try_pin(pid, prefetch_depth)
+
+    def pin_dense(depth: int) -> tuple[set[int], int, int]:
+        """(streamed pages, pinned pages' cost with what their weights derive, depth) after pinning in
+        pin_order while the staging of the rest at `depth` fits. A budget too small for that many prefetch slots
+        reads ahead as far as it can, rather than not at all: depth 0 serializes reads and compute
+        (docs/performance.md, "Figures moved from source comments")."""
+        streamed, pinned_cost = set(ids), 0
+        while depth > 0 and costs.need(streamed, depth) > room:
+            depth -= 1
+        for pid in pin_order(pages, dense):
+            rest = streamed - {pid}
+            if pinned_cost + cost[pid] + costs.need(rest, depth) <= room:
+                streamed, pinned_cost = rest, pinned_cost + cost[pid]
+        return streamed, pinned_cost, depth
+
+    if prefetch_depth is not None:
+        streamed, pinned_cost, prefetch_depth = pin_dense(prefetch_depth)
+    else:  # auto: a whole layer's streamed pages ahead, plus one page; counted on the pages left streaming, as
+        # pins take whole kinds (every attention page first), and each slot fewer pins one page more
+        want = auto_depth(pages, [i for i in ids if i not in costs.rows])
+        while True:
+            streamed, pinned_cost, prefetch_depth = pin_dense(want)
+            fewer = auto_depth(pages, [i for i in streamed if i not in costs.rows])
+            if fewer >= want:
+                break
+            want = fewer
     depth = prefetch_depth if pinned_cost + costs.need(streamed, prefetch_depth) <= room else 0
     if not any(pages[i].kind != "expert" and i not in costs.rows for i in streamed):
         depth = 0  # prefetch reads dense pages ahead; with none streamed its slots would sit idle

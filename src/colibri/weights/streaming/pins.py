@@ -72,8 +72,7 @@ class ElasticPins:
         self.baseline = baseline
         self._cost = {pid: p.nbytes + place.resident_extra(p, tensors, dtype) for pid, p in enumerate(pages)}
         self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
-        self._candidates = sorted((pid for pid in pl.streamed if pages[pid].kind != "expert"),
-                                  key=lambda i: (place.PIN_ORDER.get(pages[i].kind, 9), pages[i].offset))
+        self._candidates = place.pin_order(pages, (pid for pid in pl.streamed if pages[pid].kind != "expert"))
         self._extra: dict[int, AlignedBuffer] = {}  # elastic pins in the order they were made
         self._extra_bytes = 0  # their cost (pages and what their weights derive)
         self.pins = self.unpins = 0
