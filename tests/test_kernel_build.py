@@ -140,6 +140,27 @@ def test_no_compiler_is_one_line_naming_the_log(tmp_path, monkeypatch):
     assert log.parent == kernels.library_path(t, tmp_path / "cache").parent and NO_CXX in log.read_text()
 
 
+def test_a_memory_cgroup_without_room_for_the_compiler_gets_no_build(tmp_path, monkeypatch):
+    """Under a cgroup memory limit that leaves less than a build takes beside this process, the compiler is not
+    started (it would thrash until the timeout, or be killed): one line says what to do; with room it builds."""
+    monkeypatch.setattr(build, "cgroup_memory_limit", lambda: build.rss_bytes() + build.BUILD_MEMORY - (1 << 20))
+    popen = subprocess.Popen
+    monkeypatch.setattr(build.subprocess, "Popen", lambda *a, **k: pytest.fail("the compiler was started"))
+    t = tiny_tier(tmp_path)
+    with pytest.raises(kernels.KernelsUnavailable) as e:
+        kernels.load(t, tmp_path / "cache")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("the test kernels are not built inside this memory limit: building"
+                                              f" them takes about {build.BUILD_MEMORY >> 20} MiB and the cgroup")
+    assert "run `colibri kernels --build` once outside it (COLIBRI_KERNELS=test)" in msg
+    assert "not built: the memory cgroup leaves" in Path(msg.rsplit("log: ", 1)[1]).read_text()
+    assert not kernels.library_path(t, tmp_path / "cache").exists()
+    monkeypatch.setattr(build.subprocess, "Popen", popen)
+    monkeypatch.setattr(build, "cgroup_memory_limit", lambda: build.rss_bytes() + build.BUILD_MEMORY + (64 << 20))
+    kernels.load(t, tmp_path / "cache")
+    assert ping(t) == 42
+
+
 def test_a_compile_error_is_its_first_line_and_the_log(tmp_path):
     t = tiny_tier(tmp_path, source=BROKEN)
     with pytest.raises(kernels.KernelsUnavailable) as e:

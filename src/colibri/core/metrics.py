@@ -7,6 +7,9 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a huge number (page-rounded 2^63 - 1)
 
 
 def rss_bytes() -> int:
@@ -16,6 +19,32 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def cgroup_memory_limit() -> int | None:
+    """This process's cgroup memory limit in bytes (v2 memory.max, else v1 memory.limit_in_bytes), None if none."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for c in candidates:
+            try:
+                text = Path(c).read_text().strip()
+            except OSError:
+                continue
+            if text == "max" or int(text) >= UNLIMITED:
+                continue
+            return int(text)
+    return None
 
 
 def peak_rss_bytes() -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from colibri.core import log
+from colibri.core.metrics import cgroup_memory_limit, rss_bytes
 
 HERE = Path(__file__).parent
 # the ops every native tier registers (same names and signatures in each: registry.cpp, the last source of every
@@ -42,6 +43,10 @@ OPS = tuple(re.findall(r"^  X\((\w+), ", (HERE / "registry.cpp").read_text(), re
 _LDFLAGS = ("-fopenmp",)
 PROGRESS_S = 15  # seconds between the progress lines of a build
 BUILD_TIMEOUT_S = 1800  # a build still running after this is stopped (a wedged compiler must not hang a process)
+# What a tier's build takes at its peak: the compiler on the one unity source (docs/performance.md, "A build
+# where the memory cgroup has no room for it"). Under a cgroup memory limit that leaves less beside this process,
+# the compiler would thrash for the whole timeout or be killed: the build is not started.
+BUILD_MEMORY = 1792 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +192,13 @@ def unity_source(t: Tier) -> str:
     return "".join(f'#include "{s}"\n' for s in t.sources)
 
 
+def build_room() -> int | None:
+    """Bytes a build may take under this process's cgroup memory limit (the limit less this process's resident
+    memory); None without a limit."""
+    limit = cgroup_memory_limit()
+    return None if limit is None else limit - rss_bytes()
+
+
 def _compile(t: Tier, d: Path, notice) -> Path:
     """Build tier t into directory d (which the caller owns: under the lock, or private) -> the library."""
     lib = d / f"{t.ns}.so"
@@ -196,6 +208,14 @@ def _compile(t: Tier, d: Path, notice) -> Path:
         log.write_text(f"no C++ compiler: {cxx!r} is not found on PATH={os.environ.get('PATH', '')}\n")
         raise NoCompiler(f"the {t.name} kernels cannot be built: no C++ compiler found ({cxx!r} is not on PATH;"
                          f" install g++ or set CXX); log: {log}")
+    room = build_room()
+    if room is not None and room < BUILD_MEMORY:
+        log.write_text(f"not built: the memory cgroup leaves {room} bytes beside this process; a build takes about"
+                       f" {BUILD_MEMORY}\n")
+        raise KernelsUnavailable(f"the {t.name} kernels are not built inside this memory limit: building them takes"
+                                 f" about {BUILD_MEMORY >> 20} MiB and the cgroup leaves {max(room, 0) >> 20} MiB;"
+                                 f" run `colibri kernels --build` once outside it (COLIBRI_KERNELS={t.name}); log:"
+                                 f" {log}")
     for stale in d.glob("tmp-*"):  # a killed build's; nobody else builds here while the caller holds the lock
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=d))

@@ -27,6 +27,7 @@ from typing import Callable
 from colibri import kernels
 from colibri.core.defaults import cache_dir
 from colibri.core.errors import ColibriError, InputError
+from colibri.core.metrics import cgroup_memory_limit
 from colibri.formats.container import MANIFEST, VERSION, ContainerCheckpoint, range_checksum
 from colibri.kv.swap import DISK_RESERVE
 from colibri.weights.io import ALIGN, AlignedBuffer, probe_bandwidth, thp_mode
@@ -36,7 +37,6 @@ PROBE_SECONDS = 1.0  # each of the two read passes
 CACHED_RATIO = 1.5  # a repeat this much faster than the first pass: something below this kernel caches the file
 SAMPLE_PAGES = 8  # container pages whose checksums the quick check recomputes (first, last and random ones)
 SAMPLE_BYTES = 256 << 20  # at most this many bytes of them
-UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a huge number (page-rounded 2^63 - 1)
 
 
 @dataclass
@@ -68,32 +68,6 @@ def read_meminfo() -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def read_cgroup_limit() -> int | None:
-    """This process's cgroup memory limit in bytes (v2 memory.max, else v1 memory.limit_in_bytes), None if none."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
-        elif "memory" in controllers.split(","):
-            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
-        else:
-            continue
-        for c in candidates:
-            try:
-                text = Path(c).read_text().strip()
-            except OSError:
-                continue
-            if text == "max" or int(text) >= UNLIMITED:
-                continue
-            return int(text)
-    return None
 
 
 def fs_type(path: str) -> str | None:
@@ -147,7 +121,7 @@ class Host:
     virtual_disk: Callable[[str], bool] = virtual_disk
     thp_mode: Callable[[], str | None] = thp_mode
     meminfo: Callable[[], dict] = read_meminfo
-    cgroup_limit: Callable[[], int | None] = read_cgroup_limit
+    cgroup_limit: Callable[[], int | None] = cgroup_memory_limit
     kernels: Callable[[], dict] = kernels.describe
     disk_usage: Callable = shutil.disk_usage
     bandwidth: Callable = probe_bandwidth  # (path, seconds=...) -> bytes/s
