@@ -155,6 +155,16 @@ def test_a_memory_cgroup_without_room_for_the_compiler_gets_no_build(tmp_path, m
     assert "run `colibri kernels --build` once outside it (COLIBRI_KERNELS=test)" in msg
     assert "not built: the memory cgroup leaves" in Path(msg.rsplit("log: ", 1)[1]).read_text()
     assert not kernels.library_path(t, tmp_path / "cache").exists()
+    # the listing says so too, building nothing: an empty cache, so no real tier is built
+    monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "empty"))
+    monkeypatch.delenv(kernels.MODE_ENV, raising=False)
+    monkeypatch.setattr(kernels, "build_room", lambda: 100 << 20)
+    runnable = kernels.runnable_tiers()
+    assert kernels.describe()["auto"] == dict(tier="torch", why="; ".join(
+        [f"{n} needs {', '.join(kernels.missing_flags(kernels.TIERS[n]))}" for n in kernels.NATIVE if n not in runnable]
+        + [f"{n} is not built and this memory cgroup leaves 100 MiB of the"
+           f" {build.BUILD_MEMORY >> 20} a build takes (`colibri kernels --build` outside it builds it)"
+           for n in runnable]))
     monkeypatch.setattr(build.subprocess, "Popen", popen)
     monkeypatch.setattr(build, "cgroup_memory_limit", lambda: build.rss_bytes() + build.BUILD_MEMORY + (64 << 20))
     kernels.load(t, tmp_path / "cache")
