@@ -158,7 +158,7 @@ def test_a_memory_cgroup_without_room_for_the_compiler_gets_no_build(tmp_path, m
     # the listing says so too, building nothing: an empty cache, so no real tier is built
     monkeypatch.setenv("COLIBRI_CACHE", str(tmp_path / "empty"))
     monkeypatch.delenv(kernels.MODE_ENV, raising=False)
-    monkeypatch.setattr(kernels, "build_room", lambda: 100 << 20)
+    monkeypatch.setattr(kernels, "room_short_of_a_build", lambda: 100)
     runnable = kernels.runnable_tiers()
     assert kernels.describe()["auto"] == dict(tier="torch", why="; ".join(
         [f"{n} needs {', '.join(kernels.missing_flags(kernels.TIERS[n]))}" for n in kernels.NATIVE if n not in runnable]

@@ -59,8 +59,8 @@ from colibri.core import log
 
 # the build's names this package's users reach through it (tests, cli, the conftest's build of every tier)
 from colibri.kernels.build import (BUILD_MEMORY, OPS, Int8, KernelsUnavailable, NoCompiler, Tier,  # noqa: F401
-                                   build_room, cache_root, compiler, ensure_built, is_built, library_path, load,
-                                   notice, one_line, python_module, unity_source)
+                                   cache_root, compiler, ensure_built, is_built, library_path, load, notice, one_line,
+                                   python_module, room_short_of_a_build, unity_source)
 
 MODE_ENV = "COLIBRI_KERNELS"
 LOSSY_INT8_ENV = "COLIBRI_LOSSY_INT8"
@@ -397,8 +397,8 @@ def _predict(setting: str, rows: dict) -> dict:
             passed.append(r["error"])
         elif compiler() is None:
             passed.append(f"{name} is not built and there is no C++ compiler")
-        elif (room := build_room()) is not None and room < BUILD_MEMORY:
-            passed.append(f"{name} is not built and this memory cgroup leaves {max(room, 0) >> 20} MiB of the"
+        elif (left := room_short_of_a_build()) is not None:
+            passed.append(f"{name} is not built and this memory cgroup leaves {left} MiB of the"
                           f" {BUILD_MEMORY >> 20} a build takes (`colibri kernels --build` outside it builds it)")
         else:
             return dict(tier=name, why="; ".join([*passed, f"{name} is not built yet: the first use builds it"

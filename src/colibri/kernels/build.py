@@ -192,11 +192,12 @@ def unity_source(t: Tier) -> str:
     return "".join(f'#include "{s}"\n' for s in t.sources)
 
 
-def build_room() -> int | None:
-    """Bytes a build may take under this process's cgroup memory limit (the limit less this process's resident
-    memory); None without a limit."""
+def room_short_of_a_build() -> int | None:
+    """MiB this process's cgroup memory limit leaves beside its resident memory where that is less than a build
+    takes (BUILD_MEMORY); None where a build fits or there is no limit."""
     limit = cgroup_memory_limit()
-    return None if limit is None else limit - rss_bytes()
+    room = None if limit is None else limit - rss_bytes()
+    return None if room is None or room >= BUILD_MEMORY else max(room, 0) >> 20
 
 
 def _compile(t: Tier, d: Path, notice) -> Path:
@@ -208,12 +209,12 @@ def _compile(t: Tier, d: Path, notice) -> Path:
         log.write_text(f"no C++ compiler: {cxx!r} is not found on PATH={os.environ.get('PATH', '')}\n")
         raise NoCompiler(f"the {t.name} kernels cannot be built: no C++ compiler found ({cxx!r} is not on PATH;"
                          f" install g++ or set CXX); log: {log}")
-    room = build_room()
-    if room is not None and room < BUILD_MEMORY:
-        log.write_text(f"not built: the memory cgroup leaves {room} bytes beside this process; a build takes about"
-                       f" {BUILD_MEMORY}\n")
+    left = room_short_of_a_build()
+    if left is not None:
+        log.write_text(f"not built: the memory cgroup leaves {left} MiB beside this process; a build takes about"
+                       f" {BUILD_MEMORY >> 20} MiB\n")
         raise KernelsUnavailable(f"the {t.name} kernels are not built inside this memory limit: building them takes"
-                                 f" about {BUILD_MEMORY >> 20} MiB and the cgroup leaves {max(room, 0) >> 20} MiB;"
+                                 f" about {BUILD_MEMORY >> 20} MiB and the cgroup leaves {left} MiB;"
                                  f" run `colibri kernels --build` once outside it (COLIBRI_KERNELS={t.name}); log:"
                                  f" {log}")
     for stale in d.glob("tmp-*"):  # a killed build's; nobody else builds here while the caller holds the lock
