@@ -87,6 +87,20 @@ def tier_ops():
     return built
 
 
+@pytest.fixture(scope="session")
+def aarch64_portable(tmp_path_factory):
+    """The portable tier cross-compiled for aarch64 once a session, and the emulated machine that runs it
+    (tests/aarch64_machine.py); skips where the cross compiler is missing."""
+    import aarch64_machine
+
+    try:
+        machine = aarch64_machine.Machine(tmp_path_factory.mktemp("aarch64"))
+    except aarch64_machine.Unavailable as e:
+        pytest.skip(str(e))
+    yield machine
+    machine.close()
+
+
 @pytest.fixture()
 def artifacts(request, tmp_path) -> Path:
     """Where a test saves what a person may want to look at afterwards (screenshots): a directory per test under

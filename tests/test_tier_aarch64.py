@@ -2,31 +2,21 @@
 qemu-user in the environment tools/aarch64_env.py sets up (.ci/run makes it in .ci/aarch64; COLIBRI_AARCH64_ENV
 names another; the tests skip without one). The tier's one translation unit is cross-compiled here against that
 environment's aarch64 torch, with the Python module, into the kernel cache its colibri reads, and loaded there as
-any machine loads a tier. There it gives the bits this CPU's tiers give (tests/test_tiers.py and its siblings show
-those equal): the calls of the cross-tier tests (every linear kind at pass sizes 1, 3, 16 and 64 in f32 and bf16,
-the GGUF blocks as stored, the LOSSY int8 ops, attention over rows and over paged and q8 blocks, pointwise,
-RMSNorm, RoPE) replayed, the tiny families' logits and greedy tokens (bf16 weights and q4 containers: torch's own
-ops around the kernels too, MoE routing included), and the README demo's greedy tokens. qemu computes each aarch64 instruction's IEEE
-result as the architecture defines it (FPCR at Linux's defaults: no flush to zero), so this checks the tier's
-arithmetic on that ISA; it says nothing of its speed."""
+any machine loads a tier (tests/aarch64_machine.py: one build and one emulated interpreter a session). There it
+gives the bits this CPU's tiers give (tests/test_tiers.py and its siblings show those equal): the calls of the
+cross-tier tests (every linear kind at pass sizes 1, 3, 16 and 64 in f32 and bf16, the GGUF blocks as stored, the
+LOSSY int8 ops, attention over rows and over paged and q8 blocks, pointwise, RMSNorm, RoPE) replayed, the tiny
+families' logits and greedy tokens (bf16 weights and q4 containers: torch's own ops around the kernels too, MoE
+routing included), and the README demo's greedy tokens. qemu computes each aarch64 instruction's IEEE result as the
+architecture defines it (FPCR at Linux's defaults: no flush to zero), so this checks the tier's arithmetic on that
+ISA; it says nothing of its speed."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-
-from colibri import kernels
-from colibri.kernels import build
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = Path(os.environ.get("COLIBRI_AARCH64_ENV") or REPO / ".ci" / "aarch64")
-CXX = "aarch64-linux-gnu-g++"
 
 # run there: the recorded calls (op name, arguments, result) against the tier's ops, results compared bit for bit
 CHECK = """
@@ -59,41 +49,12 @@ class _Recorder:
 
 
 @pytest.fixture(scope="module")
-def aarch64(tmp_path_factory):
+def aarch64(aarch64_portable):
     """fn(code, *args, timeout) -> stdout: Python code run on the emulated aarch64 machine with the portable tier,
-    its library cross-compiled from this checkout into a kernel cache of its own."""
-    if not (ENV / "ready").is_file():
-        pytest.skip(f"no emulated aarch64 environment at {ENV} (python tools/aarch64_env.py {ENV})")
-    if shutil.which(CXX) is None:
-        pytest.skip(f"no aarch64 cross compiler ({CXX}; apt-get install g++-aarch64-linux-gnu)")
-    if shutil.which("qemu-aarch64") is None:
-        pytest.skip("no qemu-aarch64 (apt-get install qemu-user)")
-    env = {**os.environ, "COLIBRI_CACHE": str(tmp_path_factory.mktemp("aarch64-cache")),
-           "COLIBRI_KERNELS": "portable", "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2"}
-
-    def run(code: str, *args: str, timeout: int = 600) -> str:
-        p = subprocess.run([str(ENV / "python"), "-c", code, *args], env=env, capture_output=True, text=True,
-                           timeout=timeout)
-        assert p.returncode == 0, f"on aarch64:\n{p.stderr[-3000:]}"
-        return p.stdout
-
-    where = json.loads(run("import json, torch; from colibri.kernels import TIERS, build; print(json.dumps({"
-                           "'lib': str(build.library_path(TIERS['portable'])), 'torch': torch.__path__[0],"
-                           " 'abi': int(torch._C._GLIBCXX_USE_CXX11_ABI)}))").splitlines()[-1])
-    tier, lib, th = kernels.TIERS["portable"], Path(where["lib"]), Path(where["torch"])
-    lib.parent.mkdir(parents=True)
-    unity = lib.parent / "unity.cpp"
-    unity.write_text(kernels.unity_source(tier))
-    py = ENV / "root" / "usr" / "include"  # Python.h, and the aarch64 pyconfig.h it includes
-    cmd = [CXX, "-std=c++17", "-fPIC", "-shared", *tier.flags, f"-D_GLIBCXX_USE_CXX11_ABI={where['abi']}",
-           f"-DCOLIBRI_NS={tier.ns}", f"-I{tier.src_dir}", f"-isystem{th / 'include'}",
-           f"-isystem{th / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-isystem{py / 'python3.11'}",
-           f"-isystem{py}", str(unity), "-o", str(lib), f"-L{th / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch",
-           "-ltorch_python", "-fopenmp"]
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert p.returncode == 0, f"the portable tier does not build for aarch64:\n{p.stdout[-3000:]}"
-    build._checksum_path(lib).write_text(build._sha256(lib) + "\n")  # as the build writes it beside a library
-    return run
+    its library cross-compiled from this checkout into a kernel cache of its own (tests/aarch64_machine.py)."""
+    if aarch64_portable.why_no_machine:
+        pytest.skip(aarch64_portable.why_no_machine)
+    return aarch64_portable.run
 
 
 def _record(ops) -> list:
@@ -176,9 +137,10 @@ def test_portable_tier_on_aarch64_gives_this_cpus_bits(aarch64, tier_ops, tmp_pa
                               f"{out['differ'][:5]}"
 
 
-def test_readme_demo_tokens_on_aarch64(aarch64):
-    """The README demo's container decodes the same greedy tokens on the emulated aarch64 machine (its whole
-    forward: the portable tier's kernels, torch's own ops around them) as on this one."""
+def test_readme_demo_tokens_on_aarch64(aarch64, tmp_path):
+    """The README demo's container gives the same logits over its prompt, bit for bit, and decodes the same greedy
+    tokens on the emulated aarch64 machine (its whole forward: the portable tier's kernels, its prefill and decode
+    forms, torch's own ops around them) as on this one."""
     import colibri
     from colibri.convert.pipeline import default_container
     from colibri.core.errors import ModelLoadError
@@ -187,13 +149,16 @@ def test_readme_demo_tokens_on_aarch64(aarch64):
         path = default_container()
     except ModelLoadError as e:
         pytest.skip(str(e))
-    prompt, n = "Name three uses of a hash map.", 24
+    prompt, n = "Name three uses of a hash map.", 8
     with colibri.load(path) as m:
-        here = m.generate(prompt, max_tokens=n, temperature=0).token_ids
-    code = ("import sys, colibri\nwith colibri.load(sys.argv[1]) as m:\n"
-            f"    print(list(m.generate({prompt!r}, max_tokens={n}, temperature=0).token_ids))")
-    there = json.loads(aarch64(code, str(path)).splitlines()[-1])
-    assert len(here) == n and there == list(here)
+        logits, tokens = m.logits(prompt), list(m.generate(prompt, max_tokens=n, temperature=0).token_ids)
+    code = ("import json, sys, torch, colibri\nwith colibri.load(sys.argv[1]) as m:\n"
+            f"    torch.save(m.logits({prompt!r}), sys.argv[2])\n"
+            f"    print(json.dumps(list(m.generate({prompt!r}, max_tokens={n}, temperature=0).token_ids)))")
+    there = json.loads(aarch64(code, str(path), str(tmp_path / "logits.pt")).splitlines()[-1])
+    assert len(tokens) == n and there == tokens
+    got = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert got.shape == logits.shape and torch.equal(got, logits), int((got != logits).sum())
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
