@@ -265,3 +265,26 @@ def test_pipeline_model_wake_up_after_long_waits():
     slow = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=0.5)
     fast = predict.pipeline(scopes, [1 << 20] * 4, 1 << 20, 1, 0, wake_s=0.25, wake_gap_s=2.0)
     assert slow["s_per_token"] == pytest.approx(4 * 1.75) and fast["s_per_token"] == pytest.approx(4 * 1.5)
+
+
+def test_plan_predicts_the_elastic_pins_a_decode_starts_with(containers):
+    """Under a limit sized for a long context, a decode's first passes pin more pages in the room the context's KV
+    reserve leaves: the plan names them, and the bytes a decode step then reads are the ones it predicts."""
+    path = containers("llama")
+    limit = minimum(path, batch_size=1)  # a 256-token context's KV reserve; the pins leave one page streaming
+    lay = predict.layout(path, limit, prefetch_depth=0, batch_size=1)
+    start = lay.with_elastic_pins()
+    assert lay.elastic_pins and set(lay.elastic_pins) <= set(lay.placement.streamed)
+    assert not set(lay.elastic_pins) & set(start.placement.streamed)
+    assert 0 < start.per_token["streamed_bytes"] < lay.per_token["streamed_bytes"]
+    assert lay.as_dict()["elastic_pins"]["pages"] == len(lay.elastic_pins)
+    m = colibri.load(path, memory_limit=limit, prefetch_depth=0, batch_size=1, draft_tokens=0)
+    m.store.elastic.baseline = None  # what the KV cache and the pass hold, not this process's RSS (other tests')
+    stats, seen = m.store.stats, []
+    for _ in m.stream([1, 2, 3], max_tokens=5, ignore_eos=True):
+        seen.append(stats.bytes_read - stats.row_bytes_read)
+    pinned = m.store.elastic.pinned_bytes
+    m.close()
+    assert pinned == start.placement.pinned_bytes
+    steps = [b - a for a, b in zip(seen[1:-2], seen[2:-1])]  # decode steps after the pins were made
+    assert steps and all(s == start.per_token["streamed_bytes"] for s in steps), steps

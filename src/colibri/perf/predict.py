@@ -19,6 +19,7 @@ The bandwidth and compute seconds it takes come from the probes (perf.probes); p
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,20 @@ class Layout:
     data_file: Path  # the largest data file (the disk probe reads it)
     per_token: dict  # token_bytes
     runtime_baseline_rss_bytes: int  # this process when the layout was made: Python, torch, manifest read
+    elastic_pins: list[int] = field(default_factory=list)  # what the elastic budget pins as a decode starts
+
+    def with_elastic_pins(self) -> Layout:
+        """The layout as a decode starts (`colibri run`, the server): the elastic pins resident beside the
+        placement's own, until the context's KV takes their room back. (`colibri bench` holds the placement's
+        own pins only, so that it measures what the plan places.)"""
+        pins, p = set(self.elastic_pins), self.placement
+        streamed = [i for i in p.streamed if i not in pins]
+        weights = WeightTable(self.pages, self.tensors, self.args.num_layers, self.args.tie_word_embeddings)
+        placed = dataclasses.replace(p, pinned=p.pinned + self.elastic_pins, streamed=streamed,
+                                     pinned_bytes=p.pinned_bytes + sum(self.pages[i].nbytes for i in pins),
+                                     streamed_bytes=weights.pass_bytes(streamed))
+        return dataclasses.replace(self, placement=placed, elastic_pins=[],
+                                   per_token=token_bytes(placed, self.pages, self.tensors, self.args))
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -99,6 +114,8 @@ class Layout:
                           else "lm_head.weight",
             "pages": {"total_bytes": sum(pg.nbytes for pg in self.pages), "by_kind": self.by_kind()},
             "per_token": self.per_token,
+            "elastic_pins": {"pages": len(self.elastic_pins),
+                             "bytes": sum(self.pages[i].nbytes for i in self.elastic_pins)},
             "data_file": str(self.data_file),
             "runtime_baseline_rss_bytes": self.runtime_baseline_rss_bytes,
             "runtime_baseline_note": BASELINE_NOTE,
@@ -108,16 +125,16 @@ class Layout:
 def layout(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int | None = None,
            ctx_length: int | None = None, batch_size: int = DEFAULT_BATCH) -> Layout:
     """What `colibri.load` with these settings would keep resident and read per token, without reading a weight."""
-    from colibri.runtime.model import plan
+    from colibri.runtime.model import plan_decode
 
     path = Path(path)
-    placement, res, args = plan(path, memory_limit, dtype=dtype, prefetch_depth=prefetch_depth,
-                                ctx_length=ctx_length, batch_size=batch_size)
+    placement, res, args, pins = plan_decode(path, memory_limit, dtype=dtype, prefetch_depth=prefetch_depth,
+                                             ctx_length=ctx_length, batch_size=batch_size)
     manifest = read_manifest(path)
     tensors, pages = records(manifest)
     largest = max(manifest["files"], key=lambda f: f["size"])  # one file below 1 TiB; the probe reads the largest
     return Layout(path, args, placement, res, pages, tensors, path / largest["name"],
-                  token_bytes(placement, pages, tensors, args), rss_bytes())
+                  token_bytes(placement, pages, tensors, args), rss_bytes(), pins)
 
 
 def head_blocks(t: TensorEntry) -> list[tuple[int, int]]:

@@ -93,6 +93,10 @@ def predict(path: str | Path, memory_limit=None, dtype=None, prefetch_depth: int
         pipeline["tokens_per_s_range"] = [
             1 / simulate(lay, compute, disk[k], busy_bw and busy_bw * disk[k] / bandwidth)["s_per_token"]
             for k in ("min_bytes_per_s", "max_bytes_per_s")]
+    if lay.elastic_pins:  # a decode's start, with the elastic pins: what `colibri run` reads while the context is short
+        start = lay.with_elastic_pins()
+        pipeline["decode_start"] = {"bytes_per_token": start.per_token["total_bytes"],
+                                    "tokens_per_s": 1 / simulate(start, compute, bandwidth, busy_bw)["s_per_token"]}
     return Plan(Path(path), compute, bounds(per_token, bandwidth, compute["s_per_token"]), lay, disk or None,
                 pipeline)
 
@@ -325,6 +329,12 @@ def format_plan(plan: Plan) -> str:
                  + (f" ({spread[0]:.2f}-{spread[1]:.2f} over the disk's spread)" if spread else "")
                  + f", {1e3 * pipe['s_per_token']:.1f} ms/token with {1e3 * pipe['io_wait_s_per_token']:.1f} ms "
                  f"waiting for reads: {PIPELINE_SHORT}")
+    start, pins = pipe.get("decode_start"), r["elastic_pins"]
+    if start:
+        lines.append(f"at a decode's start: {_rate(start['tokens_per_s'])} reading {_mib(start['bytes_per_token'])} "
+                     f"per token, with {pins['pages']} more pages ({_mib(pins['bytes'])}) pinned in the room the "
+                     f"context's KV reserve leaves while the context is short (given back as it grows; `colibri "
+                     f"bench` holds the placement's own pins)")
     return "\n".join(lines)
 
 

@@ -391,7 +391,16 @@ class Model:
 def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
     """(Placement, Reserve, ModelArgs) that `load` with this config would use, without reading a weight.
     `plan(path, memory_limit, **options)` builds the config from keywords."""
+    placement, res, args, _ = plan_decode(config, memory_limit, **kwargs)
+    return placement, res, args
+
+
+def plan_decode(config: EngineConfig | str | Path, memory_limit=None, context: int = 64, **kwargs):
+    """`plan`'s (Placement, Reserve, ModelArgs), and the page ids the elastic budget pins beside the placement's
+    own when a decode starts with `context` positions in the KV cache (its one-token passes leave the rest of the
+    context's reserve to weights until the context grows: weights.streaming.pins)."""
     from colibri.weights.placement import WeightTable, plan as place
+    from colibri.weights.streaming.pins import first_pins
     from colibri.weights.usage import USAGE_FILE, ExpertUsage
 
     if not isinstance(config, EngineConfig):
@@ -408,7 +417,13 @@ def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
         if args.num_experts:
             usage = ExpertUsage(ckpt.path / USAGE_FILE, args.num_layers, args.num_experts,
                                 ExpertUsage.identity_of(ckpt)).loaded
-        return place(WeightTable.of(ckpt, args), limit, config.prefetch_depth, res.total, batch, usage, dt), res, args
+        weights = WeightTable.of(ckpt, args)
+        placement = place(weights, limit, config.prefetch_depth, res.total, batch, usage, dt)
+        kv, ctx = conf.kv.layout, min(context, conf.ctx)
+        held = -(-ctx // kv.block) * kv.block * kv.token_bytes + conf.kv.prefix_ram  # as engine.memory counts
+        pins = first_pins(weights.pages, weights.tensors, placement, limit, dt, held,
+                          budget.pass_bytes(args, dt, quantized(ckpt), 1, ctx, 1))
+        return placement, res, args, pins
     finally:
         ckpt.close()
 

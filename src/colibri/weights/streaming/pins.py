@@ -137,3 +137,12 @@ class ElasticPins:
         self._release(pid)
         self._extra_bytes -= self._cost[pid]
         self.unpins += 1
+
+
+def first_pins(pages: list[PageEntry], tensors: dict[str, TensorEntry], pl: place.Placement,
+               memory_limit: int | None, dtype: torch.dtype, held: int, extra: int) -> list[int]:
+    """The pages ElasticPins.fit(held, extra) pins first, with no pin made yet and nothing held but `held` (the
+    process's memory not measured): what `colibri plan` counts as resident at the start of a decode."""
+    made: list[int] = []
+    ElasticPins(pages, tensors, pl, memory_limit, dtype, pin=made.append, release=lambda pid: None).fit(held, extra)
+    return made
