@@ -58,7 +58,7 @@ import torch
 from colibri.core import log
 
 # the build's names this package's users reach through it (tests, cli, the conftest's build of every tier)
-from colibri.kernels.build import (BUILD_MEMORY, OPS, Int8, KernelsUnavailable, NoCompiler, Tier,  # noqa: F401
+from colibri.kernels.build import (OPS, Int8, KernelsUnavailable, NoCompiler, Tier,  # noqa: F401
                                    cache_root, compiler, ensure_built, is_built, library_path, load, notice, one_line,
                                    python_module, room_short_of_a_build, unity_source)
 
@@ -82,12 +82,12 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512bf16", "-mavx512vbmi", "-mfma", "-mf16c"),
          ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"),
-         Int8(True, ("avx512_vnni",)), module=True),
+         Int8(True, ("avx512_vnni",)), module=True, build_memory=2240 << 20),
     Tier("avx2", "colibri_avx2", _GENERIC_SOURCES, _GENERIC_HEADERS, (*_GENERIC_FLAGS, "-mavx2", "-mfma", "-mf16c"),
          ("avx2", "fma", "f16c"), Int8(True), module=True),  # vpmaddubsw: AVX2 itself
     # no -m flags: the compiler's baseline ISA, which every CPU it targets runs
     Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), Int8(True),
-         module=True),
+         module=True, build_memory=1952 << 20),
 )}
 NATIVE = tuple(TIERS)  # best first: the order auto tries them in
 VALUES = ("auto", *NATIVE, "torch")  # what COLIBRI_KERNELS takes ("native": an alias of auto)
@@ -397,9 +397,10 @@ def _predict(setting: str, rows: dict) -> dict:
             passed.append(r["error"])
         elif compiler() is None:
             passed.append(f"{name} is not built and there is no C++ compiler")
-        elif (left := room_short_of_a_build()) is not None:
+        elif (left := room_short_of_a_build(TIERS[name])) is not None:
             passed.append(f"{name} is not built and this memory cgroup leaves {left} MiB of the"
-                          f" {BUILD_MEMORY >> 20} a build takes (`colibri kernels --build` outside it builds it)")
+                          f" {TIERS[name].build_memory >> 20} its build takes (`colibri kernels --build` outside it"
+                          " builds it)")
         else:
             return dict(tier=name, why="; ".join([*passed, f"{name} is not built yet: the first use builds it"
                                                             " (1-2 minutes), or falls to the next tier if that fails"]))

@@ -43,9 +43,10 @@ OPS = tuple(re.findall(r"^  X\((\w+), ", (HERE / "registry.cpp").read_text(), re
 _LDFLAGS = ("-fopenmp",)
 PROGRESS_S = 15  # seconds between the progress lines of a build
 BUILD_TIMEOUT_S = 1800  # a build still running after this is stopped (a wedged compiler must not hang a process)
-# What a tier's build takes at its peak: the compiler on the one unity source (docs/performance.md, "A build
-# where the memory cgroup has no room for it"). Under a cgroup memory limit that leaves less beside this process,
-# the compiler would thrash for the whole timeout or be killed: the build is not started.
+# What a tier's build takes where its Tier does not say (Tier.build_memory): the compiler's peak on the one unity
+# source (docs/performance.md, "A build where the memory cgroup has no room for it"). Under a cgroup memory limit
+# that leaves less beside this process, the compiler would thrash for the whole timeout or be killed: the build is
+# not started.
 BUILD_MEMORY = 1792 << 20
 
 
@@ -71,6 +72,7 @@ class Tier:
     src_dir: Path = HERE
     ops: tuple[str, ...] = OPS
     module: bool = False  # the library is also a Python module of its ops (registry.cpp), which callers use
+    build_memory: int = BUILD_MEMORY  # bytes its build takes at its peak, with a margin
 
 
 
@@ -192,12 +194,12 @@ def unity_source(t: Tier) -> str:
     return "".join(f'#include "{s}"\n' for s in t.sources)
 
 
-def room_short_of_a_build() -> int | None:
-    """MiB this process's cgroup memory limit leaves beside its resident memory where that is less than a build
-    takes (BUILD_MEMORY); None where a build fits or there is no limit."""
+def room_short_of_a_build(t: Tier) -> int | None:
+    """MiB this process's cgroup memory limit leaves beside its resident memory where that is less than tier t's
+    build takes (t.build_memory); None where the build fits or there is no limit."""
     limit = cgroup_memory_limit()
     room = None if limit is None else limit - rss_bytes()
-    return None if room is None or room >= BUILD_MEMORY else max(room, 0) >> 20
+    return None if room is None or room >= t.build_memory else max(room, 0) >> 20
 
 
 def _compile(t: Tier, d: Path, notice) -> Path:
@@ -209,12 +211,12 @@ def _compile(t: Tier, d: Path, notice) -> Path:
         log.write_text(f"no C++ compiler: {cxx!r} is not found on PATH={os.environ.get('PATH', '')}\n")
         raise NoCompiler(f"the {t.name} kernels cannot be built: no C++ compiler found ({cxx!r} is not on PATH;"
                          f" install g++ or set CXX); log: {log}")
-    left = room_short_of_a_build()
+    left = room_short_of_a_build(t)
     if left is not None:
-        log.write_text(f"not built: the memory cgroup leaves {left} MiB beside this process; a build takes about"
-                       f" {BUILD_MEMORY >> 20} MiB\n")
+        log.write_text(f"not built: the memory cgroup leaves {left} MiB beside this process; the build takes about"
+                       f" {t.build_memory >> 20} MiB\n")
         raise KernelsUnavailable(f"the {t.name} kernels are not built inside this memory limit: building them takes"
-                                 f" about {BUILD_MEMORY >> 20} MiB and the cgroup leaves {left} MiB;"
+                                 f" about {t.build_memory >> 20} MiB and the cgroup leaves {left} MiB;"
                                  f" run `colibri kernels --build` once outside it (COLIBRI_KERNELS={t.name}); log:"
                                  f" {log}")
     for stale in d.glob("tmp-*"):  # a killed build's; nobody else builds here while the caller holds the lock
