@@ -551,7 +551,7 @@ inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j,
   f16 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = f16{simd::zero(), simd::zero()};
-  for (int64_t k0 = 0; k0 < kp; k0 += kStep) {
+  auto step = [&](int64_t k0) {
     // unrolled: a loop over c or r left standing indexes the accumulators at run time, and they live on the stack
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -565,7 +565,11 @@ inline void dot_direct_rows(const float* x, int64_t kp, Pairs& pairs, int64_t j,
             simd::madd_exact(hi.even, simd::load(p + 16), simd::madd_exact(hi.odd, simd::load(p + 24), a[r][c].hi));
       }
     }
-  }
+  };
+  // the first step apart: a source's once-a-row work at k0 = 0 (its scales, by a call never inlined) then stays out
+  // of the loop, whose accumulators the call would otherwise keep in memory for every step
+  step(0);
+  for (int64_t k0 = kStep; k0 < kp; k0 += kStep) step(k0);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[r * ldy + j + c] = simd::reduce16(a[r][c]);
 }
