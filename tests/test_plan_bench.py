@@ -288,3 +288,26 @@ def test_plan_predicts_the_elastic_pins_a_decode_starts_with(containers):
     assert pinned == start.placement.pinned_bytes
     steps = [b - a for a, b in zip(seen[1:-2], seen[2:-1])]  # decode steps after the pins were made
     assert steps and all(s == start.per_token["streamed_bytes"] for s in steps), steps
+
+
+def test_layers_whose_weights_differ_in_kind_are_timed_apart():
+    """A K-quant GGUF keeps some layers' weights wider (Q4_K_M: Q6_K ffn_down in about half the layers): the compute
+    probe times each group of layers that share their weights' kinds, not the first layer for all of them."""
+    from types import SimpleNamespace
+
+    from colibri.perf.probes import MAX_GROUPS, layer_groups
+
+    def model(kinds_of):  # layer i's ffn_down kind
+        n = len(kinds_of)
+        args = SimpleNamespace(num_layers=n, moe_layers=[False] * n)
+        decoder = SimpleNamespace(layer_prefix=lambda i: f"layers.{i}.")
+        shapes = {f"layers.{i}.{w}": (4, 4) for i in range(n) for w in ("up", "down", "norm")}
+        entries = {f"layers.{i}.{w}": SimpleNamespace(kind=kinds_of[i] if w == "down" else "q4k")
+                   for i in range(n) for w in ("up", "down")}
+        return layer_groups(args, decoder, shapes, entries)
+
+    g = model(["q6k", "q4k", "q4k", "q6k", "q4k"])
+    assert g == {"dense": (False, [1, 2, 4], {"q4k": 2}), "dense 2": (False, [0, 3], {"q4k": 1, "q6k": 1})}
+    many = model([f"k{i}" for i in range(MAX_GROUPS + 3)])
+    assert len(many) == MAX_GROUPS
+    assert sorted(i for _, idx, _ in many.values() for i in idx) == list(range(MAX_GROUPS + 3))

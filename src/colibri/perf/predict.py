@@ -393,8 +393,9 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[PassStep], list[int]]:
     elif embedding.id in by_rows:
         scopes.append(PassStep([], None, demand_bytes=per_token["lookup_row_bytes"]))
     experts = {x["layer"]: x["expected_bytes"] for x in (per_token["experts"] or {}).get("layers", [])}
+    group = {i: c for c in compute["layers"].values() for i in c["indices"]}  # layer -> its group's times
     for i in range(num_layers):
-        c = compute["layers"]["moe" if args.moe_layers[i] else "dense"]
+        c = group[i]
         if args.moe_layers[i]:
             scopes.append(scope(LayerScope(i), compute_s=c["attention_s"], expert_bytes=experts.get(i, 0),
                                 rest_s=c["s"] - c["attention_s"]))

@@ -39,6 +39,7 @@ PROBE_PASSES = 20  # single-token passes timed per layer shape
 PROBE_SECONDS = 0.6  # at most this long per layer shape (at least 5 passes)
 HEAD_PROBE_BYTES = 64 << 20  # the head's matmul is timed on at most this many bytes of its rows, then scaled
 COLD_BYTES = 64 << 20  # layer copies the probe cycles through: twice a large L3, so weights come from DRAM
+MAX_GROUPS = 6  # layer groups timed apart at most (layer_groups); the probe takes about two seconds a group
 
 
 def disk_probe(path: str | Path, io_threads: int, seconds: float, slices: int = 5,
@@ -128,6 +129,33 @@ def _woken(fn, gap: float = 2 * WAKE_GAP_S, passes: int = 5) -> float:
     return statistics.median(times)
 
 
+def layer_groups(args, decoder, shapes: dict, entries: dict) -> dict[str, tuple[bool, list[int], dict[str, int]]]:
+    """The model's layers in groups that compute alike: MoE or dense, and the same storage kind for each of their
+    weights (a K-quant GGUF keeps some layers' weights in a wider kind: Q4_K_M's Q6_K ffn_down and attn_v in about
+    half of them). name -> (moe, layer indices, {quantized kind: weights of it in a layer}); the largest group of each
+    layer type is named "dense" or "moe", the others "dense 2", "dense 3", ...; past MAX_GROUPS groups, the rest
+    count as the largest of their type."""
+    found: dict[tuple, list[int]] = {}
+    for i in range(args.num_layers):
+        prefix = decoder.layer_prefix(i)
+        kinds = tuple(sorted((n[len(prefix):], entries[n].kind if n in entries else "float") for n in shapes
+                             if n.startswith(prefix)))
+        found.setdefault((bool(args.moe_layers[i]), kinds), []).append(i)
+    out: dict[str, tuple[bool, list[int], dict[str, int]]] = {}
+    for (moe, kinds), idx in sorted(found.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        base = "moe" if moe else "dense"
+        if len(out) >= MAX_GROUPS and base in out:  # past the largest groups: timed as its type's largest
+            out[base][1].extend(idx)
+            continue
+        name = base if base not in out else f"{base} {sum(k.split()[0] == base for k in out) + 1}"
+        counts: dict[str, int] = {}
+        for _, kind in kinds:
+            if kind in quant.QUANT_KINDS_ALL:
+                counts[kind] = counts.get(kind, 0) + 1
+        out[name] = (moe, idx, counts)
+    return {k: (moe, sorted(idx), counts) for k, (moe, idx, counts) in out.items()}
+
+
 def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, position: int = 32,
                   background: threading.Thread | None = None, stop: threading.Event | None = None) -> dict:
     """Seconds of compute per decode token (see the module docstring), at torch's current thread count, as a
@@ -149,11 +177,9 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     stored = (lambda n: entries[n].nbytes if n in entries else math.prod(shapes[n]) * dt.itemsize)
     gen = torch.Generator().manual_seed(0)
     ctx = max(position + PROBE_PASSES + 8, min(ctx_length or args.max_position_embeddings, 1 << 16))
-    shapes_of: dict[bool, list[int]] = {}
-    for i in range(args.num_layers):
-        shapes_of.setdefault(bool(args.moe_layers[i]), []).append(i)
+    groups = layer_groups(args, decoder, shapes, entries)
     timers: dict[str, tuple] = {}  # component -> (function, count per token)
-    for moe, idx in shapes_of.items():
+    for kind, (moe, idx, _) in groups.items():
         i = idx[0]
         prefix = decoder.layer_prefix(i)
         expert_names = {n for e in range(args.num_experts) for n in decoder.expert_names(i, e)} if moe else set()
@@ -182,7 +208,6 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
                 decoder.block(store, i, x, one, rope)
                 cache.advance(1)
 
-        kind = "moe" if moe else "dense"
         timers[kind] = (step, len(idx))
         timers[kind + "_attention"] = (functools.partial(step, True), 0)
     head_name = decoder.lm_head_name()
@@ -222,8 +247,8 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
             if stop is not None:
                 stop.set()
             background.join()
-    layers = {k: {"s": idle[k], "attention_s": min(idle[k], idle[k + "_attention"]), "layers": timers[k][1]}
-              for k in ("dense", "moe") if k in timers}
+    layers = {k: {"s": idle[k], "attention_s": min(idle[k], idle[k + "_attention"]), "layers": len(idx),
+                  "indices": idx, "kinds": kinds} for k, (_, idx, kinds) in groups.items()}
     out = {"s_per_token": per_token(idle), "layers": layers, "head_s": idle["head"] * vocab / rows,
            "sample_s": idle["sample"], "threads": torch.get_num_threads(), "dtype": str(dt).removeprefix("torch."),
            "position": position, "slowdown": 1.0, "wake_s": wake, "wake_gap_s": WAKE_GAP_S}
