@@ -205,8 +205,10 @@ def run_bench(path: str | Path, memory_limit=None, tokens: int = 32, prompt: str
         lay = layout(path, memory_limit, dtype, prefetch_depth, ctx_length, batch_size)  # before usage.json changes
     dropped = drop_page_cache(model_files(path))
     t0 = time.perf_counter()
+    # plain one-token steps (no n-gram drafts), the passes the plan models: accepted drafts read a pass's weights
+    # once for several tokens, so bytes and time per token would fall with how repetitive the text happens to be
     m = load(path, memory_limit=memory_limit, dtype=dtype, io_threads=io_threads, prefetch_depth=prefetch_depth,
-             ctx_length=ctx_length, batch_size=batch_size, sparse_ffn=sparse_ffn)
+             ctx_length=ctx_length, batch_size=batch_size, sparse_ffn=sparse_ffn, draft_tokens=0)
     load_s = time.perf_counter() - t0
     m.store.hold()  # measure the placement `plan` predicts (elastic pins vary with the KV cache)
     if m.store.timeline is not None:
