@@ -21,13 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = Path(os.environ.get("COLIBRI_AARCH64_ENV") or REPO / ".ci" / "aarch64")
 CXX = "aarch64-linux-gnu-g++"
 
-# The emulated interpreter's loop: a JSON line {"code", "args"} in, a JSON line {"out", "error"} out after MARK (a
-# line without it is something a library wrote to the file descriptor itself); the code runs as a script would (its
-# own globals, sys.argv = ["-c", *args]) with what it prints captured.
+# The emulated interpreter's loop: a JSON line {"code", "args"} in, a JSON line {"out", "error"} out after MARK, its
+# first argument (a line without it is something a library wrote to the file descriptor itself); the code runs as a
+# script would (its own globals, sys.argv = ["-c", *args]) with what it prints captured.
 MARK = "\x1eaarch64-reply "
 SERVE = """
 import contextlib, io, json, sys, traceback
-out, MARK = sys.stdout, "{mark}"
+out, MARK = sys.stdout, sys.argv[1]
 for line in iter(sys.stdin.readline, ""):
     req, buf, error = json.loads(line), io.StringIO(), None
     sys.argv = ["-c", *req["args"]]
@@ -38,7 +38,7 @@ for line in iter(sys.stdin.readline, ""):
         error = traceback.format_exc()
     out.write(MARK + json.dumps({"out": buf.getvalue(), "error": error}) + "\\n")
     out.flush()
-""".replace("{mark}", MARK.replace("\x1e", "\\x1e"))
+"""
 
 
 class Unavailable(Exception):
@@ -56,7 +56,6 @@ class Machine:
             raise Unavailable(f"no aarch64 cross compiler ({CXX}; apt-get install g++-aarch64-linux-gnu)")
         self.tier = kernels.TIERS["portable"]
         self._proc = None
-        self._lock = threading.Lock()
         self.why_no_machine = None
         if not (ENV / "ready").is_file():
             self.why_no_machine = f"no emulated aarch64 environment at {ENV} (python tools/aarch64_env.py {ENV})"
@@ -118,7 +117,7 @@ class Machine:
     def _start(self, root: Path) -> None:
         env = {**os.environ, "COLIBRI_CACHE": str(root / "cache"), "COLIBRI_KERNELS": "portable",
                "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2"}
-        self._proc = subprocess.Popen([str(ENV / "python"), "-c", SERVE], env=env, stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([str(ENV / "python"), "-c", SERVE, MARK], env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def run(self, code: str, *args: str, timeout: float = 600) -> str:
@@ -126,17 +125,16 @@ class Machine:
         own); what it printed. A failure or a timeout fails the test with the machine's traceback."""
         if self._proc is None:
             raise Unavailable(self.why_no_machine)
-        with self._lock:
-            timer = threading.Timer(timeout, self._proc.kill)
-            timer.start()
-            try:
-                self._proc.stdin.write(json.dumps({"code": code, "args": list(args)}) + "\n")
-                self._proc.stdin.flush()
+        timer = threading.Timer(timeout, self._proc.kill)  # a wedged emulation ends the read below
+        timer.start()
+        try:
+            self._proc.stdin.write(json.dumps({"code": code, "args": list(args)}) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+            while line and not line.startswith(MARK):
                 line = self._proc.stdout.readline()
-                while line and not line.startswith(MARK):
-                    line = self._proc.stdout.readline()
-            finally:
-                timer.cancel()
+        finally:
+            timer.cancel()
         assert line, f"the emulated aarch64 interpreter ended (rc {self._proc.poll()}; timeout {timeout} s)"
         reply = json.loads(line[len(MARK):])
         assert reply["error"] is None, f"on aarch64:\n{reply['error'][-3000:]}"

@@ -63,16 +63,19 @@ class Layout:
     runtime_baseline_rss_bytes: int  # this process when the layout was made: Python, torch, manifest read
     elastic_pins: list[int] = field(default_factory=list)  # what the elastic budget pins as a decode starts
 
+    @property
+    def weights(self) -> WeightTable:
+        return WeightTable(self.pages, self.tensors, self.args.num_layers, self.args.tie_word_embeddings)
+
     def with_elastic_pins(self) -> Layout:
         """The layout as a decode starts (`colibri run`, the server): the elastic pins resident beside the
         placement's own, until the context's KV takes their room back. (`colibri bench` holds the placement's
         own pins only, so that it measures what the plan places.)"""
         pins, p = set(self.elastic_pins), self.placement
         streamed = [i for i in p.streamed if i not in pins]
-        weights = WeightTable(self.pages, self.tensors, self.args.num_layers, self.args.tie_word_embeddings)
         placed = dataclasses.replace(p, pinned=p.pinned + self.elastic_pins, streamed=streamed,
                                      pinned_bytes=p.pinned_bytes + sum(self.pages[i].nbytes for i in pins),
-                                     streamed_bytes=weights.pass_bytes(streamed))
+                                     streamed_bytes=self.weights.pass_bytes(streamed))
         return dataclasses.replace(self, placement=placed, elastic_pins=[],
                                    per_token=token_bytes(placed, self.pages, self.tensors, self.args))
 
@@ -370,8 +373,7 @@ def pass_scopes(lay: Layout, compute: dict) -> tuple[list[PassStep], list[int]]:
     """A decode pass as the streaming store runs it: (scopes in order, sizes of the prefetch order's pages);
     `compute`: the compute probe's report."""
     placement, pages, tensors, args = lay.placement, lay.pages, lay.tensors, lay.args
-    num_layers = args.num_layers
-    weights = WeightTable(pages, tensors, num_layers, args.tie_word_embeddings)
+    num_layers, weights = args.num_layers, lay.weights
     order = sorted(i for i in placement.streamed if pages[i].kind != "expert")
     index = {pid: k for k, pid in enumerate(order)}
     end: dict[Scope, int] = {}

@@ -17,6 +17,7 @@ import math
 import statistics
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -148,11 +149,7 @@ def layer_groups(args, decoder, shapes: dict, entries: dict) -> dict[str, tuple[
             out[base][1].extend(idx)
             continue
         name = base if base not in out else f"{base} {sum(k.split()[0] == base for k in out) + 1}"
-        counts: dict[str, int] = {}
-        for _, kind in kinds:
-            if kind in quant.QUANT_KINDS_ALL:
-                counts[kind] = counts.get(kind, 0) + 1
-        out[name] = (moe, idx, counts)
+        out[name] = (moe, idx, dict(Counter(kind for _, kind in kinds if kind in quant.QUANT_KINDS_ALL)))
     return {k: (moe, sorted(idx), counts) for k, (moe, idx, counts) in out.items()}
 
 
@@ -179,7 +176,7 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
     ctx = max(position + PROBE_PASSES + 8, min(ctx_length or args.max_position_embeddings, 1 << 16))
     groups = layer_groups(args, decoder, shapes, entries)
     timers: dict[str, tuple] = {}  # component -> (function, count per token)
-    for kind, (moe, idx, _) in groups.items():
+    for group, (moe, idx, _) in groups.items():
         i = idx[0]
         prefix = decoder.layer_prefix(i)
         expert_names = {n for e in range(args.num_experts) for n in decoder.expert_names(i, e)} if moe else set()
@@ -208,8 +205,8 @@ def compute_probe(path: str | Path, dtype=None, ctx_length: int | None = None, p
                 decoder.block(store, i, x, one, rope)
                 cache.advance(1)
 
-        timers[kind] = (step, len(idx))
-        timers[kind + "_attention"] = (functools.partial(step, True), 0)
+        timers[group] = (step, len(idx))
+        timers[group + "_attention"] = (functools.partial(step, True), 0)
     head_name = decoder.lm_head_name()
     vocab, hidden = shapes[head_name]
     entry = entries.get(head_name)

@@ -319,9 +319,12 @@ def format_plan(plan: Plan) -> str:
                      + (f"; transparent huge pages '{d['transparent_huge_pages']}': buffers in 4 KiB pages, reads may "
                         "be slower and vary" if d.get("transparent_huge_pages") == "never" else "") + ")")
     c = r["compute"]
-    parts = " + ".join(f"{v['layers']} x {1e3 * v['s']:.2f} ms ({k} layer"
-                       + (f": {', '.join(f'{n} {q}' for q, n in v['kinds'].items())})"
-                          if len(c["layers"]) > 1 else ")") for k, v in c["layers"].items())
+
+    def layers(name: str, v: dict) -> str:  # a group's kinds where there are several groups to tell apart
+        kinds = f": {', '.join(f'{n} {q}' for q, n in v['kinds'].items())}" if len(c["layers"]) > 1 else ""
+        return f"{v['layers']} x {1e3 * v['s']:.2f} ms ({name} layer{kinds})"
+
+    parts = " + ".join(layers(k, v) for k, v in c["layers"].items())
     lines.append(f"compute: {1e3 * c['s_per_token']:.1f} ms/token = {parts} + head {1e3 * c['head_s']:.2f} ms + "
                  f"sampling {1e3 * c['sample_s']:.2f} ms (torch threads {c['threads']}, {c['dtype']})"
                  + (f"; {c['slowdown']:.2f}x slower while the disk reads" if "s_per_token_while_reading" in c else ""))

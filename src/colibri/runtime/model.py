@@ -391,14 +391,18 @@ class Model:
 def plan(config: EngineConfig | str | Path, memory_limit=None, **kwargs):
     """(Placement, Reserve, ModelArgs) that `load` with this config would use, without reading a weight.
     `plan(path, memory_limit, **options)` builds the config from keywords."""
-    placement, res, args, _ = plan_decode(config, memory_limit, **kwargs)
-    return placement, res, args
+    return _plan(config, memory_limit, None, **kwargs)[:3]
 
 
 def plan_decode(config: EngineConfig | str | Path, memory_limit=None, context: int = 64, **kwargs):
     """`plan`'s (Placement, Reserve, ModelArgs), and the page ids the elastic budget pins beside the placement's
     own when a decode starts with `context` positions in the KV cache (its one-token passes leave the rest of the
     context's reserve to weights until the context grows: weights.streaming.pins)."""
+    return _plan(config, memory_limit, context, **kwargs)
+
+
+def _plan(config: EngineConfig | str | Path, memory_limit, context: int | None, **kwargs):
+    """plan_decode's four values; the pins only where `context` is given (else an empty list)."""
     from colibri.weights.placement import WeightTable, plan as place
     from colibri.weights.streaming.pins import first_pins
     from colibri.weights.usage import USAGE_FILE, ExpertUsage
@@ -419,6 +423,8 @@ def plan_decode(config: EngineConfig | str | Path, memory_limit=None, context: i
                                 ExpertUsage.identity_of(ckpt)).loaded
         weights = WeightTable.of(ckpt, args)
         placement = place(weights, limit, config.prefetch_depth, res.total, batch, usage, dt)
+        if context is None:
+            return placement, res, args, []
         kv, ctx = conf.kv.layout, min(context, conf.ctx)
         held = -(-ctx // kv.block) * kv.block * kv.token_bytes + conf.kv.prefix_ram  # as engine.memory counts
         pins = first_pins(weights.pages, weights.tensors, placement, limit, dt, held,
