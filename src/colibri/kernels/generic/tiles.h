@@ -35,6 +35,7 @@ using simd::Pair;
 
 constexpr int kVecs = kTile / 8;
 constexpr int kRows = 4;     // x rows per register block (4 x 2 vectors of accumulators, 16 registers on AVX2)
+constexpr int kOuterRows = 6;  // the same where a group's codes come from a buffer (q4_group_buf)
 constexpr int kMaxGroup = 256;
 
 // k bf16 values -> f32 (exact).
@@ -96,6 +97,39 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, int64_t ldx, con
       float* o = tot + r * kTile + 8 * vid[i];
       simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * vid[i]),
                                                   simd::load(z + 8 * vid[i]), xv));
+    }
+  }
+}
+
+// The same for a group's codes already in buf ([g][64] f32, codes minus 8) over the column vectors c, c + 1, for
+// R up to kOuterRows rows: each parity of a step (odd row of codes first) loads its two code vectors once and meets
+// the rows one broadcast at a time, so R x 2 accumulators, two code vectors and one x value are live (6 x 2: 15
+// of AVX2's sixteen registers, twelve independent chains; q4_group's four code vectors and two x values per row
+// held at most 4 x 2 without spilling).
+template <int R>
+inline void q4_group_buf(const float* cb, int c, int64_t g, const float* xf, int64_t ldx, const float* xs,
+                         const float* s, const float* z, float* tot) {
+  f8 a[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
+  for (int64_t k = 0; k < g; k += 2) {
+#pragma GCC unroll 2
+    for (int p = 1; p >= 0; --p) {
+      const f8 w0 = simd::load(cb + (k + p) * kTile + 8 * c), w1 = simd::load(cb + (k + p) * kTile + 8 * c + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const f8 xb = simd::set1(xf[r * ldx + k + p]);
+        a[r][0] = simd::madd_exact(w0, xb, a[r][0]);
+        a[r][1] = simd::madd_exact(w1, xb, a[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const f8 xv = simd::set1(xs[r]);
+    for (int i = 0; i < 2; ++i) {
+      float* o = tot + r * kTile + 8 * (c + i);
+      simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * (c + i)),
+                                                  simd::load(z + 8 * (c + i)), xv));
     }
   }
 }
@@ -181,7 +215,7 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
     // a group's codes or weights [g][64], where a pass does not read a tile directly; not value-initialized (every
     // element is written before it is read: zeroing 64 KiB per call and thread took 8 % of a 192 x 576 decode call)
     std::unique_ptr<float[]> buf(bf && t <= kRows && np % kTile == 0 ? nullptr : new float[kMaxGroup * kTile]);
-    alignas(32) float s[kTile], z[kTile], xsum[kRows];
+    alignas(32) float s[kTile], z[kTile], xsum[std::max(kRows, kOuterRows)];
     Q4kSupers ds;
     const simd::NibbleTables nt = simd::nibble_tables();
     for (int64_t tile; (tile = next()) >= 0;) {
@@ -213,7 +247,17 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
         params_bf16(gi, n0, s, z, ds);
         if (direct)  // the group's successors in the tile (one run: the rows of k follow each other)
           for (int64_t b = 0; b < g * kTile / 2; b += 64) prefetch_ahead(tp + kg * (kTile / 2) + b);
-        if (!direct) q4_codes(w, n0, kg, g, -8, buf.get());
+        if (!direct) {
+          q4_codes(w, n0, kg, g, -8, buf.get());
+          for_rows<kOuterRows>(t, [&](int64_t r0, auto R) {
+            constexpr int rr = decltype(R)::value;
+            for (int r = 0; r < rr; ++r) xsum[r] = xs[(r0 + r) * groups + gi];
+            const float* xr = xf.data() + (gi * t + r0) * g;  // rows g apart
+            for (int c = 0; c < kVecs; c += 2)
+              q4_group_buf<rr>(buf.get(), c, g, xr, g, xsum, s, z, acc.data() + r0 * kTile);
+          });
+          continue;
+        }
         for_rows<kRows>(t, [&](int64_t r0, auto R) {
           constexpr int rr = decltype(R)::value;
           for (int r = 0; r < rr; ++r) xsum[r] = xs[(r0 + r) * groups + gi];
@@ -224,29 +268,14 @@ at::Tensor q4_tiles_linear(const at::Tensor& x, const Q4& w, PB&& params_bf16, P
             q4_group_nibbles<0>(nt, rows, g, xr, xsum[0], s, z, tot);
             return q4_group_nibbles<1>(nt, rows, g, xr, xsum[0], s, z, tot);
           }
-          if (direct) {  // 2-4 rows (one takes the nibble order): column vectors c and c + 4 share their bytes
-            for (int c = 0; c < 4; ++c) {
-              const int vid[2] = {c, c + 4};
-              q4_group<rr, 2>(
-                  [&](int64_t kk, Pair* p) {
-                    q4_row8(tp, kg + kk, c, -8, p[0].even, p[1].even);
-                    q4_row8(tp, kg + kk + 1, c, -8, p[0].odd, p[1].odd);
-                  },
-                  g, xr, g, xsum, s, z, vid, tot);
-            }
-          } else {
-            const float* cb = buf.get();
-            for (int c = 0; c < kVecs; c += 2) {
-              const int vid[2] = {c, c + 1};
-              q4_group<rr, 2>(
-                  [&](int64_t kk, Pair* p) {
-                    for (int i = 0; i < 2; ++i) {
-                      p[i].even = simd::load(cb + kk * kTile + 8 * (c + i));
-                      p[i].odd = simd::load(cb + (kk + 1) * kTile + 8 * (c + i));
-                    }
-                  },
-                  g, xr, g, xsum, s, z, vid, tot);
-            }
+          for (int c = 0; c < 4; ++c) {  // 2-4 rows (one takes the nibble order): column vectors c and c + 4 share
+            const int vid[2] = {c, c + 4};  // their bytes
+            q4_group<rr, 2>(
+                [&](int64_t kk, Pair* p) {
+                  q4_row8(tp, kg + kk, c, -8, p[0].even, p[1].even);
+                  q4_row8(tp, kg + kk + 1, c, -8, p[0].odd, p[1].odd);
+                },
+                g, xr, g, xsum, s, z, vid, tot);
           }
         });
       }
