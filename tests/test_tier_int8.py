@@ -3,7 +3,7 @@ run them in (avx512: its VNNI code needs avx512_vnni; avx2 and portable: generic
 on): q4 at x groups of 32, 64 and 128, q8 per channel and grouped, f32 and bf16 x, pass sizes 1 to 64 (each tier's
 rows also equal the reference's rows of a 64-row pass: batch-invariant across tiers), tail tiles, K past a chunk,
 f16 / f32 scales and one or two threads; and the GGUF blocks with q8k's values (q6k, q3k, iq4_xs) through q8k's int8
-kernels."""
+kernels. Where the CPU has AVX-VNNI, the avx2 tier runs its passes with it and without it (int8_vnni)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,48 @@ def _int8_tiers() -> list[str]:
     return [n for n in kernels.runnable_tiers() if all(f in have for f in kernels.TIERS[n].int8.cpu_flags)]
 
 
+class _WithoutVnni:
+    """A tier's ops, each call run with AVX-VNNI turned off (int8_vnni(0)), then back on: its vpmaddubsw form on a
+    CPU that has AVX-VNNI, which would otherwise run only the vpdpbusd one."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+
+        def call(*args):
+            self._ops.int8_vnni(0)
+            try:
+                return op(*args)
+            finally:
+                self._ops.int8_vnni(1)
+        return call
+
+
 @pytest.fixture(scope="module")
 def tier_ops(tier_ops):
-    return {name: ops for name, ops in tier_ops.items() if name in _int8_tiers()}
+    """The int8 tiers, and where the avx2 tier runs AVX-VNNI here, that tier without it too."""
+    ops = {name: o for name, o in tier_ops.items() if name in _int8_tiers()}
+    if "avx2" in ops and bool(ops["avx2"].int8_vnni(-1)):
+        ops["avx2 without avx_vnni"] = _WithoutVnni(ops["avx2"])
+    return ops
+
+
+def test_the_avx2_tier_uses_avx_vnni_where_the_cpu_has_it(tier_ops):
+    """int8_vnni says whether the avx2 tier's passes use AVX-VNNI: exactly where the CPU has it (turning it on
+    elsewhere is refused); the other tiers never do (avx512 has its own VNNI, portable none)."""
+    has = "avx_vnni" in kernels._cpu_flags()
+    for name, o in tier_ops.items():
+        if name in ("avx512", "portable"):
+            assert not bool(o.int8_vnni(-1)) and not bool(o.int8_vnni(1)), name
+        elif name == "avx2":
+            assert bool(o.int8_vnni(-1)) == has
+            try:
+                assert not bool(o.int8_vnni(0))
+                assert bool(o.int8_vnni(1)) == has
+            finally:
+                o.int8_vnni(1)
 
 
 def _randn(*shape, seed):

@@ -568,7 +568,8 @@ def cmd_kernels(args) -> int:
     for r in report["tiers"]:
         run = "yes" if r["runnable"] else "no: needs " + ", ".join(r["missing"])
         done = "-" if r["built"] is None else "yes" if r["built"] else "no"
-        int8 = "yes" if r["int8"]["usable"] else f"no ({r['int8']['why']})"
+        with_ = ", ".join(r["int8"]["faster_with"])
+        int8 = f"yes{f' (with {with_})' if with_ else ''}" if r["int8"]["usable"] else f"no ({r['int8']['why']})"
         print(f"{r['name']:<9} {run:<32} {done:<6} {int8}")
     for r in report["tiers"]:
         if r["error"]:

@@ -36,8 +36,9 @@ LOSSY int8 activations (int8.cpp, opt-in: `EngineConfig.lossy_int8_activations`,
 `COLIBRI_LOSSY_INT8=1`): q4 (and q4_1, q4_0: their f16 scales as stored), q8, q4k and q8k weights (the K-quants'
 two-level scales decoded per group, as stored), and q6k, q3k and iq4_xs through q8k's kernels (their blocks decoded
 to q8k's codes and scales), multiply activations quantized per row and per group (q8k: per 16) to int8 with int8 dot
-products (AVX-512 VNNI in the avx512 tier, vpmaddubsw in the avx2 tier, plain integer vectors in the portable one:
-the same bits in all), about twice the arithmetic rate of the exact kernels on long passes. Still batch-invariant;
+products (AVX-512 VNNI in the avx512 tier; in the avx2 tier vpmaddubsw, or AVX-VNNI's vpdpbusd on passes of more
+than 4 rows where the CPU has it; plain integer vectors in the portable one: the same bits in all), about twice the
+arithmetic rate of the exact kernels on long passes. Still batch-invariant;
 its quality cost is in docs/performance.md. A model's own: its passes run in the mode it was loaded with
 (`int8_mode` around each, so a LOSSY model and an exact one share a process); a model loaded without the option
 follows the process's setting (`set_int8_activations`, else COLIBRI_LOSSY_INT8). Where the tier in use has no int8
@@ -84,7 +85,7 @@ TIERS: dict[str, Tier] = {t.name: t for t in (
          ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512vbmi"),
          Int8(True, ("avx512_vnni",)), module=True, build_memory=2240 << 20),
     Tier("avx2", "colibri_avx2", _GENERIC_SOURCES, _GENERIC_HEADERS, (*_GENERIC_FLAGS, "-mavx2", "-mfma", "-mf16c"),
-         ("avx2", "fma", "f16c"), Int8(True), module=True),  # vpmaddubsw: AVX2 itself
+         ("avx2", "fma", "f16c"), Int8(True, faster_with=("avx_vnni",)), module=True),  # vpmaddubsw: AVX2 itself
     # no -m flags: the compiler's baseline ISA, which every CPU it targets runs
     Tier("portable", "colibri_portable", _GENERIC_SOURCES, _GENERIC_HEADERS, _GENERIC_FLAGS, (), Int8(True),
          module=True, build_memory=1952 << 20),
@@ -363,8 +364,9 @@ def describe() -> dict:
     tiers = []
     for name in (*NATIVE, "torch"):
         ok8, why8 = int8_status(name)
+        faster = [f for f in TIERS[name].int8.faster_with if f in have] if name != "torch" else []
         row = dict(name=name, runnable=True, missing=[], built=None, library=None, error=None,
-                   int8=dict(usable=ok8, why=why8))
+                   int8=dict(usable=ok8, why=why8, faster_with=faster if ok8 else []))
         if name != "torch":
             t = TIERS[name]
             row["missing"] = missing_flags(t)

@@ -56,6 +56,8 @@ class Int8:
     flags they need beyond the tier's own."""
     usable: bool
     cpu_flags: tuple[str, ...] = ()
+    # flags the ops use where the CPU has them (the library asks the CPU itself: no build per flag), same bits
+    faster_with: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -507,6 +507,9 @@ at::Tensor iq4_xs_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear_i8<Iq4xsBlocks>(x, blocks, "iq4_xs_linear_i8");
 }
 
+// The generic tiers' AVX-VNNI switch (generic/int8.cpp): this tier's int8 ops always use AVX-512 VNNI.
+at::Tensor int8_vnni(int64_t) { return at::scalar_tensor(false, at::kBool); }
+
 }  // namespace
 
 #pragma GCC pop_options

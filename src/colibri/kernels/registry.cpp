@@ -40,6 +40,7 @@
   X(q6k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
   X(q3k_linear_i8, "Tensor x, Tensor blocks")                                                                     \
   X(iq4_xs_linear_i8, "Tensor x, Tensor blocks")                                                                  \
+  X(int8_vnni, "int enable")                                                                                      \
   X(dense_block, "Tensor x, Tensor[] norms, int[] ops, Tensor[] weights, int[] counts, int[] groups, int[] cols, "  \
                  "Tensor[] bias, Tensor cos, Tensor sin, Tensor[] kb, Tensor[] vb, int length, Tensor positions, "  \
                  "int window, float scale, float softcap, float eps, int piece")                                 \

@@ -12,6 +12,8 @@
 //     x codes by vpmaddubsw (u8 x s8 -> adjacent-pair int16 sums; |pair| <= 2 * 15 * 127 = 3810, never
 //     saturating), summed in int16 over windows of at most 8 quad steps (<= 30480 < 32767), then widened by
 //     vpmaddwd (q8: 16 * the high nibbles' sum plus the low ones'); A = that - off * sum(xq), off = 8 or 128.
+//     Where the CPU has AVX-VNNI, passes of more than kDirectRows rows sum the quads by vpdpbusd into int32
+//     instead (q8: its codes whole), the same exact A (block_groups_vnni).
 //     The portable build computes the same products with plain vector arithmetic.
 //   - the f32 steps per (row, column, group), in group order, written as in ../int8.cpp: f = float(A) * d, then
 //     q4 / q8 grouped: tot = fma(f, scale, tot); q8 per channel: tot = tot + f and tot * scale at the end; q4:
@@ -34,6 +36,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -49,6 +52,7 @@ namespace {
 
 constexpr int64_t kCols = 64;      // columns per tile (the q4 layout's tile)
 constexpr int kRowBlock = 4;       // x rows per register block: 4 x 2 int16 accumulators
+constexpr int kVnniRows = 6;       // the same with AVX-VNNI: 6 x 2 int32 accumulators, 15 registers
 constexpr int64_t kChunk = 1024;   // k per laid-out chunk: 64 KiB of q4 quads, 128 KiB of q8 planes (in L2)
 
 enum Kind { kQ4 = 0, kQ8Grouped = 1, kQ8Channel = 2 };
@@ -103,8 +107,10 @@ void q4_chunk(const uint8_t* qw, int64_t np, int64_t k, int64_t n0, int64_t k0, 
     }
 }
 
-// q8 rows [n0, n0 + 8 pairs) (zero codes past n), k in [k0, k0 + kn), into buf.
-void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, int64_t kn, uint8_t* buf) {
+// q8 rows [n0, n0 + 8 pairs) (zero codes past n), k in [k0, k0 + kn), into buf; whole (AVX-VNNI's form): the
+// unsigned codes q + 128 whole in each step's first vector instead of its two nibble planes.
+void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, int64_t kn, uint8_t* buf,
+              bool whole = false) {
   const int64_t steps = kn / 4, pairs = std::min<int64_t>(8, (n - n0 + 7) / 8);
 #if defined(__AVX2__)
   const __m256i nib = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -133,6 +139,10 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
         for (int h = 0; h < 2; ++h) {
           const __m256i q = _mm256_xor_si256(h ? hi : lo, flip);
           __m256i* o = reinterpret_cast<__m256i*>(slot(buf, steps, v, kk / 4 + m + 4 * h));
+          if (whole) {
+            _mm256_store_si256(o, q);
+            continue;
+          }
           _mm256_store_si256(o, _mm256_and_si256(q, nib));
           _mm256_store_si256(o + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), nib));
         }
@@ -153,6 +163,30 @@ void q8_chunk(const int8_t* qw, int64_t n, int64_t k, int64_t n0, int64_t k0, in
 }
 
 // ---- the register block --------------------------------------------------------------------------------------
+
+// linear_steps.h's int8_step for group gi of R rows: tot[R][16 or 8] (row stride kCols) from the group's exact
+// sums acc (block_groups' arguments; q8 with whole codes: acc[r][1] stays zero).
+template <int R, int K>
+inline void group_steps(i32x8 (&acc)[R][2], int64_t gi, const float* d, const int32_t* qs, int64_t ldg,
+                        const float* prm, int64_t lds, float* tot) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t o = r * ldg + gi;
+    const f8 dv = simd::set1(d[o]);
+    const i32x8 base = i32x8{} + qs[o];
+    if constexpr (K == kQ4) {
+      for (int j = 0; j < 2; ++j) {
+        float* t = tot + r * kCols + 8 * j;
+        simd::store(t, int8_step<lanes::Lanes8>(simd::load(t), acc[r][j] + base, dv,
+                                                simd::load(prm + gi * lds + 8 * j)));
+      }
+    } else {
+      const i32x8 a = (acc[r][0] + (acc[r][1] << 4)) + base;  // u = l + 16 h
+      float* t = tot + r * kCols;
+      simd::store(t, int8_step<lanes::Lanes8, K == kQ8Channel>(
+                         simd::load(t), a, dv, K == kQ8Channel ? f8{} : simd::load(prm + gi * lds)));
+    }
+  }
+}
 
 // One (row block, vector pair) over the groups [g0, g1) of a chunk: tot[R][16 or 8] (row stride kCols) gets
 // each group's f32 steps in order. A group is NW windows of W quad steps (W = 8; x groups of 16: one of 4), summed
@@ -191,26 +225,54 @@ __attribute__((noinline)) void block_groups(const uint8_t* wb, const int8_t* xq,
         acc[r][1] += pair_sums(c[r][1]);
       }
     }
-    // linear_steps.h's int8_step, per row and 8 columns
-    for (int r = 0; r < R; ++r) {
-      const int64_t o = r * ldg + gi;
-      const f8 dv = simd::set1(d[o]);
-      const i32x8 base = i32x8{} + qs[o];
-      if constexpr (K == kQ4) {
-        for (int j = 0; j < 2; ++j) {
-          float* t = tot + r * kCols + 8 * j;
-          simd::store(t, int8_step<lanes::Lanes8>(simd::load(t), acc[r][j] + base, dv,
-                                                  simd::load(prm + gi * lds + 8 * j)));
-        }
-      } else {
-        const i32x8 a = (acc[r][0] + (acc[r][1] << 4)) + base;  // u = l + 16 h
-        float* t = tot + r * kCols;
-        simd::store(t, int8_step<lanes::Lanes8, K == kQ8Channel>(
-                           simd::load(t), a, dv, K == kQ8Channel ? f8{} : simd::load(prm + gi * lds)));
-      }
-    }
+    group_steps<R, K>(acc, gi, d, qs, ldg, prm, lds, tot);
   }
 }
+
+#if defined(__AVX2__)
+// The same with AVX-VNNI's vpdpbusd where the CPU has it (Intel since Alder Lake and Sapphire Rapids, AMD since Zen
+// 5): each quad's four products go straight into the int32 sums, one instruction where vpmaddubsw takes two and a
+// widening every window, and q8's codes u = q + 128 whole (no int16 sum to saturate: q8_chunk's `whole` plane),
+// one product where the nibble planes take two. The sums are exact either way: the same A, the same bits. 6 x 2
+// int32 accumulators (kVnniRows). Steps: quad steps per group.
+template <int R, int K, int Steps>
+__attribute__((target("avxvnni"), noinline)) void block_groups_vnni(const uint8_t* wb, const int8_t* xq, int64_t ldx,
+                                                                    int64_t g0, int64_t g1, const float* d,
+                                                                    const int32_t* qs, int64_t ldg, const float* prm,
+                                                                    int64_t lds, float* tot) {
+  constexpr int64_t steps = Steps;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const int64_t s0 = (gi - g0) * steps;
+    i32x8 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = i32x8{};
+#pragma GCC unroll 2
+    for (int64_t s = s0; s < s0 + steps; ++s) {
+      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + s * 64));
+      const __m256i b = K == kQ4 ? _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + s * 64 + 32)) : a;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = reinterpret_cast<__m256i>(broadcast4(xq + r * ldx + 4 * s));
+        acc[r][0] = reinterpret_cast<i32x8>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc[r][0]), a, xb));
+        if constexpr (K == kQ4)
+          acc[r][1] = reinterpret_cast<i32x8>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc[r][1]), b, xb));
+      }
+    }
+    group_steps<R, K>(acc, gi, d, qs, ldg, prm, lds, tot);
+  }
+}
+#endif
+
+// Whether the passes use block_groups_vnni: where the CPU has AVX-VNNI, unless int8_vnni turned it off (the tests
+// run both forms on such a CPU).
+bool cpu_has_vnni() {
+#if defined(__AVX2__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+#else
+  return false;
+#endif
+}
+std::atomic<bool> vnni_on{cpu_has_vnni()};
 
 // q4: tot[R][16] (row stride kCols) += per row the fma chain over the groups of zero * sum(x), from 0 (../int8.cpp
 // adds it last). z: the 16 columns' zeros of group 0, group stride lds; xs: the first row's sums (row stride G).
@@ -264,6 +326,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
   std::vector<int32_t> qoff(t * groups);
   for (size_t i = 0; i < qoff.size(); ++i) qoff[i] = (K == kQ4 ? -8 : -128) * a.qs[i];
   const int64_t tiles = (w.cols + kCols - 1) / kCols;
+  const bool vnni = vnni_on.load(std::memory_order_relaxed);
   parallel_items(tiles, [&](auto&& next) {
     // a K chunk of the tile's quads (64-byte aligned: each step of a pair is one cache line), kept for the
     // thread's next call
@@ -313,17 +376,25 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       for (int64_t k0 = 0; k0 < (direct ? 0 : k); k0 += kChunk) {
         const int64_t kn = std::min(kChunk, k - k0), g0 = k0 / xg, g1 = (k0 + kn) / xg;
         if constexpr (K == kQ4) q4_chunk(w.qw, w.cols, k, n0, k0, kn, bp);
-        else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, bp);
+        else q8_chunk(reinterpret_cast<const int8_t*>(w.qw), w.cols, k, n0, k0, kn, bp, vnni);
         for (int64_t pr = 0; pr < pairs; ++pr) {  // the pair's codes for the chunk stay in L1 over the rows
           const uint8_t* wb = slot(bp, kn / 4, pr, 0);
           const float* pp = prm.data() + pr * pair_cols;
           const int64_t lds = K == kQ4 ? 2 * kCols : kCols;
-          row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) {
+          auto block = [&](int64_t r0, auto R, auto Vnni) {
             constexpr int rr = decltype(R)::value;
             auto run = [&](auto W, auto NW) {
-              block_groups<rr, K, decltype(W)::value, decltype(NW)::value>(
-                  wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups, qoff.data() + r0 * groups, groups, pp, lds,
-                  tot.data() + r0 * kCols + pr * pair_cols);
+              constexpr int w_ = decltype(W)::value, nw = decltype(NW)::value;
+#if defined(__AVX2__)
+              if constexpr (decltype(Vnni)::value)
+                return block_groups_vnni<rr, K, w_ * nw>(wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups,
+                                                          qoff.data() + r0 * groups, groups, pp, lds,
+                                                          tot.data() + r0 * kCols + pr * pair_cols);
+#endif
+              if constexpr (!decltype(Vnni)::value)
+                block_groups<rr, K, w_, nw>(wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups,
+                                            qoff.data() + r0 * groups, groups, pp, lds,
+                                            tot.data() + r0 * kCols + pr * pair_cols);
             };
             using I4 = std::integral_constant<int, 4>;
             using I8 = std::integral_constant<int, 8>;
@@ -334,7 +405,11 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
               case 128: run(I8{}, std::integral_constant<int, 4>{}); break;
               default: run(I8{}, std::integral_constant<int, 8>{}); break;
             }
-          });
+          };
+          if (vnni)
+            row_blocks<kVnniRows>(t, [&](int64_t r0, auto R) { block(r0, R, std::true_type{}); });
+          else
+            row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) { block(r0, R, std::false_type{}); });
         }
       }
       if (K == kQ4 && !direct)  // zero * sum(x) per group, in group order, added last (q4_direct adds its own)
@@ -402,6 +477,12 @@ at::Tensor q3k_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
 }
 at::Tensor iq4_xs_linear_i8(const at::Tensor& x, const at::Tensor& blocks) {
   return blocks_linear_i8<Iq4xsBlocks>(x, blocks, "iq4_xs_linear_i8");
+}
+
+// enable < 0: asks; 0: the passes use vpmaddubsw; 1: AVX-VNNI where the CPU has it. Returns whether they use it.
+at::Tensor int8_vnni(int64_t enable) {
+  if (enable >= 0) vnni_on.store(enable > 0 && cpu_has_vnni());
+  return at::scalar_tensor(vnni_on.load(), at::kBool);
 }
 
 }  // namespace
