@@ -360,7 +360,7 @@ def describe() -> dict:
     flags, built, its library, LOSSY int8), the setting and which tier it picks and why, and auto's pick (a
     prediction: a build that has not run yet may still fail)."""
     have = _cpu_flags()
-    relevant = dict.fromkeys(f for t in TIERS.values() for f in (*t.cpu_flags, *t.int8.cpu_flags))
+    relevant = dict.fromkeys(f for t in TIERS.values() for f in (*t.cpu_flags, *t.int8.cpu_flags, *t.int8.faster_with))
     tiers = []
     for name in (*NATIVE, "torch"):
         ok8, why8 = int8_status(name)
