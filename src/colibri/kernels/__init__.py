@@ -364,9 +364,9 @@ def describe() -> dict:
     tiers = []
     for name in (*NATIVE, "torch"):
         ok8, why8 = int8_status(name)
-        faster = [f for f in TIERS[name].int8.faster_with if f in have] if name != "torch" else []
+        faster = [f for f in TIERS[name].int8.faster_with if f in have] if ok8 else []  # (torch: never ok8)
         row = dict(name=name, runnable=True, missing=[], built=None, library=None, error=None,
-                   int8=dict(usable=ok8, why=why8, faster_with=faster if ok8 else []))
+                   int8=dict(usable=ok8, why=why8, faster_with=faster))
         if name != "torch":
             t = TIERS[name]
             row["missing"] = missing_flags(t)

@@ -385,16 +385,17 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             constexpr int rr = decltype(R)::value;
             auto run = [&](auto W, auto NW) {
               constexpr int w_ = decltype(W)::value, nw = decltype(NW)::value;
+              if constexpr (decltype(Vnni)::value) {
 #if defined(__AVX2__)
-              if constexpr (decltype(Vnni)::value)
-                return block_groups_vnni<rr, K, w_ * nw>(wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups,
-                                                          qoff.data() + r0 * groups, groups, pp, lds,
-                                                          tot.data() + r0 * kCols + pr * pair_cols);
+                block_groups_vnni<rr, K, w_ * nw>(wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups,
+                                                   qoff.data() + r0 * groups, groups, pp, lds,
+                                                   tot.data() + r0 * kCols + pr * pair_cols);
 #endif
-              if constexpr (!decltype(Vnni)::value)
+              } else {
                 block_groups<rr, K, w_, nw>(wb, a.q + r0 * k + k0, k, g0, g1, a.d + r0 * groups,
                                             qoff.data() + r0 * groups, groups, pp, lds,
                                             tot.data() + r0 * kCols + pr * pair_cols);
+              }
             };
             using I4 = std::integral_constant<int, 4>;
             using I8 = std::integral_constant<int, 8>;
@@ -406,10 +407,13 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
               default: run(I8{}, std::integral_constant<int, 8>{}); break;
             }
           };
-          if (vnni)
+#if defined(__AVX2__)  // (elsewhere vnni is false: no AVX-VNNI form is compiled)
+          if (vnni) {
             row_blocks<kVnniRows>(t, [&](int64_t r0, auto R) { block(r0, R, std::true_type{}); });
-          else
-            row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) { block(r0, R, std::false_type{}); });
+            continue;
+          }
+#endif
+          row_blocks<kRowBlock>(t, [&](int64_t r0, auto R) { block(r0, R, std::false_type{}); });
         }
       }
       if (K == kQ4 && !direct)  // zero * sum(x) per group, in group order, added last (q4_direct adds its own)

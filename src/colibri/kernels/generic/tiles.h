@@ -73,6 +73,20 @@ inline void q4_codes(const Q4& w, int64_t n0, int64_t k0, int64_t kn, int off, f
       buf[k * kTile + j] = j < cols ? static_cast<float>(q4_code(w, n0, cols, j, k0 + k)) + off : 0.f;
 }
 
+// A group's end for R rows and V column vectors vid[0..V): tot = tot + fma(A, s, z * xsum) per column.
+template <int R, int V>
+inline void q4_group_end(const f8 (&a)[R][V], const float* xs, const float* s, const float* z, const int* vid,
+                         float* tot) {
+  for (int r = 0; r < R; ++r) {
+    const f8 xv = simd::set1(xs[r]);
+    for (int i = 0; i < V; ++i) {
+      float* o = tot + r * kTile + 8 * vid[i];
+      simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * vid[i]),
+                                                  simd::load(z + 8 * vid[i]), xv));
+    }
+  }
+}
+
 // One group of R rows (bf16 x as f32 in xf [R][g]) over V column vectors vid[0..V): A by dpbf16 steps over the
 // group's code pairs from codes(k, p) (p[i]: f32 codes minus 8 of rows k, k + 1 for column vector vid[i]), then
 // tot = tot + fma(A, s, z * xsum) per column. Each step is two dependent roundings per accumulator: R * V
@@ -91,14 +105,7 @@ inline void q4_group(Codes&& codes, int64_t g, const float* xf, int64_t ldx, con
       for (int i = 0; i < V; ++i) a[r][i] = simd::dpbf16(a[r][i], p[i], xe, xo);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const f8 xv = simd::set1(xs[r]);
-    for (int i = 0; i < V; ++i) {
-      float* o = tot + r * kTile + 8 * vid[i];
-      simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * vid[i]),
-                                                  simd::load(z + 8 * vid[i]), xv));
-    }
-  }
+  q4_group_end<R, V>(a, xs, s, z, vid, tot);
 }
 
 // The same for a group's codes already in buf ([g][64] f32, codes minus 8) over the column vectors c, c + 1, for
@@ -124,14 +131,8 @@ inline void q4_group_buf(const float* cb, int c, int64_t g, const float* xf, int
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const f8 xv = simd::set1(xs[r]);
-    for (int i = 0; i < 2; ++i) {
-      float* o = tot + r * kTile + 8 * (c + i);
-      simd::store(o, q4_group_step<lanes::Lanes8>(simd::load(o), a[r][i], simd::load(s + 8 * (c + i)),
-                                                  simd::load(z + 8 * (c + i)), xv));
-    }
-  }
+  const int vid[2] = {c, c + 1};
+  q4_group_end<R, 2>(a, xs, s, z, vid, tot);
 }
 
 // Decode (one row, full tiles): one group of the tile's rows (32 bytes each, from its first), nibble half h, read
