@@ -1,5 +1,5 @@
-// Linear kernels for GGUF K-quants imported exactly (colibri/quant/kinds.py, "GGUF K-quants"): y = x @ W.T, batch-invariant as the
-// kernels of linear.cpp (one f32 accumulation per output element in an order fixed by K alone).
+// Linear kernels for GGUF K-quants imported exactly (colibri/quant/kinds.py, "GGUF K-quants"): y = x @ W.T,
+// batch-invariant as the kernels of linear.cpp (one f32 accumulation per output element in an order fixed by K alone).
 //
 // q4k (Q4_K): the q4 code tiles, group 32; per group and row the 6-bit (sc, m) codes (args.h: packed 12 bits a
 // row, or a byte each in containers made before), per 256 values and row f16 (d, dmin):
@@ -100,7 +100,8 @@ void blocks_dequant_rows(const uint8_t* blocks, int64_t k, int64_t n0, int64_t c
           hi = scaled_f32(_mm256_extracti128_si256(c, 1), sb[i + 1]);
         }
         if (bf) {
-          _mm512_storeu_si512(static_cast<uint16_t*>(dst_b) + 16 * i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+          _mm512_storeu_si512(static_cast<uint16_t*>(dst_b) + 16 * i,
+                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         } else {
           _mm512_storeu_ps(static_cast<float*>(dst_b) + 16 * i, lo);
           _mm512_storeu_ps(static_cast<float*>(dst_b) + 16 * i + 16, hi);
