@@ -65,8 +65,9 @@ def kernel_table(n: int, k: int, rows: list[int], repeat: int, cpu: bool, only: 
     int8 = kernels.int8_activations()  # the ops are called directly below; this only checks VNNI
 
     def q4_int4mm(q, x):
-        b = q.buffers()
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q._packed, 64, b["scales_zeros"])
+        # the torch tier's own call: torch's int4 layout made at a weight's first call (the best of --repeat rounds
+        # leaves that repack out)
+        return q._torch_linear(x)
 
     def q4_old(q, x):
         return q4_int4mm(q, x) if x.shape[0] < OLD_GEMM_MIN_ROWS else q._dequant_matmul(x)
