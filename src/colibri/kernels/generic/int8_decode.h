@@ -459,24 +459,29 @@ __attribute__((noinline)) void q8_direct(const int8_t* w, int64_t n, int64_t k, 
   simd::store(tot, acc);
 }
 
-// One row of x against up to 8 weight rows of blocks whose codes B::ucodes64 gives unsigned (q6k: u = q + 32;
-// w: the first row's blocks, rows >= n read row n - 1): q8_direct's q8k steps with the codes decoded in registers
-// where they are multiplied, straight from the stored blocks (no buffer: decoding 8 rows into one and reading it
-// back cost about twice the products). A = sum(u x) - 32 sum(x) per group of 16, exact int32 as q8_direct's
-// sum(q x): u x by vpmaddubsw (|pair| <= 2 * 63 * 127, no saturation; two rows' pairs summed in int16,
-// step_sums<i16x16>), xoff[g] = 32 * sum of the group's x codes; the scale codes of a block moved into the rows'
-// lanes once (scale_codes), not a step at a time.
+// R rows of x (R <= kDirectRows; row r's codes at xq + r * k, its scales at d + r * k / 16, its offsets at
+// xoff + r * k / 16, its 8 columns at tot + r * ld) against up to 8 weight rows of blocks whose codes B::ucodes64
+// gives unsigned (q6k: u = q + 32; w: the first row's blocks, rows >= n read row n - 1): q8_direct's q8k steps with
+// the codes decoded in registers straight from the stored blocks (no buffer of whole rows: decoding 8 rows into
+// one and reading it back cost about twice the products). A = sum(u x) - 32 sum(x) per group of 16, exact int32
+// as q8_direct's sum(q x): u x by vpmaddubsw (|pair| <= 2 * 63 * 127, no saturation; two rows' pairs summed in
+// int16, step_sums<i16x16>), xoff[g] = 32 * sum of the group's x codes; the scale codes of a block moved into the
+// rows' lanes once (scale_codes), not a step at a time. With more than one x row a step's codes are decoded once
+// into 512 bytes of L1 that every row reads (each row's arithmetic and its order unchanged: the same bits as one
+// row at a time, which decoded them again per row).
 // The same bytes of the row 8 on (the next call's) are fetched into L2 as these are read: with rows of a few
 // blocks (K = 1536: 1260 bytes) each stream is too short for the hardware prefetcher, and fetching into L1 ran
 // out of its miss buffers (docs/performance.md).
-template <class B>
+template <class B, int R>
 __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64_t k, const int8_t* xq, const float* d,
-                                              const int32_t* xoff, float* tot) {
+                                              const int32_t* xoff, float* tot, int64_t ld) {
   constexpr int64_t bb = B::kBlockBytes;
-  const int64_t nb = k / 256, rs = nb * bb;
+  const int64_t nb = k / 256, rs = nb * bb, groups = k / 16;
   const uint8_t* rows[8];
   for (int c = 0; c < 8; ++c) rows[c] = w + std::min<int64_t>(c, n - 1) * rs;
-  f8 acc = simd::load(tot);
+  f8 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::load(tot + r * ld);
+  alignas(32) u8x32 ub[R > 1 ? 8 : 1][2];  // R > 1: a step's codes of the 8 weight rows
   for (int64_t b = 0; b < nb; ++b) {
     f8 sd;  // the rows' d of this block
     for (int c = 0; c < 8; ++c) sd[c] = simd::f16_to_f32(B::d_bits(rows[c] + b * bb));
@@ -485,25 +490,41 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
     auto step = [&](auto S) {
       constexpr int s = decltype(S)::value;
       const int64_t k0 = 256 * b + 64 * s;
-      const i32x8 codes = codes4[s];
-      const s8x32 x0 = vload<s8x32>(xq + k0), x1 = vload<s8x32>(xq + k0 + 32);
-      Halves lo, hi;
-      step_sums<i16x16>(
-          [&](int c, i16x16 v[2]) {
-            const uint8_t* bp = rows[c] + b * bb;
-            __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
-            u8x32 u[2];
-            B::template ucodes64<s>(bp, u);
-            v[0] = maddubs(u[0], x0);
-            v[1] = maddubs(u[1], x1);
-          },
-          lo, hi);
-      const i32x8 a[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
+      f8 sv[4];  // the rows' d * sc of the step's four groups (every x row's)
 #pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {  // q8_direct's q8k step, group by group
-        const int64_t gi = k0 / 16 + g;
-        const f8 sv = sd * simd::to_f((codes << (8 * (3 - g))) >> 24);
-        acc = int8_step<lanes::Lanes8>(acc, a[g] - xoff[gi], simd::set1(d[gi]), sv);
+      for (int g = 0; g < 4; ++g) sv[g] = sd * simd::to_f((codes4[s] << (8 * (3 - g))) >> 24);
+      if constexpr (R > 1)
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* bp = rows[c] + b * bb;
+          __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
+          B::template ucodes64<s>(bp, ub[c]);
+        }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const s8x32 x0 = vload<s8x32>(xq + r * k + k0), x1 = vload<s8x32>(xq + r * k + k0 + 32);
+        Halves lo, hi;
+        step_sums<i16x16>(
+            [&](int c, i16x16 v[2]) {
+              u8x32 u[2];
+              if constexpr (R > 1) {
+                u[0] = ub[c][0];
+                u[1] = ub[c][1];
+              } else {
+                const uint8_t* bp = rows[c] + b * bb;
+                __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
+                B::template ucodes64<s>(bp, u);
+              }
+              v[0] = maddubs(u[0], x0);
+              v[1] = maddubs(u[1], x1);
+            },
+            lo, hi);
+        const i32x8 a[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {  // q8_direct's q8k step, group by group
+          const int64_t gi = k0 / 16 + g;
+          acc[r] = int8_step<lanes::Lanes8>(acc[r], a[g] - xoff[r * groups + gi], simd::set1(d[r * groups + gi]),
+                                            sv[g]);
+        }
       }
     };
     step(std::integral_constant<int, 0>{});
@@ -511,7 +532,7 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
     step(std::integral_constant<int, 2>{});
     step(std::integral_constant<int, 3>{});
   }
-  simd::store(tot, acc);
+  for (int r = 0; r < R; ++r) simd::store(tot + r * ld, acc[r]);
 }
 
 // A decode pass's columns [n0, n0 + cols) of the GGUF blocks with q8k's values (each int8 source's
@@ -567,7 +588,7 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
     return y;
   }
   const auto a = quantize(x);
-  // q6k: the codes decoded where they are multiplied, once per x row (at 2 and 4 rows still faster than the buffer)
+  // q6k: the codes decoded where they are multiplied, once for all the x rows
   constexpr bool fused = B::kUnsigned;
   std::vector<int32_t> xoff(fused ? t * groups : 0);  // 32 * the sum of each group's x codes (ublocks_direct)
   for (int64_t i = 0; i < static_cast<int64_t>(xoff.size()); ++i) {
@@ -583,10 +604,17 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
       const int64_t n0 = blk * unit, cols = std::min(unit, n - n0);
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (fused) {
-        for (int64_t c = 0; c < cols; c += 8)
-          for (int64_t r = 0; r < t; ++r)
-            ublocks_direct<B>(bw + (n0 + c) * nb * B::kBlockBytes, cols - c, k, a.q + r * k, a.d + r * groups,
-                              xoff.data() + r * groups, acc.data() + r * unit + c);
+        for (int64_t c = 0; c < cols; c += 8) {
+          const uint8_t* w = bw + (n0 + c) * nb * B::kBlockBytes;
+          float* o = acc.data() + c;
+          static_assert(kDirectRows == 4, "one form per pass size");
+          switch (t) {
+            case 1: ublocks_direct<B, 1>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
+            case 2: ublocks_direct<B, 2>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
+            case 3: ublocks_direct<B, 3>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
+            default: ublocks_direct<B, 4>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
+          }
+        }
       } else {
         blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
       }
