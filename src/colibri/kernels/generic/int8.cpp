@@ -348,19 +348,29 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       if (!q8k_direct && !q4k_direct) tile_params<K>(w, groups, n0, cols, prm.data());
       std::fill(tot.begin(), tot.end(), 0.f);
       if (direct) {
-        for (int64_t r = 0; r < t; ++r) {
-          const int8_t* xq = a.q + r * k;
-          const float* dr = a.d + r * groups;
-          float* tr = tot.data() + r * kCols;
-          if constexpr (K == kQ4) {
-            const uint8_t* tp = w.qw + n0 * (k / 2);
+        if constexpr (K == kQ4) {  // every row in one call: a group's codes split and its scales decoded once
+          const uint8_t* tp = w.qw + n0 * (k / 2);
+          auto rows = [&](auto R) {
+            constexpr int rr = decltype(R)::value;
             if (q4k_direct)
-              q4_direct_by(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups,
-                           Q4kDirectParams{w.q4k, n0}, tr);
+              q4_direct_by<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, Q4kDirectParams{w.q4k, n0}, tot.data(),
+                               k, groups, kCols);
             else
-              q4_direct(tp, groups, xg, xq, dr, qoff.data() + r * groups, a.xs + r * groups, prm.data(), 2 * kCols,
-                        tr);
-          } else {
+              q4_direct<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, prm.data(), 2 * kCols, tot.data(), k,
+                            groups, kCols);
+          };
+          static_assert(kDirectRows == 4, "one form per pass size");
+          switch (t) {
+            case 1: rows(std::integral_constant<int, 1>{}); break;
+            case 2: rows(std::integral_constant<int, 2>{}); break;
+            case 3: rows(std::integral_constant<int, 3>{}); break;
+            default: rows(std::integral_constant<int, 4>{}); break;
+          }
+        } else {
+          for (int64_t r = 0; r < t; ++r) {
+            const int8_t* xq = a.q + r * k;
+            const float* dr = a.d + r * groups;
+            float* tr = tot.data() + r * kCols;
             const bool kq = q8k_direct;  // q8k: scales decoded from the codes, no table
             for (int64_t c = 0; c < cols; c += 8)
               q8_direct<K == kQ8Channel>(reinterpret_cast<const int8_t*>(w.qw) + (n0 + c) * k, cols - c, k, xg, xq, dr,

@@ -308,64 +308,97 @@ inline f8 part8(const V& v, int h) {
   return r;
 }
 
-// One row of x against a full q4 tile (tile: [K][32] bytes): tot (the row's [kCols], zeroed) gets each group's f32
-// steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0) added last, as the row blocks'
-// zero_terms add it; the chain runs beside the groups' integer sums here, where a pass of its own waited on each fma.
-// xq: the row's codes; d, qs, xs: its per-group scale, offset term and sum of x; params(gi, f): calls f(c, s, z)
-// with group gi's scales s and zeros z of columns c .. c + 7, for c = 0, 8, .. 56 (a table's row, or q4k's decoded
-// where they are used: Q4kDirectParams).
-template <class Params>
+// R rows of x against a full q4 tile (tile: [K][32] bytes): tot (each row's [kCols], zeroed; row r at tot + r *
+// ldt) gets each group's f32 steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0)
+// added last, as the row blocks' zero_terms add it; the chain runs beside the groups' integer sums here, where a
+// pass of its own waited on each fma. xq: the rows' codes (row r at xq + r * ldx); d, qs, xs: their per-group
+// scale, offset term and sum of x (row r's at + r * lds); params(gi, f): calls f(c, s, z) with group gi's scales
+// s and zeros z of columns c .. c + 7, for c = 0, 8, .. 56 (a table's row, or q4k's decoded where they are used:
+// Q4kDirectParams), once for all the rows. With more than one row a window's codes are split into nibbles once,
+// into 1 KiB of L1 that every row reads (each row's integer sums and f32 steps unchanged: the same bits).
+template <int R = 1, class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
-                                            float* tot) {
+                                            float* tot, int64_t ldx = 0, int64_t lds = 0, int64_t ldt = 0) {
   const u8x32 nib = u8x32{} + 15;
-  alignas(32) float zt[64] = {};
+  alignas(32) float zt[R][64] = {};
+  alignas(32) u8x32 cb[R > 1 ? 8 : 1][4];  // R > 1: a window's nibbles, [pair][interleave h, low / high]
   for (int64_t gi = 0; gi < groups; ++gi) {
-    i32x8 acc[8] = {};  // acc[4 h + v]: columns 16 v + 8 h .. + 7
+    i32x8 acc[R][8] = {};  // acc[r][4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
-      i16x16 c[4] = {};  // interleave h, low / high nibbles
-      // unrolled further, GCC reassociates the int16 sums into trees and spills every product
+      if constexpr (R > 1)
+        for (int p = 0; p < 8; ++p) {
+          const int64_t kk = w0 + 2 * p;
+          __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
+          const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
+          const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
+          cb[p][0] = a & nib;
+          cb[p][1] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib;
+          cb[p][2] = b & nib;
+          cb[p][3] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib;
+        }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * ldx;
+        i16x16 c[4] = {};  // interleave h, low / high nibbles
+        // unrolled further, GCC reassociates the int16 sums into trees and spills every product
 #pragma GCC unroll 2
-      for (int p = 0; p < 8; ++p) {
-        const int64_t kk = w0 + 2 * p;
-        // this line's successor kTileAhead on (past the tile's end, the next tile's), into L2
-        __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
-        const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
-        int16_t pr;
-        std::memcpy(&pr, xq + kk, 2);
-        const s8x32 xb = reinterpret_cast<s8x32>(i16x16{} + pr);
-        const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
-        c[0] += maddubs(a & nib, xb);
-        c[1] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib, xb);
-        c[2] += maddubs(b & nib, xb);
-        c[3] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib, xb);
-      }
-      for (int h = 0; h < 2; ++h) {
-        acc[4 * h + 0] += widen<0>(c[2 * h]);
-        acc[4 * h + 1] += widen<1>(c[2 * h]);
-        acc[4 * h + 2] += widen<0>(c[2 * h + 1]);
-        acc[4 * h + 3] += widen<1>(c[2 * h + 1]);
+        for (int p = 0; p < 8; ++p) {
+          const int64_t kk = w0 + 2 * p;
+          int16_t pr;
+          std::memcpy(&pr, xr + kk, 2);
+          const s8x32 xb = reinterpret_cast<s8x32>(i16x16{} + pr);
+          if constexpr (R > 1) {
+            for (int i = 0; i < 4; ++i) c[i] += maddubs(cb[p][i], xb);
+          } else {
+            // this line's successor kTileAhead on (past the tile's end, the next tile's), into L2
+            __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
+            const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
+            const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
+            c[0] += maddubs(a & nib, xb);
+            c[1] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib, xb);
+            c[2] += maddubs(b & nib, xb);
+            c[3] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib, xb);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          acc[r][4 * h + 0] += widen<0>(c[2 * h]);
+          acc[r][4 * h + 1] += widen<1>(c[2 * h]);
+          acc[r][4 * h + 2] += widen<0>(c[2 * h + 1]);
+          acc[r][4 * h + 3] += widen<1>(c[2 * h + 1]);
+        }
       }
     }
-    const f8 dv = simd::set1(d[gi]), xv = simd::set1(xs[gi]);
-    const i32x8 base = i32x8{} + qs[gi];
+    f8 dv[R], xv[R];
+    i32x8 base[R];
+    for (int r = 0; r < R; ++r) {
+      dv[r] = simd::set1(d[r * lds + gi]);
+      xv[r] = simd::set1(xs[r * lds + gi]);
+      base[r] = i32x8{} + qs[r * lds + gi];
+    }
     params(gi, [&](int c, f8 sv, f8 zv) {
-      simd::store(tot + c, int8_step<lanes::Lanes8>(simd::load(tot + c), acc[4 * (c / 8 % 2) + c / 16] + base, dv, sv));
-      simd::store(zt + c, simd::fma(zv, xv, simd::load(zt + c)));
+      for (int r = 0; r < R; ++r) {
+        float* o = tot + r * ldt + c;
+        simd::store(o, int8_step<lanes::Lanes8>(simd::load(o), acc[r][4 * (c / 8 % 2) + c / 16] + base[r], dv[r], sv));
+        simd::store(zt[r] + c, simd::fma(zv, xv[r], simd::load(zt[r] + c)));
+      }
     });
   }
-  for (int64_t col = 0; col < 64; col += 8) simd::store(tot + col, simd::load(tot + col) + simd::load(zt + col));
+  for (int r = 0; r < R; ++r)
+    for (int64_t col = 0; col < 64; col += 8)
+      simd::store(tot + r * ldt + col, simd::load(tot + r * ldt + col) + simd::load(zt[r] + col));
 }
 
-// q4_direct_by over a table: prm holds group 0's 64 scales, then its 64 zeros (group stride lds).
+// q4_direct_by over a table: prm holds group 0's 64 scales, then its 64 zeros (group stride ldp).
+template <int R = 1>
 inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq, const float* d,
-                      const int32_t* qs, const float* xs, const float* prm, int64_t lds, float* tot) {
-  q4_direct_by(tile, groups, xg, xq, d, qs, xs,
-               [prm, lds](int64_t gi, auto&& f) {
-                 const float* p = prm + gi * lds;
-                 for (int c = 0; c < 64; c += 8) f(c, simd::load(p + c), simd::load(p + 64 + c));
-               },
-               tot);
+                      const int32_t* qs, const float* xs, const float* prm, int64_t ldp, float* tot, int64_t ldx = 0,
+                      int64_t lds = 0, int64_t ldt = 0) {
+  q4_direct_by<R>(tile, groups, xg, xq, d, qs, xs,
+                  [prm, ldp](int64_t gi, auto&& f) {
+                    const float* p = prm + gi * ldp;
+                    for (int c = 0; c < 64; c += 8) f(c, simd::load(p + c), simd::load(p + 64 + c));
+                  },
+                  tot, ldx, lds, ldt);
 }
 
 // q4k's (scale, zero) of one group of the tile at n0 for q4_direct_by, decoded 8 columns at a time where they are
