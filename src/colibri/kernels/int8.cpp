@@ -340,10 +340,10 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
         }
         if (q4k_row)
           q4_direct_by(tp, groups, xg, a.q, a.d, qoff.data(), a.xs,
-                       Q4kDirectParams{w.q4k, n0}, tot);
+                       Q4kDirectParams{w.q4k, n0}, tot, true);
         else if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
           q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, reinterpret_cast<const float*>(prm.data()), 2 * kCols,
-                    tot);
+                    tot, true);
         for (int64_t gi = 0; gi < (q4_row ? 0 : groups); ++gi) {
           const int64_t kg = gi * xg, off = r0 * groups + gi;
           const int8_t* xq = a.q + r0 * k + kg;

@@ -354,9 +354,9 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
             constexpr int rr = decltype(R)::value;
             if (q4k_direct)
               q4_direct_by<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, Q4kDirectParams{w.q4k, n0}, tot.data(),
-                               k, groups, kCols);
+                               vnni, k, groups, kCols);
             else
-              q4_direct<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, prm.data(), 2 * kCols, tot.data(), k,
+              q4_direct<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, prm.data(), 2 * kCols, tot.data(), vnni, k,
                             groups, kCols);
           };
           static_assert(kDirectRows == 4, "one form per pass size");

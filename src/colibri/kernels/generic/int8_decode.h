@@ -308,6 +308,95 @@ inline f8 part8(const V& v, int h) {
   return r;
 }
 
+#if defined(__AVX2__)
+// vpdpbusd on 256-bit registers: the avx512 tier's EVEX form (its int8 ops run only where the CPU has AVX512-VNNI),
+// else AVX-VNNI's VEX form (the avx2 tier calls it only where the CPU has AVX-VNNI).
+#if defined(__AVX512VL__)
+#define COLIBRI_VNNI256 __attribute__((target("avx512vnni")))
+COLIBRI_VNNI256 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#define COLIBRI_VNNI256 __attribute__((target("avxvnni")))
+COLIBRI_VNNI256 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+#endif
+
+// q4_direct_by's sums by vpdpbusd: four consecutive k rows of the tile interleaved bytewise (vpunpck*bw, then
+// *wd) give per column the quad of codes (k .. k + 3), which vpdpbusd multiplies by the broadcast quad of x and
+// adds into int32 lanes: no int16 window to widen, and one instruction where vpmaddubsw took two. The sums are
+// exact either way, so A, and every f32 step after it, are q4_direct_by's. Vector i of a quad step (i < 4) holds
+// columns 4 i .. 4 i + 3 and 16 + 4 i .. 16 + 4 i + 3 (low nibbles; i + 4: the high ones, 32 on), put in column
+// order once per group. xg % 16 == 0.
+template <int R, class Params>
+COLIBRI_VNNI256 __attribute__((noinline)) void q4_direct_quads(const uint8_t* tile, int64_t groups, int64_t xg,
+                                                               const int8_t* xq, const float* d, const int32_t* qs,
+                                                               const float* xs, Params& params, float* tot,
+                                                               int64_t ldx, int64_t lds, int64_t ldt) {
+  const __m256i nib = _mm256_set1_epi8(15);
+  alignas(32) float zt[R][64] = {};
+  alignas(32) __m256i cb[R > 1 ? 4 : 1][8];  // R > 1: a window's quad steps, split into nibbles once
+  auto quads = [&](int64_t kk, __m256i q[8]) {  // the quads of k rows kk .. kk + 3
+    __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
+    __builtin_prefetch(tile + kk * 32 + 64 + kTileAhead, 0, 2);
+    const __m256i* t = reinterpret_cast<const __m256i*>(tile + kk * 32);
+    const __m256i r0 = _mm256_loadu_si256(t), r1 = _mm256_loadu_si256(t + 1), r2 = _mm256_loadu_si256(t + 2),
+                  r3 = _mm256_loadu_si256(t + 3);
+    const __m256i a0 = _mm256_unpacklo_epi8(r0, r1), a1 = _mm256_unpackhi_epi8(r0, r1);
+    const __m256i b0 = _mm256_unpacklo_epi8(r2, r3), b1 = _mm256_unpackhi_epi8(r2, r3);
+    const __m256i v[4] = {_mm256_unpacklo_epi16(a0, b0), _mm256_unpackhi_epi16(a0, b0),
+                          _mm256_unpacklo_epi16(a1, b1), _mm256_unpackhi_epi16(a1, b1)};
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_and_si256(v[i], nib);
+      q[4 + i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), nib);
+    }
+  };
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256i acc[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 8; ++i) acc[r][i] = _mm256_setzero_si256();
+    for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 4 quad steps
+      if constexpr (R > 1)
+        for (int s = 0; s < 4; ++s) quads(w0 + 4 * s, cb[s]);
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < 4; ++s) {
+          const __m256i xb = reinterpret_cast<__m256i>(broadcast4(xq + r * ldx + w0 + 4 * s));
+          __m256i q[8];
+          if constexpr (R > 1)
+            for (int i = 0; i < 8; ++i) q[i] = cb[s][i];
+          else
+            quads(w0 + 4 * s, q);
+          for (int i = 0; i < 8; ++i) acc[r][i] = dpbusd256(acc[r][i], q[i], xb);
+        }
+    }
+    i32x8 col[R][8];  // columns 8 j .. 8 j + 7
+    f8 dv[R], xv[R];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i* a = acc[r] + 4 * h;
+        col[r][4 * h + 0] = reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a[0], a[1], 0x20));
+        col[r][4 * h + 1] = reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a[2], a[3], 0x20));
+        col[r][4 * h + 2] = reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a[0], a[1], 0x31));
+        col[r][4 * h + 3] = reinterpret_cast<i32x8>(_mm256_permute2x128_si256(a[2], a[3], 0x31));
+      }
+      const i32x8 base = i32x8{} + qs[r * lds + gi];
+      for (int j = 0; j < 8; ++j) col[r][j] += base;
+      dv[r] = simd::set1(d[r * lds + gi]);
+      xv[r] = simd::set1(xs[r * lds + gi]);
+    }
+    params(gi, [&](int c, f8 sv, f8 zv) {
+      for (int r = 0; r < R; ++r) {
+        float* o = tot + r * ldt + c;
+        simd::store(o, int8_step<lanes::Lanes8>(simd::load(o), col[r][c / 8], dv[r], sv));
+        simd::store(zt[r] + c, simd::fma(zv, xv[r], simd::load(zt[r] + c)));
+      }
+    });
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < 64; c += 8)
+      simd::store(tot + r * ldt + c, simd::load(tot + r * ldt + c) + simd::load(zt[r] + c));
+}
+#endif
+
 // R rows of x against a full q4 tile (tile: [K][32] bytes): tot (each row's [kCols], zeroed; row r at tot + r *
 // ldt) gets each group's f32 steps, then the zero terms' chain (zero * sum(x) per group, in group order, from 0)
 // added last, as the row blocks' zero_terms add it; the chain runs beside the groups' integer sums here, where a
@@ -319,7 +408,11 @@ inline f8 part8(const V& v, int h) {
 template <int R = 1, class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
-                                            float* tot, int64_t ldx = 0, int64_t lds = 0, int64_t ldt = 0) {
+                                            float* tot, bool vnni, int64_t ldx = 0, int64_t lds = 0,
+                                            int64_t ldt = 0) {
+#if defined(__AVX2__)
+  if (vnni) return q4_direct_quads<R>(tile, groups, xg, xq, d, qs, xs, params, tot, ldx, lds, ldt);
+#endif
   const u8x32 nib = u8x32{} + 15;
   alignas(32) float zt[R][64] = {};
   alignas(32) u8x32 cb[R > 1 ? 8 : 1][4];  // R > 1: a window's nibbles, [pair][interleave h, low / high]
@@ -391,14 +484,14 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
 // q4_direct_by over a table: prm holds group 0's 64 scales, then its 64 zeros (group stride ldp).
 template <int R = 1>
 inline void q4_direct(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq, const float* d,
-                      const int32_t* qs, const float* xs, const float* prm, int64_t ldp, float* tot, int64_t ldx = 0,
-                      int64_t lds = 0, int64_t ldt = 0) {
+                      const int32_t* qs, const float* xs, const float* prm, int64_t ldp, float* tot, bool vnni,
+                      int64_t ldx = 0, int64_t lds = 0, int64_t ldt = 0) {
   q4_direct_by<R>(tile, groups, xg, xq, d, qs, xs,
                   [prm, ldp](int64_t gi, auto&& f) {
                     const float* p = prm + gi * ldp;
                     for (int c = 0; c < 64; c += 8) f(c, simd::load(p + c), simd::load(p + 64 + c));
                   },
-                  tot, ldx, lds, ldt);
+                  tot, vnni, ldx, lds, ldt);
 }
 
 // q4k's (scale, zero) of one group of the tile at n0 for q4_direct_by, decoded 8 columns at a time where they are
