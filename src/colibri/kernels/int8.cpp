@@ -338,12 +338,14 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
           asm("" : "+v"(zero));  // keeps GCC from making this a `rep stos`, whose startup costs more than 16 stores
           _mm512_store_ps(tot + i, zero);
         }
+        // (the pairs form: its quads by vpdpbusd, q4_direct_quads, ran the one-row kernel 0.87x the time, yet the
+        // 1.5B's LOSSY decode step 4 % slower, its Q6_K calls the slower part: docs/performance.md)
         if (q4k_row)
           q4_direct_by(tp, groups, xg, a.q, a.d, qoff.data(), a.xs,
-                       Q4kDirectParams{w.q4k, n0}, tot, true);
+                       Q4kDirectParams{w.q4k, n0}, tot, false);
         else if (q4_row)  // prm as floats: per group the 64 scales, then the 64 zeros (q4_direct's table)
           q4_direct(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, reinterpret_cast<const float*>(prm.data()), 2 * kCols,
-                    tot, true);
+                    tot, false);
         for (int64_t gi = 0; gi < (q4_row ? 0 : groups); ++gi) {
           const int64_t kg = gi * xg, off = r0 * groups + gi;
           const int8_t* xq = a.q + r0 * k + kg;

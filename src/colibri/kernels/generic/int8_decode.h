@@ -308,18 +308,14 @@ inline f8 part8(const V& v, int h) {
   return r;
 }
 
-#if defined(__AVX2__)
-// vpdpbusd on 256-bit registers: the avx512 tier's EVEX form (its int8 ops run only where the CPU has AVX512-VNNI),
-// else AVX-VNNI's VEX form (the avx2 tier calls it only where the CPU has AVX-VNNI).
-#if defined(__AVX512VL__)
-#define COLIBRI_VNNI256 __attribute__((target("avx512vnni")))
-COLIBRI_VNNI256 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
+// The avx2 tier's build (the avx512 tier's runs the pairs form below: see its int8.cpp)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define COLIBRI_Q4_QUADS 1
+// vpdpbusd on 256-bit registers, AVX-VNNI's VEX form: called only where the CPU has AVX-VNNI (int8_vnni).
 #define COLIBRI_VNNI256 __attribute__((target("avxvnni")))
 COLIBRI_VNNI256 inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(acc, u, s);
 }
-#endif
 
 // q4_direct_by's sums by vpdpbusd: four consecutive k rows of the tile interleaved bytewise (vpunpck*bw, then
 // *wd) give per column the quad of codes (k .. k + 3), which vpdpbusd multiplies by the broadcast quad of x and
@@ -404,13 +400,14 @@ COLIBRI_VNNI256 __attribute__((noinline)) void q4_direct_quads(const uint8_t* ti
 // scale, offset term and sum of x (row r's at + r * lds); params(gi, f): calls f(c, s, z) with group gi's scales
 // s and zeros z of columns c .. c + 7, for c = 0, 8, .. 56 (a table's row, or q4k's decoded where they are used:
 // Q4kDirectParams), once for all the rows. With more than one row a window's codes are split into nibbles once,
-// into 1 KiB of L1 that every row reads (each row's integer sums and f32 steps unchanged: the same bits).
+// into 1 KiB of L1 that every row reads (each row's integer sums and f32 steps unchanged: the same bits). vnni: the
+// sums by q4_direct_quads instead (the avx2 build, where the CPU has AVX-VNNI; elsewhere ignored).
 template <int R = 1, class Params>
 __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups, int64_t xg, const int8_t* xq,
                                             const float* d, const int32_t* qs, const float* xs, Params&& params,
                                             float* tot, bool vnni, int64_t ldx = 0, int64_t lds = 0,
                                             int64_t ldt = 0) {
-#if defined(__AVX2__)
+#if defined(COLIBRI_Q4_QUADS)
   if (vnni) return q4_direct_quads<R>(tile, groups, xg, xq, d, qs, xs, params, tot, ldx, lds, ldt);
 #endif
   const u8x32 nib = u8x32{} + 15;
