@@ -350,7 +350,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
       if (direct) {
         if constexpr (K == kQ4) {  // every row in one call: a group's codes split and its scales decoded once
           const uint8_t* tp = w.qw + n0 * (k / 2);
-          auto rows = [&](auto R) {
+          auto rows = [&](int64_t, auto R) {
             constexpr int rr = decltype(R)::value;
             if (q4k_direct)
               q4_direct_by<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, Q4kDirectParams{w.q4k, n0}, tot.data(),
@@ -359,13 +359,7 @@ at::Tensor linear_i8(const at::Tensor& x, const Weight& w) {
               q4_direct<rr>(tp, groups, xg, a.q, a.d, qoff.data(), a.xs, prm.data(), 2 * kCols, tot.data(), vnni, k,
                             groups, kCols);
           };
-          static_assert(kDirectRows == 4, "one form per pass size");
-          switch (t) {
-            case 1: rows(std::integral_constant<int, 1>{}); break;
-            case 2: rows(std::integral_constant<int, 2>{}); break;
-            case 3: rows(std::integral_constant<int, 3>{}); break;
-            default: rows(std::integral_constant<int, 4>{}); break;
-          }
+          with_rows<kDirectRows>(t, 0, rows);
         } else {
           for (int64_t r = 0; r < t; ++r) {
             const int8_t* xq = a.q + r * k;

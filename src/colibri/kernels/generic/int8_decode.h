@@ -413,20 +413,21 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
   const u8x32 nib = u8x32{} + 15;
   alignas(32) float zt[R][64] = {};
   alignas(32) u8x32 cb[R > 1 ? 8 : 1][4];  // R > 1: a window's nibbles, [pair][interleave h, low / high]
+  auto nibbles = [&](int64_t kk, u8x32 v[4]) {  // k rows kk, kk + 1 as code pairs: interleave h, low / high
+    // this line's successor kTileAhead on (past the tile's end, the next tile's), into L2
+    __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
+    const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
+    const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
+    v[0] = a & nib;
+    v[1] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib;
+    v[2] = b & nib;
+    v[3] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib;
+  };
   for (int64_t gi = 0; gi < groups; ++gi) {
     i32x8 acc[R][8] = {};  // acc[r][4 h + v]: columns 16 v + 8 h .. + 7
     for (int64_t w0 = gi * xg; w0 < (gi + 1) * xg; w0 += 16) {  // windows of 8 k pairs
       if constexpr (R > 1)
-        for (int p = 0; p < 8; ++p) {
-          const int64_t kk = w0 + 2 * p;
-          __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
-          const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
-          const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
-          cb[p][0] = a & nib;
-          cb[p][1] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib;
-          cb[p][2] = b & nib;
-          cb[p][3] = reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib;
-        }
+        for (int p = 0; p < 8; ++p) nibbles(w0 + 2 * p, cb[p]);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * ldx;
         i16x16 c[4] = {};  // interleave h, low / high nibbles
@@ -437,18 +438,12 @@ __attribute__((noinline)) void q4_direct_by(const uint8_t* tile, int64_t groups,
           int16_t pr;
           std::memcpy(&pr, xr + kk, 2);
           const s8x32 xb = reinterpret_cast<s8x32>(i16x16{} + pr);
-          if constexpr (R > 1) {
-            for (int i = 0; i < 4; ++i) c[i] += maddubs(cb[p][i], xb);
-          } else {
-            // this line's successor kTileAhead on (past the tile's end, the next tile's), into L2
-            __builtin_prefetch(tile + kk * 32 + kTileAhead, 0, 2);
-            const u8x32 r0 = load32(tile + kk * 32), r1 = load32(tile + (kk + 1) * 32);
-            const u8x32 a = interleave<0>(r0, r1), b = interleave<1>(r0, r1);
-            c[0] += maddubs(a & nib, xb);
-            c[1] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(a) >> 4) & nib, xb);
-            c[2] += maddubs(b & nib, xb);
-            c[3] += maddubs(reinterpret_cast<u8x32>(reinterpret_cast<u16x16>(b) >> 4) & nib, xb);
-          }
+          u8x32 v[4];
+          if constexpr (R > 1)
+            for (int i = 0; i < 4; ++i) v[i] = cb[p][i];
+          else
+            nibbles(kk, v);
+          for (int i = 0; i < 4; ++i) c[i] += maddubs(v[i], xb);
         }
         for (int h = 0; h < 2; ++h) {
           acc[r][4 * h + 0] += widen<0>(c[2 * h]);
@@ -616,12 +611,13 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
       f8 sv[4];  // the rows' d * sc of the step's four groups (every x row's)
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) sv[g] = sd * simd::to_f((codes4[s] << (8 * (3 - g))) >> 24);
+      auto decode = [&](int c, u8x32 u[2]) {  // weight row c's codes of the step
+        const uint8_t* bp = rows[c] + b * bb;
+        __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
+        B::template ucodes64<s>(bp, u);
+      };
       if constexpr (R > 1)
-        for (int c = 0; c < 8; ++c) {
-          const uint8_t* bp = rows[c] + b * bb;
-          __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
-          B::template ucodes64<s>(bp, ub[c]);
-        }
+        for (int c = 0; c < 8; ++c) decode(c, ub[c]);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const s8x32 x0 = vload<s8x32>(xq + r * k + k0), x1 = vload<s8x32>(xq + r * k + k0 + 32);
@@ -633,9 +629,7 @@ __attribute__((noinline)) void ublocks_direct(const uint8_t* w, int64_t n, int64
                 u[0] = ub[c][0];
                 u[1] = ub[c][1];
               } else {
-                const uint8_t* bp = rows[c] + b * bb;
-                __builtin_prefetch(bp + 8 * rs + 64 * s, 0, 2);  // the next call's row: into L2
-                B::template ucodes64<s>(bp, u);
+                decode(c, u);
               }
               v[0] = maddubs(u[0], x0);
               v[1] = maddubs(u[1], x1);
@@ -728,15 +722,11 @@ at::Tensor blocks_i8(const at::Tensor& x, const at::Tensor& blocks, int64_t unit
       std::fill(acc.begin(), acc.end(), 0.f);
       if constexpr (fused) {
         for (int64_t c = 0; c < cols; c += 8) {
-          const uint8_t* w = bw + (n0 + c) * nb * B::kBlockBytes;
-          float* o = acc.data() + c;
-          static_assert(kDirectRows == 4, "one form per pass size");
-          switch (t) {
-            case 1: ublocks_direct<B, 1>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
-            case 2: ublocks_direct<B, 2>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
-            case 3: ublocks_direct<B, 3>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
-            default: ublocks_direct<B, 4>(w, cols - c, k, a.q, a.d, xoff.data(), o, unit); break;
-          }
+          auto rows = [&](int64_t, auto R) {
+            ublocks_direct<B, decltype(R)::value>(bw + (n0 + c) * nb * B::kBlockBytes, cols - c, k, a.q, a.d,
+                                                  xoff.data(), acc.data() + c, unit);
+          };
+          with_rows<kDirectRows>(t, 0, rows);
         }
       } else {
         blocks_q8k_direct<B>(bw, k, n0, cols, t, a.q, a.d, codes.data(), sc.data(), sup.data(), acc.data(), unit);
