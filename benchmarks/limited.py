@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
+BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 PROMPT = "def quicksort(arr):"
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -149,16 +150,82 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def run_child(cmd: list[str], cg: "MemCG | None") -> tuple[list[dict], int]:
-    """Run a benchmark's child process (inside `cg` after a page-cache drop, if given); return the JSON objects it
-    printed, one per line, and its exit status (its stderr tail is shown if it failed)."""
+def disk_of(path: str) -> str:
+    """'MAJ:MIN' of the whole disk holding `path` (a blkio throttle rule names the disk, not a partition)."""
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    node = Path("/sys/dev/block") / dev
+    if not node.exists():
+        raise RuntimeError(f"{path} is not on a block device (device {dev}: an overlay or network filesystem?)")
+    if (node / "partition").exists():
+        dev = (node.resolve().parent / "dev").read_text().strip()
+    return dev
+
+
+class ReadCap:
+    """A child blkio cgroup (cgroup v1) whose processes read the disk holding `path` at most `bps` bytes a second
+    (blkio.throttle.read_bps_device): the project's slow-disk kind of machine (1-2 GB/s) on a host-cached one. The
+    block layer throttles every read of the disk, O_DIRECT and page-cache misses (an mmap-ing peer's faults)
+    alike, so Colibri and a peer meet the same disk. Removed on exit."""
+
+    def __init__(self, path: str, bps: int):
+        self.path = BLKIO_ROOT / f"colibri-read-cap-{os.getpid()}"
+        if not (BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
+            raise RuntimeError(f"no cgroup-v1 blkio throttle at {BLKIO_ROOT}")
+        rule = f"{disk_of(path)} {bps}"
+        self.path.mkdir()
+        try:
+            (self.path / "blkio.throttle.read_bps_device").write_text(rule + "\n")
+        except BaseException:
+            self.path.rmdir()
+            raise
+
+    def entering(self):
+        return entering(self.path)
+
+    def remove(self) -> None:
+        for _ in range(50):  # the processes in it have exited (MemCG.remove killed any left) a moment ago
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove {self.path}", file=sys.stderr)
+
+
+def entering_all(*groups):
+    """One preexec_fn that enters every given cgroup (None: skipped)."""
+    fns = [g.entering() for g in groups if g is not None]
+
+    def enter() -> None:
+        for fn in fns:
+            fn()
+    return enter if fns else None
+
+
+def run_child(cmd: list[str], cg: "MemCG | None", cap: ReadCap | None = None) -> tuple[list[dict], int]:
+    """Run a benchmark's child process (inside `cg` after a page-cache drop, if given, and under the read cap
+    `cap`); return the JSON objects it printed, one per line, and its exit status (its stderr tail is shown if it
+    failed)."""
     if cg is not None:
         drop_caches()
     print(f"loadavg before: {os.getloadavg()[0]:.2f} (a shared machine distorts timings)", file=sys.stderr)
-    p = subprocess.run(cmd, preexec_fn=cg.entering() if cg is not None else None, capture_output=True, text=True)
+    p = subprocess.run(cmd, preexec_fn=entering_all(cg, cap), capture_output=True, text=True)
     if p.returncode != 0:
         print(p.stderr[-3000:], file=sys.stderr)
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")], p.returncode
+
+
+def entering(cgroup: Path):
+    """A preexec_fn that moves the forked child into the cgroup-v1 group at `cgroup` before exec."""
+    procs = str(cgroup / "cgroup.procs")
+
+    def enter() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    return enter
 
 
 class MemCG:
@@ -199,12 +266,7 @@ class MemCG:
 
     def entering(self):
         """A preexec_fn that moves the forked child into this cgroup before exec: all its memory is charged here."""
-        procs = str(self.path / "cgroup.procs")
-
-        def enter() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-        return enter
+        return entering(self.path)
 
     def remove(self) -> None:
         if not self.path.exists():

@@ -15,7 +15,8 @@ decode tok/s over --repeat runs, and the greedy tokens (to compare versions). De
 --cgroup-limit runs the measurement in a child process inside a fresh child memory cgroup with that limit, page
 cache included (benchmarks/limited.py's MemCG: needs root and the cgroup-v1 memory controller), and adds the
 cgroup's peak usage and failcnt to the JSON line; the page cache is dropped first (a cold start; streamed weights
-are read with O_DIRECT either way).
+are read with O_DIRECT either way). --read-bps (with --cgroup-limit) caps the child's reads of the model's disk at
+that many bytes a second (limited.py's ReadCap: the slow-disk kind of machine on a host-cached disk).
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def main() -> None:
                          "n-gram drafts hit far more often than real text does)")
     ap.add_argument("--memory-limit", help="the engine's memory budget, e.g. 500M (default: every weight in RAM)")
     ap.add_argument("--cgroup-limit", help="run inside a child memory cgroup with this limit, e.g. 800M (root)")
+    ap.add_argument("--read-bps", help="with --cgroup-limit: cap reads of the model's disk, e.g. 1.4G (bytes/s)")
     args = ap.parse_args()
+    if args.read_bps and not args.cgroup_limit:
+        raise SystemExit("--read-bps caps a cold-start child: give --cgroup-limit too")
     if args.cgroup_limit:
-        return in_cgroup(args.cgroup_limit)
+        return in_cgroup(args.cgroup_limit, args.read_bps, args.model)
     if args.cpu_time and args.threads != 1:
         raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
     clock = time.thread_time if args.cpu_time else time.perf_counter
@@ -103,28 +107,35 @@ def main() -> None:
                       **prefill_io, "decode_tok_s": round(best_dec, 2), "tokens": tokens}))
 
 
-def in_cgroup(limit: str) -> None:
-    """This script again, without --cgroup-limit, in a child memory cgroup of `limit` bytes after a page-cache
-    drop (limited.py's run_child); its JSON line with the cgroup's peak usage and failcnt added."""
-    from limited import MemCG, own_memcg, parse_size, run_child
+def in_cgroup(limit: str, read_bps: str | None, model: str) -> None:
+    """This script again, without --cgroup-limit and --read-bps, in a child memory cgroup of `limit` bytes after a
+    page-cache drop (limited.py's run_child), its reads of the model's disk capped at read_bps; its JSON line with
+    the cgroup's peak usage and failcnt (and the cap) added."""
+    from limited import MemCG, ReadCap, own_memcg, parse_size, run_child
 
     argv, skip = [], False
     for a in sys.argv[1:]:
-        if skip or a == "--cgroup-limit" or a.startswith("--cgroup-limit="):
-            skip = a == "--cgroup-limit"
+        if skip or a in ("--cgroup-limit", "--read-bps") or a.startswith(("--cgroup-limit=", "--read-bps=")):
+            skip = a in ("--cgroup-limit", "--read-bps")
             continue
         argv.append(a)
     cg = MemCG(own_memcg(), f"colibri-prefill-{os.getpid()}", parse_size(limit))
+    cap = None
     try:
-        rows, rc = run_child([sys.executable, os.path.abspath(__file__), *argv], cg)
+        cap = ReadCap(model, parse_size(read_bps)) if read_bps else None
+        rows, rc = run_child([sys.executable, os.path.abspath(__file__), *argv], cg, cap)
         if rc != 0 or not rows:
             raise SystemExit(f"the child failed ({'OOM-killed by the cgroup limit' if cg.oom_kills() > 0 else rc})")
         res = rows[-1]
         res.update(cgroup_limit=limit, cgroup_max_usage_mib=round(int(cg.read("memory.max_usage_in_bytes")) / 2**20),
                    cgroup_failcnt=int(cg.read("memory.failcnt")))
+        if cap is not None:
+            res.update(read_cap_gb_s=round(parse_size(read_bps) / 1e9, 3))
         print(json.dumps(res))
     finally:
         cg.remove()
+        if cap is not None:
+            cap.remove()
 
 
 if __name__ == "__main__":
