@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from colibri import kernels
+from colibri.core import heap
 from colibri.core.config import EngineConfig
 from colibri.core.errors import InputError, UnsupportedModelError
 from colibri.core.metrics import rss_bytes
@@ -28,7 +29,7 @@ from colibri.kv.space import KVSpace
 from colibri.models import open_model
 from colibri.models.base import SLIDING
 from colibri.quant.kinds import QUANT_KINDS_ALL
-from colibri.runtime import budget, heap, warmup
+from colibri.runtime import budget, warmup
 from colibri.weights.store import RamStore
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,

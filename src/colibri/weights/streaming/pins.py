@@ -12,7 +12,9 @@ import torch
 
 from colibri.weights import placement as place
 from colibri.formats.container import PageEntry, TensorEntry, tensor_from_bytes
+from colibri.core import heap
 from colibri.core.errors import StorageError
+from colibri.core.metrics import rss_bytes
 from colibri.weights.io import DEMAND, AlignedBuffer, Reader
 from colibri.weights.streaming.checks import Checksums
 from colibri.weights.streaming.staging import Staging
@@ -60,16 +62,28 @@ class PinnedPages:
         self.staging.add(pid)
 
 
+# Bytes of RSS held beyond what the budget accounts for, and beyond what the last heap trim left there, that are
+# worth a trim: a long pass's freed activations stay scattered over glibc's heaps, which its trim threshold does
+# not return, and the elastic budget would count them as held for the rest of the run (docs/performance.md,
+# "Elastic pins after a long pass").
+TRIM_SLACK = 16 << 20
+
+
 class ElasticPins:
     def __init__(self, pages: list[PageEntry], tensors: dict[str, TensorEntry], pl: place.Placement,
                  memory_limit: int | None, dtype: torch.dtype, pin: Callable[[int], AlignedBuffer],
-                 release: Callable[[int], None], baseline: int | None = None):
+                 release: Callable[[int], None], baseline: int | None = None,
+                 rss: Callable[[], int] = rss_bytes, trim: Callable[[], None] = heap.trim_heap):
         """`pin(pid)`: read a streamed page into a buffer of its own and keep its tensors resident (on failure
         the page streams again and the error propagates); `release(pid)`: the page streams again; `baseline`:
-        the runtime baseline RSS (None: not measured)."""
+        the runtime baseline RSS (None: not measured); `rss`: the process's RSS now; `trim`: give freed heap
+        memory back to the OS."""
         self.pages, self.placement, self.memory_limit = pages, pl, memory_limit
         self._pin, self._release = pin, release
         self.baseline = baseline
+        self._rss, self._trim = rss, trim
+        self._kept = 0  # RSS the last trim could not give back, beyond what was accounted for then
+        self.trims = 0
         self._cost = {pid: p.nbytes + place.resident_extra(p, tensors, dtype) for pid, p in enumerate(pages)}
         self._fixed = sum(self._cost[pid] for pid in pl.pinned) + pl.staging_bytes
         self._candidates = place.pin_order(pages, (pid for pid in pl.streamed if pages[pid].kind != "expert"))
@@ -112,9 +126,21 @@ class ElasticPins:
     def _room(self, held: int) -> int:
         """The budget less the placement's weights and what is held (measured as `fit` says)."""
         if self.baseline is not None:
-            from colibri.core.metrics import rss_bytes
-            held = max(held, rss_bytes() - self.baseline - self.weight_bytes())
+            held = max(held, self._measured(held))
         return self.memory_limit - self._fixed - held
+
+    def _measured(self, held: int) -> int:
+        """RSS above the baseline, less the weights. Where that exceeds `held` by TRIM_SLACK more than the last
+        trim left, the heap is trimmed first and measured again."""
+        over = self._rss() - self.baseline - self.weight_bytes()
+        if over - held > self._kept + TRIM_SLACK:
+            self._trim()
+            self.trims += 1
+            over = self._rss() - self.baseline - self.weight_bytes()
+            self._kept = max(0, over - held)
+        else:  # what was kept may have been freed since
+            self._kept = min(self._kept, max(0, over - held))
+        return over
 
     def kv_room(self, extra: int) -> int | None:
         """Bytes the KV cache may hold beside a pass taking `extra` once every elastic pin has given way: the

@@ -220,6 +220,7 @@ class StreamingStore:
         return {**self.stats.as_dict(), "read_active_s": io.active_s, "direct_io": io.direct,
                 "pinned_bytes": self.pinned_bytes, "elastic_pinned_bytes": self.pinned_bytes - pl.pinned_bytes,
                 "elastic_pins": self.elastic.pins, "elastic_unpins": self.elastic.unpins,
+                "heap_trims": self.elastic.trims,
                 "cached_bytes": len(self.experts.cached()) * pl.slot_bytes,
                 "staging_bytes": pl.staging_bytes, "staging_huge_fraction": self.staging_huge_fraction,
                 "reserve_bytes": pl.reserve, "lookahead_slots": self.lookahead.slots,
