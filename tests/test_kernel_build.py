@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from colibri import cli, kernels
+from colibri.core.defaults import DEFAULT_FILE
 from colibri.kernels import build
 
 PING = """#include <torch/library.h>
@@ -373,6 +374,24 @@ def test_demo_runs_with_an_unwritable_cache(demo, tmp_path):
                         r" temporary directory, not kept \(set COLIBRI_CACHE to a writable directory to keep them\)",
                         lines[0]), lines[0]
     assert str(tmp_path) in no_compiler_line(lines)  # the log is in the private directory (TMPDIR)
+
+
+def test_the_readme_demo_converts_its_model_privately_with_an_unwritable_cache(demo, tmp_path):
+    """The README's demo command as written (no --model): its container cannot go to the cache, so it is converted
+    into a private temporary directory, said in one notice, and removed at exit."""
+    (tmp_path / "afile").write_text("")
+    cache = tmp_path / "afile" / "cache"
+    env = {**os.environ, "COLIBRI_CACHE": str(cache), "CXX": NO_CXX, "TMPDIR": str(tmp_path)}
+    env.pop(kernels.MODE_ENV, None)
+    env.pop("COLIBRI_MODEL", None)
+    p = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--raw", "--prompt", "Hi", "--max-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr
+    lines = notices(p.stderr)
+    assert lines[0] == (f"colibri: the model cache {cache / 'models'} is not writable (Not a directory); converting"
+                        f" {DEFAULT_FILE} to a q4 container in a private temporary"
+                        " directory, not kept (set COLIBRI_CACHE to a writable directory to keep it)"), p.stderr
+    assert not list(tmp_path.glob("colibri-SmolLM2*"))  # removed at exit
 
 
 def test_demo_runs_with_a_truncated_library(demo, tmp_path):

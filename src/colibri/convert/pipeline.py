@@ -499,13 +499,18 @@ def cached_container(src: Path, root: Path, kind: str, announce=None, label: str
     against a damaged cache (a container that fails its checksums is converted again). `announce(text)` is told
     before a conversion starts. prune: a conversion also removes the containers of a source by src's name that is
     gone or changed (_remove_stale): for the default model, a package's file; a user's GGUF keeps its containers,
-    which may be all that is left of a file deleted on purpose (`colibri rm` removes them)."""
+    which may be all that is left of a file deleted on purpose (`colibri rm` removes them). A root that cannot be
+    written gets the container in a private temporary directory instead, removed at exit (announced)."""
     opts = ConvertOptions(quant=kind)
-    root.mkdir(parents=True, exist_ok=True)
     dst = root / f"{src.stem}-{kind}-{source_fingerprint(src, opts)}"
     if _intact(dst):
         return dst
-    with open(root / f"{dst.name}.lock", "w") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{dst.name}.lock", "w")
+    except OSError as e:
+        return _private_container(src, root, kind, opts, announce, label, e)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if _intact(dst):  # another process converted it while this one waited
             return dst
@@ -516,6 +521,24 @@ def cached_container(src: Path, root: Path, kind: str, announce=None, label: str
     if gone and announce:
         announce(f"removed {len(gone)} older {kind} container(s) of {src.name} whose source is gone or changed"
                  f" ({sum(gone) / 1e6:.0f} MB)")
+    return dst
+
+
+def _private_container(src: Path, root: Path, kind: str, opts: ConvertOptions, announce, label: str,
+                       err: OSError) -> Path:
+    """cached_container's fallback where `root` cannot be written: a conversion into a private temporary directory,
+    removed when the process exits (the kernel cache does the same: kernels/build.py)."""
+    import atexit
+    import tempfile
+
+    private = Path(tempfile.mkdtemp(prefix=f"colibri-{src.stem}-"))
+    atexit.register(shutil.rmtree, private, True)
+    dst = private / f"{src.stem}-{kind}"
+    if announce:
+        announce(f"the model cache {root} is not writable ({err.strerror or err}); converting {src.name} to a {kind}"
+                 f" container in a private temporary directory, not kept (set COLIBRI_CACHE to a writable directory"
+                 f" to keep it)")
+    convert(src, dst, opts, force=True, progress=progress_lines(label))
     return dst
 
 
