@@ -438,6 +438,8 @@ def _plan(config: EngineConfig | str | Path, memory_limit, context: int | None, 
 def load(path: str | Path | EngineConfig | None = None, **kwargs) -> Model:
     """Load a Colibri container, an HF model directory or a .gguf file: `load(EngineConfig(...))`, or
     `load(path, **options)` with the options of `EngineConfig` as keywords (colibri.core.config documents them).
+    No path: the embedded default model's container, as `colibri run` runs it (converted into the cache on first
+    use); a .gguf path is read as it is (dequantized).
 
     dtype: None (the checkpoint's default), "float32"/"bfloat16" or a torch dtype. memory_limit (bytes or a size
     like "600M", "2G"; containers only) bounds the weights, their staging, the KV pool and the activations of
@@ -456,4 +458,8 @@ def load(path: str | Path | EngineConfig | None = None, **kwargs) -> Model:
     except ValueError as e:
         raise InputError(str(e)) from None
     config = path if isinstance(path, EngineConfig) else EngineConfig.from_kwargs(path, **kwargs)
+    if config.model is None:  # the embedded default as the commands run it: its container, converted once
+        from colibri.convert.pipeline import default_container
+        from colibri.core import log
+        config = config.replace(model=str(default_container(announce=lambda text: log.notice(f"colibri: {text}"))))
     return Model(config)
