@@ -419,3 +419,26 @@ def test_block_tables_hold_one_reference_per_entry(tmp_path):
     a.release()
     assert pool.ram_blocks == 0 and slots.file.used == 0
     slots.close()
+
+
+def test_a_swap_directory_that_cannot_be_made_falls_back_or_says_what_to_do(tmp_path, capsys):
+    """The default swap directory sits in the cache: where that cannot be written the temporary swap file goes to the
+    fallback (the system's temporary directory), with a notice; a directory of the caller's own is an error that
+    says what to give instead."""
+    lay = KVLayout(2, 1, 32, torch.float32, 4)
+    (tmp_path / "afile").write_text("")
+    blocked = tmp_path / "afile" / "swap"  # under a file: cannot be made
+    elsewhere = tmp_path / "tmp"
+    elsewhere.mkdir()
+    slots = SwapSlots(lay.num_layers, lay.seg_bytes, lay.block, None, blocked, 2 * lay.block_bytes, fallback=elsewhere)
+    opened = slots.file
+    assert opened.path.parent == elsewhere
+    notice = capsys.readouterr().err.strip()
+    assert notice == (f"colibri: the KV swap directory {blocked} cannot be used (Not a directory); the temporary swap"
+                      f" file goes to {elsewhere} instead (set COLIBRI_CACHE to a writable directory, or give --swap)")
+    opened.close()
+    assert not list(elsewhere.glob("*.swap"))  # a temporary file: gone on close
+    mine = SwapSlots(lay.num_layers, lay.seg_bytes, lay.block, None, blocked, 2 * lay.block_bytes)
+    with pytest.raises(InputError, match=re.escape(f"the swap directory {blocked} cannot be used (Not a directory);"
+                                                   " give a writable swap_dir, or a swap file (--swap)")):
+        mine.file

@@ -31,12 +31,14 @@ class KVSpace:
 
     window: positions of a sequence kept in RAM (None: all of the context). prefix_ram: RAM bytes for blocks
     only the prefix cache holds. swap_path: a file made by `colibri swap create` (None: a temporary one in
-    `swap_dir`, created the first time a block goes to disk and deleted on close).
+    `swap_dir`, created the first time a block goes to disk and deleted on close; `swap_fallback`: where it goes
+    if `swap_dir` cannot be made or written, None: that is an error).
     """
 
     def __init__(self, layout: KVLayout, ctx: int, window: int | None, prefix_ram: int,
                  swap_path: str | os.PathLike | None = None, swap_dir: str | os.PathLike | None = None,
-                 layer_windows: list[int | None] | None = None, io_threads: int = 2, sequences: int = 1):
+                 layer_windows: list[int | None] | None = None, io_threads: int = 2, sequences: int = 1,
+                 swap_fallback: str | os.PathLike | None = None):
         self.layout, self.ctx, self.window = layout, ctx, window
         self.sequences = max(1, int(sequences))  # sequences that may hold KV at once (sizes a temporary swap)
         self._caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
@@ -46,7 +48,7 @@ class KVSpace:
         temporary = (self.sequences + 1) * -(-ctx // layout.block) * layout.block_bytes
         # a full swap file takes a slot from the prefix cache's blocks on disk
         self.slots = SwapSlots(layout.num_layers, layout.seg_bytes, layout.block, swap_path, swap_dir, temporary,
-                               io_threads, make_room=lambda: self.trie.evict(disk=True))
+                               io_threads, make_room=lambda: self.trie.evict(disk=True), fallback=swap_fallback)
         self.pool = BlockPool(layout, self.slots)
         self.trie = PrefixTrie(self.pool, layout.block, prefix_ram)
         if swap_path is not None:

@@ -323,10 +323,13 @@ class SwapSlots:
 
     def __init__(self, layers: int, seg_bytes: int, block_tokens: int, path: str | os.PathLike | None = None,
                  directory: str | os.PathLike | None = None, temporary_bytes: int = 0, io_threads: int = 2,
-                 make_room: Callable[[], bool] = lambda: False):
+                 make_room: Callable[[], bool] = lambda: False, fallback: str | os.PathLike | None = None):
+        """`fallback`: where the temporary file goes when `directory` cannot be made or written (the default
+        directory in an unwritable cache; a notice says so), None: that is an error."""
         self.layers, self.seg_bytes, self.block_tokens = layers, seg_bytes, block_tokens
         self.path = None if path is None else Path(path)
         self.directory = None if directory is None else Path(directory)
+        self.fallback = None if fallback is None else Path(fallback)
         self.temporary_bytes, self.io_threads, self.make_room = temporary_bytes, io_threads, make_room
         self.opened: SwapFile | None = None
         self.read_wait_s = 0.0
@@ -341,9 +344,27 @@ class SwapSlots:
             else:
                 if self.directory is None:
                     raise InputError("the KV cache outgrew its RAM share and no swap directory is set; give --swap")
-                self.opened = SwapFile.temporary_in(self.directory, self.temporary_bytes, self.layers,
+                self.opened = SwapFile.temporary_in(self._writable_directory(), self.temporary_bytes, self.layers,
                                                     self.seg_bytes, self.io_threads)
         return self.opened
+
+    def _writable_directory(self) -> Path:
+        """`directory`, made if need be; where it cannot be made or written, the fallback (said in a notice), else
+        an InputError."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if os.access(self.directory, os.W_OK):
+                return self.directory
+            why = "not writable"
+        except OSError as e:
+            why = e.strerror or str(e)
+        if self.fallback is None:
+            raise InputError(f"the KV cache outgrew its RAM share and the swap directory {self.directory} cannot be"
+                             f" used ({why}); give a writable swap_dir, or a swap file (--swap)")
+        from colibri.core import log
+        log.notice(f"colibri: the KV swap directory {self.directory} cannot be used ({why}); the temporary swap file"
+                   f" goes to {self.fallback} instead (set COLIBRI_CACHE to a writable directory, or give --swap)")
+        return self.fallback
 
     @property
     def available(self) -> bool:

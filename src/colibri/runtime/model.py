@@ -199,14 +199,15 @@ class Model:
         # the KV pool's RAM, shared by every sequence and the cached prefixes: bounded under a memory limit or
         # an explicit --kv-ram, else it grows as sequences need
         self.kv_pool_bytes = conf.kv.ram_bytes if conf.memory_limit is not None or config.kv_ram is not None else None
-        swap, swap_dir = config.swap, config.swap_dir
-        if swap is None and swap_dir is None:
+        swap, swap_dir, fallback = config.swap, config.swap_dir, None
+        if swap is None and swap_dir is None:  # the cache's, else (an unwritable cache) the system's temporary one
+            import tempfile
             from colibri.core.defaults import cache_dir
-            swap_dir = cache_dir() / "swap"
+            swap_dir, fallback = cache_dir() / "swap", tempfile.gettempdir()
         a = self.args
         self.kv = KVSpace(conf.kv.layout, self.context_length, conf.kv.window, conf.kv.prefix_ram, swap, swap_dir,
                           [a.sliding_window if t == SLIDING else None for t in a.layer_types], config.io_threads,
-                          sequences=config.max_sequences)
+                          sequences=config.max_sequences, swap_fallback=fallback)
         # Everything allocated so far (interpreter, torch and its kernels' first-use state, tokenizer, manifest)
         # is the runtime baseline, outside the memory limit; what follows (weights, staging, KV cache,
         # activations) is inside it.
