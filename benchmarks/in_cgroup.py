@@ -52,7 +52,7 @@ def main() -> int:
         if not a.keep_cache:
             drop_caches()
         rc = subprocess.run(cmd, preexec_fn=entering_all(cg, cap)).returncode
-        capped = f", reads capped at {parse_size(a.read_bps) / 1e9:.2f} GB/s" if cap else ""
+        capped = f", reads capped at {cap.bps / 1e9:.2f} GB/s" if cap else ""
         print(f"cgroup {a.limit}{capped}: max usage {int(cg.read('memory.max_usage_in_bytes')) / 2**20:.0f} MiB, "
               f"failcnt {cg.read('memory.failcnt').strip()}, oom_kill {cg.oom_kills()}, exit {rc}", file=sys.stderr)
         return rc

@@ -169,6 +169,7 @@ class ReadCap:
     alike, so Colibri and a peer meet the same disk. Removed on exit."""
 
     def __init__(self, path: str, bps: int):
+        self.bps = bps
         self.path = BLKIO_ROOT / f"colibri-read-cap-{os.getpid()}"
         if not (BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
             raise RuntimeError(f"no cgroup-v1 blkio throttle at {BLKIO_ROOT}")

@@ -130,7 +130,7 @@ def in_cgroup(limit: str, read_bps: str | None, model: str) -> None:
         res.update(cgroup_limit=limit, cgroup_max_usage_mib=round(int(cg.read("memory.max_usage_in_bytes")) / 2**20),
                    cgroup_failcnt=int(cg.read("memory.failcnt")))
         if cap is not None:
-            res.update(read_cap_gb_s=round(parse_size(read_bps) / 1e9, 3))
+            res.update(read_cap_gb_s=round(cap.bps / 1e9, 3))
         print(json.dumps(res))
     finally:
         cg.remove()
